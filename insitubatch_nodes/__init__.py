@@ -1,0 +1,32 @@
+"""insitubatch-nodes: train PyTorch models in place on Zarr arrays.
+
+The standard graph is Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer ->
+Gather -> PinOrCuda; ``build_loader`` composes it, and every node can be used on its own.
+"""
+
+from .geometry import SampleGrid, VariableGeometry
+from .loader import InSituLoader, build_loader, parse_bytes
+from .memory import MemoryLedger
+from .nodes import (
+    AsyncFetchNode,
+    ChunkPermuteNode,
+    GatherNode,
+    PinOrCudaNode,
+    ReadPlanNode,
+    ShuffleBufferNode,
+    SplitNode,
+)
+from .plan import ReadPlan, make_read_plan
+from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
+from .source import Source, open_source
+from .split import SplitManifest, split_by_chunk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncFetchNode", "ChunkPermuteNode", "GatherNode", "InSituLoader", "MemoryLedger",
+    "PinOrCudaNode", "ReadPlan", "ReadPlanNode", "SampleGrid", "ShuffleBufferNode", "Source",
+    "SplitManifest", "SplitNode", "VariableGeometry", "build_loader", "make_read_plan",
+    "measured_shuffle_quality", "open_source", "parse_bytes", "recommend_block_chunks",
+    "shuffle_quality", "split_by_chunk",
+]

@@ -1,0 +1,113 @@
+"""Pure geometry of the arrays a loader reads: no IO here.
+
+A *sample* is one index along the sample axis (axis 0 of every variable). A *chunk* in the
+sense of splits and windows is a stripe of ``chunk_size`` consecutive samples: the least
+common multiple of the variables' chunk lengths along the sample axis, so that no
+variable's chunk straddles two of our chunks (and so never serves two splits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Beyond this many times the largest variable chunk, an LCM grid would make windows
+# needlessly coarse; we then fall back to the largest chunk and accept that a few chunks of
+# the other variables straddle two stripes (they are read once per stripe that needs them).
+_MAX_LCM_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class VariableGeometry:
+    """Shape, chunking and dtype of one variable, as stored.
+
+    ``chunks`` is the read unit (the inner chunk of a sharded array); ``shards`` is the
+    shard shape or ``None``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype
+    dimension_names: tuple[str | None, ...] | None = None
+    shards: tuple[int, ...] | None = None
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def sample_chunk(self) -> int:
+        """Samples per chunk along the sample axis."""
+        return self.chunks[0]
+
+    @property
+    def n_sample_chunks(self) -> int:
+        return -(-self.shape[0] // self.chunks[0])
+
+    @property
+    def inner_grid(self) -> tuple[int, ...]:
+        """Number of chunks along each non-sample axis (chunks per sample-axis stripe)."""
+        return tuple(-(-s // c) for s, c in zip(self.shape[1:], self.chunks[1:], strict=True))
+
+    @property
+    def stripe_shape(self) -> tuple[int, ...]:
+        """Shape of the buffer that holds one sample-axis chunk of this variable, decoded."""
+        return (self.chunks[0], *self.shape[1:])
+
+    @property
+    def stripe_nbytes(self) -> int:
+        return int(np.prod(self.stripe_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def sample_nbytes(self) -> int:
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SampleGrid:
+    """The common sample axis of all variables and its split into chunks (stripes)."""
+
+    n_samples: int
+    chunk_size: int
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n_samples // self.chunk_size)
+
+    def chunk_range(self, chunk_id: int) -> tuple[int, int]:
+        """Half-open sample range ``[start, stop)`` of a chunk; the last one may be short."""
+        start = chunk_id * self.chunk_size
+        return start, min(start + self.chunk_size, self.n_samples)
+
+    def chunk_len(self, chunk_id: int) -> int:
+        start, stop = self.chunk_range(chunk_id)
+        return stop - start
+
+    def samples_of(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """Global sample indices of the given chunks, chunk by chunk, in the order given."""
+        chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
+        if chunk_ids.size == 0:
+            return np.empty(0, dtype=np.int64)
+        starts = chunk_ids * self.chunk_size
+        stops = np.minimum(starts + self.chunk_size, self.n_samples)
+        lens = stops - starts
+        offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
+        return np.arange(int(lens.sum()), dtype=np.int64) + offsets
+
+    def n_samples_of(self, chunk_ids: np.ndarray) -> int:
+        chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
+        starts = chunk_ids * self.chunk_size
+        return int((np.minimum(starts + self.chunk_size, self.n_samples) - starts).sum())
+
+
+def common_chunk_size(sample_chunks: list[int]) -> int:
+    """Split/window chunk length for variables chunked ``sample_chunks`` along the sample axis."""
+    if not sample_chunks:
+        raise ValueError("no variables: cannot define a chunk grid")
+    lcm = math.lcm(*sample_chunks)
+    if lcm <= _MAX_LCM_FACTOR * max(sample_chunks):
+        return lcm
+    return max(sample_chunks)

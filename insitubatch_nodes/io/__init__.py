@@ -1,0 +1,1 @@
+"""Chunk IO: fetching chunk bytes and decoding them into window memory."""

@@ -1,0 +1,199 @@
+"""``build_loader``: the standard graph in a ``torchdata.nodes.Loader`` that resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+from torchdata.nodes import BaseNode, Loader
+from torchdata.nodes.loader import LoaderIterator
+
+from .memory import MemoryLedger
+from .nodes import (
+    AsyncFetchNode,
+    ChunkPermuteNode,
+    GatherNode,
+    PinOrCudaNode,
+    ReadPlanNode,
+    ShuffleBufferNode,
+    SplitNode,
+)
+from .permute import resolve_rank
+from .plan import max_window_nbytes
+from .quality import shuffle_quality
+from .source import Source
+from .split import SplitManifest
+
+
+class _ExactIterator(LoaderIterator):
+    """torchdata 0.11's iterator counts the item it pre-fetches after a restore twice
+    (upstream issue 1453); count each delivered item once."""
+
+    def next(self):  # noqa: D102
+        if self._cached_item is not None:
+            item = self._cached_item
+            self._cached_item = None
+            self._cached_state_dict = None
+            return item
+        item = next(self.root)
+        self._num_yielded += 1
+        return item
+
+
+class InSituLoader(Loader):
+    """A ``Loader`` that fixes two torchdata 0.11 resume defects and can be closed.
+
+    A state loaded with ``load_state_dict`` always applies at the next ``iter()``, even when
+    ``state_dict()`` was called on the fresh loader first (upstream PR 1548); states are
+    copied in and out, so a caller mutating one cannot corrupt the loader.
+    """
+
+    def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True) -> None:
+        super().__init__(root, restart_on_stop_iteration)
+
+    def __iter__(self):
+        if self._it is None:
+            self._it = _ExactIterator(self)
+        return super().__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._it is None:
+            self._it = _ExactIterator(self)
+        return json.loads(json.dumps(super().state_dict()))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(json.loads(json.dumps(state_dict)))
+        # Without this, a state_dict() taken on the fresh loader makes the next iter()
+        # reuse that pre-built iterator and silently ignore the loaded state.
+        self._iter_for_state_dict = False
+
+    # -- conveniences -----------------------------------------------------------------
+    def _nodes(self) -> list[BaseNode]:
+        out, node = [], self.root
+        while node is not None:
+            out.append(node)
+            node = getattr(node, "source", None)
+            if not isinstance(node, BaseNode):
+                break
+        return out
+
+    def node(self, kind: type) -> Any:
+        """The first node of type ``kind`` in the graph (e.g. ``AsyncFetchNode``)."""
+        for n in self._nodes():
+            if isinstance(n, kind):
+                return n
+        raise LookupError(f"no {kind.__name__} in this loader's graph")
+
+    def close(self) -> None:
+        """Stop background threads now instead of at garbage collection."""
+        for n in self._nodes():
+            close = getattr(n, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> InSituLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``4_000_000``, ``"4GB"``, ``"512MiB"`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read a byte size from {value!r}; write e.g. 4GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def build_loader(
+    source: Source,
+    manifest: SplitManifest,
+    split: str,
+    *,
+    batch_size: int = 32,
+    block_chunks: int = 16,
+    seed: int = 0,
+    max_inflight: int = 32,
+    rank: int | None = None,
+    world_size: int | None = None,
+    device: str | torch.device | None = None,
+    drop_last: bool = False,
+    prefetch_windows: int = 1,
+    decode_threads: int | None = None,
+    memory_budget: int | str | None = None,
+) -> InSituLoader:
+    """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
+    PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
+
+    ``memory_budget`` caps resident decoded data (windows held plus prefetched); a budget
+    too small for ``block_chunks`` is an error that names the largest value that fits.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not isinstance(block_chunks, int) or block_chunks < 1:
+        raise ValueError(f"block_chunks must be an integer >= 1, got {block_chunks!r}")
+    if split not in manifest.names:
+        raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
+    manifest.check_source(source)
+    n_chunks = len(manifest.chunk_ids(split))
+    if n_chunks == 0:
+        raise ValueError(
+            f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "
+            f"splits with chunks: {[n for n in manifest.names if len(manifest.chunk_ids(n))]}"
+        )
+    rank, world_size = resolve_rank(rank, world_size)
+    if memory_budget is not None:
+        budget = parse_bytes(memory_budget)
+        need = _resident_bound(source, block_chunks, prefetch_windows, batch_size)
+        if need > budget:
+            fits = [b for b in range(1, block_chunks)
+                    if _resident_bound(source, b, prefetch_windows, batch_size) <= budget]
+            hint = (f"block_chunks={fits[-1]} fits" if fits else
+                    "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
+            raise ValueError(
+                f"memory_budget={memory_budget!r} ({budget:,} B) is below the {need:,} B that "
+                f"block_chunks={block_chunks} with prefetch_windows={prefetch_windows} can hold "
+                f"resident; {hint}"
+            )
+
+    ledger = MemoryLedger()
+    node: BaseNode = SplitNode(manifest, split)
+    node = ChunkPermuteNode(node, seed=seed, rank=rank, world_size=world_size)
+    node = ReadPlanNode(node, source.grid, source.variables, block_chunks, seed=seed, rank=rank,
+                        world_size=world_size)
+    node = AsyncFetchNode(node, source, max_inflight=max_inflight,
+                          prefetch_windows=prefetch_windows, decode_threads=decode_threads,
+                          ledger=ledger)
+    node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
+    node = GatherNode(node, source.variables)
+    node = PinOrCudaNode(node, device=device)
+    loader = InSituLoader(node)
+    loader.ledger = ledger
+    loader.shuffle_quality = shuffle_quality(n_chunks, source.grid.chunk_size, block_chunks,
+                                             batch_size)
+    loader.resident_bound = _resident_bound(source, block_chunks, prefetch_windows, batch_size)
+    return loader
+
+
+def _resident_bound(source: Source, block_chunks: int, prefetch_windows: int,
+                    batch_size: int) -> int:
+    """Decoded bytes that can be resident: the window being drawn, the prefetched ones, and
+    the stripes of the previous window that a batch straddling the edge still needs."""
+    window = max_window_nbytes(source.grid, source.variables, block_chunks)
+    straddle = max_window_nbytes(source.grid, source.variables, min(batch_size, block_chunks))
+    return (1 + prefetch_windows) * window + straddle
+
+
+def _fraction(manifest: SplitManifest, split: str) -> str:
+    if manifest.fractions and len(manifest.fractions) == len(manifest.names):
+        return str(manifest.fractions[manifest.names.index(split)])
+    return "unknown"

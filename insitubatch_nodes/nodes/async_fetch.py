@@ -1,0 +1,206 @@
+"""AsyncFetchNode: one asyncio event loop on one background thread fetches whole windows."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from ..io.reader import StripeReader
+from ..memory import MemoryLedger
+from ..plan import ReadPlan
+from ..source import Source
+
+_thread_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedWindow:
+    """A window's plan and its decoded stripes: ``arrays[v][stripe index] -> buffer``."""
+
+    plan: ReadPlan
+    arrays: tuple[dict[int, np.ndarray], ...]
+
+
+@dataclass
+class FetchStats:
+    """Counters kept by the fetcher; cheap enough to stay on."""
+
+    windows: int = 0
+    stripes: int = 0
+    bytes_decoded: int = 0
+    wait_s: float = 0.0  # time the consumer blocked on a window that was not ready
+
+
+class _LoopThread:
+    """The event loop, its thread and the decode pool; stopped by ``stop`` or by GC."""
+
+    def __init__(self, decode_threads: int) -> None:
+        n = next(_thread_ids)
+        self.loop = asyncio.new_event_loop()
+        self.pool = ThreadPoolExecutor(decode_threads, thread_name_prefix=f"insitubatch-decode-{n}")
+        self.thread = threading.Thread(target=self._run, name=f"insitubatch-fetch-{n}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self.loop)
+            for t in pending:
+                t.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if threading.current_thread() is not self.thread:
+                self.thread.join(timeout=30)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class AsyncFetchNode(BaseNode[DecodedWindow]):
+    """Fetches and decodes each ``ReadPlan``'s stripes, keeping the next windows in flight.
+
+    Up to ``max_inflight`` stripe reads run at once on the loop; decoding happens on a small
+    thread pool (numcodecs releases the GIL). Windows are delivered in plan order, and the
+    node's state is the upstream state as of the last window delivered, so in-flight work
+    is simply refetched on resume.
+    """
+
+    def __init__(self, source: BaseNode[ReadPlan], src: Source, *, max_inflight: int = 32,
+                 prefetch_windows: int = 1, decode_threads: int | None = None,
+                 ledger: MemoryLedger | None = None) -> None:
+        super().__init__()
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if prefetch_windows < 0:
+            raise ValueError(f"prefetch_windows must be >= 0, got {prefetch_windows}")
+        self.source = source
+        self.src = src
+        self.max_inflight = int(max_inflight)
+        self.prefetch_windows = int(prefetch_windows)
+        self.decode_threads = int(decode_threads or min(4, os.cpu_count() or 2))
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.stats = FetchStats()
+        self.readers = tuple(StripeReader(a, g, src.url)
+                             for a, g in zip(src.arrays, src.variables, strict=True))
+        self._lt: _LoopThread | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._fifo: deque[tuple[Future, dict]] = deque()
+        self._delivered: dict | None = None
+        self._exhausted = False
+        self._error: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+    def _ensure_loop(self) -> _LoopThread:
+        if self._lt is None:
+            self._lt = _LoopThread(self.decode_threads)
+            self._finalizer = weakref.finalize(self, _LoopThread.stop, self._lt)
+        return self._lt
+
+    def close(self) -> None:
+        """Cancel in-flight reads and stop the loop thread and decode pool."""
+        self._cancel_all()
+        if self._finalizer is not None:
+            self._finalizer()
+        self._lt = None
+        self._finalizer = None
+        self._sem = None
+
+    def _cancel_all(self) -> None:
+        while self._fifo:
+            fut, _ = self._fifo.popleft()
+            fut.cancel()
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._cancel_all()
+        self._error = None
+        self._exhausted = False
+        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self._delivered = copy.deepcopy(self.source.state_dict())
+
+    # -- fetching ---------------------------------------------------------------------
+    async def _read_one(self, v: int, idx: int) -> np.ndarray:
+        assert self._sem is not None and self._lt is not None
+        reader = self.readers[v]
+        async with self._sem:
+            buf = self.ledger.track(np.empty(reader.geom.stripe_shape, reader.geom.dtype))
+            try:
+                await reader.read(idx, buf, self._lt.loop, self._lt.pool)
+            except Exception as e:
+                e.add_note(f"insitubatch: while reading {reader.describe(idx)}")
+                raise
+        return buf
+
+    async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_inflight)
+        jobs = [(v, idx) for v, reads in enumerate(plan.reads) for idx in reads]
+        tasks = [asyncio.ensure_future(self._read_one(v, idx)) for v, idx in jobs]
+        try:
+            bufs = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in plan.reads)
+        for (v, idx), buf in zip(jobs, bufs, strict=True):
+            arrays[v][idx] = buf
+        self.stats.windows += 1
+        self.stats.stripes += len(jobs)
+        self.stats.bytes_decoded += plan.nbytes
+        return DecodedWindow(plan, arrays)
+
+    def _top_up(self) -> None:
+        lt = self._ensure_loop()
+        while not self._exhausted and len(self._fifo) < self.prefetch_windows + 1:
+            try:
+                plan = next(self.source)
+            except StopIteration:
+                self._exhausted = True
+                break
+            snap = copy.deepcopy(self.source.state_dict())
+            fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
+            self._fifo.append((fut, snap))
+
+    def next(self) -> DecodedWindow:
+        if self._error is not None:
+            raise self._error
+        self._top_up()
+        if not self._fifo:
+            raise StopIteration
+        fut, snap = self._fifo[0]
+        t0 = time.perf_counter()
+        try:
+            win = fut.result()
+        except BaseException as e:
+            self._error = e
+            self._cancel_all()
+            raise
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        self._fifo.popleft()
+        self._delivered = snap
+        self._top_up()
+        return win
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": copy.deepcopy(self._delivered)}

@@ -1,0 +1,163 @@
+"""ShuffleBufferNode: cuts the windows' draw orders into batches of draws."""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from ..geometry import VariableGeometry
+from .async_fetch import DecodedWindow
+
+
+@dataclass(frozen=True, eq=False)
+class GatherPart:
+    """Rows ``[start, stop)`` of a batch come from ``array`` at ``offsets`` (sample axis)."""
+
+    array: np.ndarray
+    offsets: np.ndarray
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, eq=False)
+class BatchDraw:
+    """Which resident stripe and offset every row of a batch comes from, per variable.
+
+    Rows are in ascending sample order, so each stripe's rows are one contiguous run of the
+    batch for every variable and a gather is one ``np.take`` per stripe per variable.
+    """
+
+    sample_index: np.ndarray
+    parts: tuple[tuple[GatherPart, ...], ...]
+
+
+@dataclass
+class _Resident:
+    window: DecodedWindow
+    snapshot: dict  # upstream state before this window was pulled
+    offset: int = 0
+    remaining: tuple[dict[int, int], ...] = ()
+
+
+class ShuffleBufferNode(BaseNode[BatchDraw]):
+    """Hands out each window's samples in its (pre-computed, seeded) draw order.
+
+    Batches run on across window edges, so only the epoch's last batch is short. A stripe is
+    dropped as soon as its last sample is drawn. State: upstream state before the head
+    window, and how many of its samples were drawn.
+    """
+
+    def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
+                 batch_size: int, drop_last: bool = False) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.source = source
+        self.variables = tuple(variables)
+        self.batch_size = int(batch_size)
+        self.drop_last = bool(drop_last)
+        self._resident: deque[_Resident] = deque()
+        self._skip = 0
+        self._exhausted = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._resident.clear()
+        self._exhausted = False
+        if initial_state is not None:
+            self.source.reset(initial_state["source"])
+            self._skip = int(initial_state["offset"])
+        else:
+            self.source.reset(None)
+            self._skip = 0
+
+    def _pull(self) -> _Resident | None:
+        snap = copy.deepcopy(self.source.state_dict())
+        try:
+            win = next(self.source)
+        except StopIteration:
+            self._exhausted = True
+            return None
+        remaining = []
+        for v, var in enumerate(self.variables):
+            stripe = win.plan.draw_order // var.sample_chunk
+            idx, counts = np.unique(stripe, return_counts=True)
+            remaining.append(dict(zip(idx.tolist(), counts.tolist(), strict=True)))
+        res = _Resident(win, snap, offset=0, remaining=tuple(remaining))
+        if self._skip:
+            self._draw(res, self._skip)  # restoring mid-window: evict what was already drawn
+            self._skip = 0
+        return res
+
+    def _draw(self, res: _Resident, n: int,
+              touched: list[dict[int, np.ndarray]] | None = None) -> np.ndarray:
+        """Take the next ``n`` draws; note the stripes they touch, evict drained ones."""
+        order = res.window.plan.draw_order
+        taken = order[res.offset : res.offset + n]
+        res.offset += taken.size
+        for v, var in enumerate(self.variables):
+            idx, counts = np.unique(taken // var.sample_chunk, return_counts=True)
+            rem = res.remaining[v]
+            arrays = res.window.arrays[v]
+            for i, c in zip(idx.tolist(), counts.tolist(), strict=True):
+                if touched is not None:
+                    touched[v][i] = arrays[i]
+                left = rem[i] - c
+                if left:
+                    rem[i] = left
+                else:
+                    del rem[i]
+                    del arrays[i]  # the last draw from this stripe: let it go
+        return taken
+
+    def next(self) -> BatchDraw:
+        pieces: list[np.ndarray] = []
+        touched: list[dict[int, np.ndarray]] = [{} for _ in self.variables]
+        need = self.batch_size
+        while need:
+            if not self._resident:
+                if self._exhausted:
+                    break
+                res = self._pull()
+                if res is None:
+                    break
+                self._resident.append(res)
+            head = self._resident[0]
+            taken = self._draw(head, need, touched)
+            pieces.append(taken)
+            need -= taken.size
+            if head.offset >= head.window.plan.n_samples:
+                self._resident.popleft()
+        if need == self.batch_size or (need and self.drop_last):
+            self._resident.clear()
+            raise StopIteration
+        return self._make_draw(pieces, touched)
+
+    def _make_draw(self, pieces: list[np.ndarray],
+                   touched: list[dict[int, np.ndarray]]) -> BatchDraw:
+        samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        parts = []
+        for v, var in enumerate(self.variables):
+            stripe = samples // var.sample_chunk
+            cuts = np.flatnonzero(np.diff(stripe)) + 1
+            starts = np.concatenate(([0], cuts)).tolist()
+            stops = np.concatenate((cuts, [samples.size])).tolist()
+            offsets = samples - stripe * var.sample_chunk
+            lookup = touched[v]
+            parts.append(tuple(
+                GatherPart(lookup[int(stripe[a])], offsets[a:b], a, b)
+                for a, b in zip(starts, stops, strict=True)
+            ))
+        return BatchDraw(samples, tuple(parts))
+
+    def get_state(self) -> dict[str, Any]:
+        if self._resident:
+            head = self._resident[0]
+            return {"source": copy.deepcopy(head.snapshot), "offset": head.offset}
+        return {"source": copy.deepcopy(self.source.state_dict()), "offset": self._skip}

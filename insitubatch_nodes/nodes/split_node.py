@@ -1,0 +1,41 @@
+"""SplitNode: the chunk ids of one split, in canonical order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from ..split import SplitManifest
+
+
+class SplitNode(BaseNode[int]):
+    """Yields a split's chunk ids in ascending order; the head of the graph.
+
+    Its only state is a position, so the split itself always comes from the manifest and a
+    checkpoint never carries chunk lists.
+    """
+
+    def __init__(self, manifest: SplitManifest, split: str) -> None:
+        super().__init__()
+        ids = manifest.chunk_ids(split)  # raises a KeyError listing the splits that exist
+        self.manifest = manifest
+        self.split = split
+        self._ids = [int(i) for i in ids]
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._pos = int(initial_state["position"]) if initial_state else 0
+
+    def next(self) -> int:
+        if self._pos >= len(self._ids):
+            raise StopIteration
+        self._pos += 1
+        return self._ids[self._pos - 1]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"position": self._pos}

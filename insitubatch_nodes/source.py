@@ -1,0 +1,206 @@
+"""Opening a Zarr store and reading the geometry of the variables a loader will serve.
+
+Everything downstream (splits, plans, fetches) works from the frozen ``Source`` this
+returns, so a bad store, variable or dtype is reported here, once, in words.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import zarr
+import zarr.storage
+
+from .geometry import SampleGrid, VariableGeometry, common_chunk_size
+
+_NUMERIC_KINDS = "biufc"
+_OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "http", "https",
+                         "memory")
+
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    """The variables to serve and their shared sample axis, plus the open zarr arrays.
+
+    ``url`` is for display and errors only: it never carries credentials.
+    """
+
+    url: str
+    variables: tuple[VariableGeometry, ...]
+    grid: SampleGrid
+    arrays: tuple[zarr.Array, ...] = field(repr=False)
+    sample_dim: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.variables)
+
+    @property
+    def n_samples(self) -> int:
+        return self.grid.n_samples
+
+    def variable(self, name: str) -> VariableGeometry:
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise KeyError(f"variable {name!r} is not served by {self.url}; served: {list(self.names)}")
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Decoded bytes of one sample over all variables."""
+        return sum(v.sample_nbytes for v in self.variables)
+
+
+def redact_url(url: str) -> str:
+    """Drop user info and query strings (where signed URLs keep their secrets)."""
+    parts = urlsplit(url)
+    if not parts.scheme:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> tuple[
+        Any, str]:
+    text = os.fspath(url)
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        path = Path(parts.path if scheme == "file" else text).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"Zarr store not found: {text!r} (looked for the directory {str(path)!r}). "
+                "Give an existing local path, a file:// URL, or an object-store URL such as "
+                "s3://bucket/path.zarr."
+            )
+        return zarr.storage.LocalStore(path, read_only=True), f"file://{path.resolve()}"
+    if scheme in _OBJECT_STORE_SCHEMES:
+        import obstore.store
+
+        obs = obstore.store.from_url(text, **dict(storage_options or {}))
+        return zarr.storage.ObjectStore(obs, read_only=True), redact_url(text)
+    raise ValueError(
+        f"unsupported store URL scheme {scheme!r} in {redact_url(text)!r}; use a local path, "
+        f"file://, or one of {', '.join(s + '://' for s in _OBJECT_STORE_SCHEMES)}"
+    )
+
+
+def _is_coordinate(name: str, arr: zarr.Array) -> bool:
+    dims = _dimension_names(arr)
+    return dims is not None and name in dims
+
+
+def _dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
+    dims = getattr(arr.metadata, "dimension_names", None)
+    if dims is None:
+        # zarr v2 arrays written by xarray keep their dims in an attribute.
+        attr = arr.attrs.get("_ARRAY_DIMENSIONS")
+        dims = tuple(attr) if attr else None
+    return tuple(dims) if dims is not None else None
+
+
+def open_source(
+    url: str | os.PathLike[str] | zarr.Group | Any,
+    variables: Sequence[str] | None = None,
+    *,
+    sample_dim: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Source:
+    """Open a Zarr group and describe the variables to serve along their common sample axis.
+
+    ``url`` is a local path, a ``file://`` or object-store URL, a ``zarr.Group`` or a zarr
+    store. Without ``variables``, every array that is not a coordinate (an array named like
+    one of its dimensions) is served; ``sample_dim`` restricts that to arrays whose first
+    dimension has that name.
+    """
+    if isinstance(url, zarr.Group):
+        group, display = url, str(url.store_path)
+    else:
+        if isinstance(url, (str, os.PathLike)):
+            store, display = _open_store(url, storage_options)
+        else:
+            store, display = url, type(url).__name__
+        try:
+            group = zarr.open_group(store, mode="r")
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError) as e:
+            raise FileNotFoundError(
+                f"no Zarr group at {display!r}: {e}. Point open_source at the group that holds "
+                "the variables (the directory with zarr.json or .zgroup)."
+            ) from None
+
+    arrays = dict(group.arrays())
+    if not arrays:
+        raise ValueError(f"the Zarr group at {display!r} holds no arrays")
+
+    if variables is None:
+        chosen = [n for n, a in sorted(arrays.items()) if a.ndim >= 1 and not _is_coordinate(n, a)]
+        if sample_dim is not None:
+            chosen = [n for n in chosen if (_dimension_names(arrays[n]) or (None,))[0] == sample_dim]
+        if not chosen:
+            raise ValueError(
+                f"no data variables found in {display!r}"
+                + (f" with first dimension {sample_dim!r}" if sample_dim else "")
+                + f"; arrays present: {sorted(arrays)}. Pass variables=[...] explicitly."
+            )
+    else:
+        if isinstance(variables, str):
+            variables = [variables]
+        chosen = list(variables)
+        missing = [n for n in chosen if n not in arrays]
+        if missing:
+            raise KeyError(
+                f"unknown variable(s) {missing} in {display!r}; variables that exist: "
+                f"{sorted(arrays)}"
+            )
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f"variables lists a name twice: {chosen}")
+
+    geoms: list[VariableGeometry] = []
+    opened: list[zarr.Array] = []
+    for name in chosen:
+        arr = arrays[name]
+        dtype = np.dtype(arr.dtype)
+        if dtype.kind not in _NUMERIC_KINDS:
+            raise TypeError(
+                f"variable {name!r} in {display!r} has dtype {dtype} ({arr.dtype!r}); only "
+                "numeric dtypes (bool, integers, floats, complex) can become tensors. Leave it "
+                "out of variables=."
+            )
+        if arr.ndim < 1:
+            raise ValueError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
+        dims = _dimension_names(arr)
+        if sample_dim is not None and dims is not None and dims[0] != sample_dim:
+            raise ValueError(
+                f"variable {name!r} has dimensions {dims}; the sample dimension {sample_dim!r} "
+                "must be its first axis"
+            )
+        geoms.append(
+            VariableGeometry(
+                name=name,
+                shape=tuple(int(s) for s in arr.shape),
+                chunks=tuple(int(c) for c in arr.chunks),
+                dtype=dtype.newbyteorder("="),
+                dimension_names=dims,
+                shards=tuple(int(s) for s in arr.shards) if arr.shards else None,
+            )
+        )
+        opened.append(arr)
+
+    lengths = {g.name: g.shape[0] for g in geoms}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"the variables' sample axes differ in length: {lengths}. All served variables must "
+            "share the sample axis; choose variables= with equal first dimensions."
+        )
+    n = geoms[0].shape[0]
+    grid = SampleGrid(n_samples=n, chunk_size=common_chunk_size([g.sample_chunk for g in geoms]))
+    return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
+                  sample_dim=sample_dim)
