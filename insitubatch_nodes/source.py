@@ -143,7 +143,8 @@ def open_source(
     if variables is None:
         chosen = [n for n, a in sorted(arrays.items()) if a.ndim >= 1 and not _is_coordinate(n, a)]
         if sample_dim is not None:
-            chosen = [n for n in chosen if (_dimension_names(arrays[n]) or (None,))[0] == sample_dim]
+            chosen = [n for n in chosen
+                      if (_dimension_names(arrays[n]) or (None,))[0] == sample_dim]
         if not chosen:
             raise ValueError(
                 f"no data variables found in {display!r}"

@@ -85,7 +85,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             self._exhausted = True
             return None
         remaining = []
-        for v, var in enumerate(self.variables):
+        for var in self.variables:
             stripe = win.plan.draw_order // var.sample_chunk
             idx, counts = np.unique(stripe, return_counts=True)
             remaining.append(dict(zip(idx.tolist(), counts.tolist(), strict=True)))
