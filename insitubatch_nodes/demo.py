@@ -156,7 +156,7 @@ def train(path: str | Path, *, batch_size: int = 32, block_chunks: int = 16, epo
                 loss.backward()
                 opt.step()
                 samples += len(batch["sample_index"])
-                loss_val = float(loss)
+                loss_val = loss.item()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_val:.4f}")
             bar.close()
