@@ -1,0 +1,59 @@
+"""Test helpers: write real zarr stores whose values make a wrong row obvious."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.codecs as zc
+
+
+@dataclass(frozen=True)
+class Var:
+    """How to write one test variable."""
+
+    name: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: str = "float32"
+    compressors: Any = "default"
+    shards: tuple[int, ...] | None = None
+    zarr_format: int = 3
+    extra: dict = field(default_factory=dict)
+
+
+def values(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
+    """Distinct, checkable values: row i starts near i * 1000 so a wrong row is obvious."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    base = np.arange(n, dtype=np.float64).reshape(shape)
+    if np.dtype(dtype).kind == "f":
+        return (base + rng.random(shape)).astype(dtype)
+    if np.dtype(dtype).kind == "b":
+        return (base.astype(np.int64) % 3 == 0)
+    info = np.iinfo(dtype)
+    return (base.astype(np.int64) % int(min(info.max, 10**9))).astype(dtype)
+
+
+def write_store(path: Path, variables: list[Var], seed: int = 0) -> dict[str, np.ndarray]:
+    """Write the variables into a zarr group at ``path``; return what was written."""
+    fmt = variables[0].zarr_format if variables else 3
+    g = zarr.open_group(path, mode="w", zarr_format=fmt)
+    data = {}
+    for i, v in enumerate(variables):
+        kw: dict[str, Any] = dict(shape=v.shape, chunks=v.chunks, dtype=v.dtype, **v.extra)
+        if v.compressors != "default":
+            kw["compressors"] = v.compressors
+        if v.shards is not None:
+            kw["shards"] = v.shards
+        arr = g.create_array(v.name, **kw)
+        d = values(v.shape, v.dtype, seed + i)
+        arr[:] = d
+        data[v.name] = d
+    return data
+
+
+BLOSC = zc.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
