@@ -1,0 +1,324 @@
+"""The contract of build_loader: exactly once, shuffled, deterministic, exact resume, bounded."""
+
+import gc
+import itertools
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from stores import BLOSC, Var, write_store
+
+import insitubatch_nodes as ib
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("loader-stores")
+
+
+def make(store_dir, variables):
+    path = store_dir / f"s{next(_counter)}.zarr"
+    data = write_store(path, variables)
+    return ib.open_source(path), data
+
+
+def epoch(loader, limit=None):
+    out = []
+    for i, b in enumerate(loader):
+        out.append({k: v.numpy().copy() for k, v in b.items()})
+        if limit is not None and i + 1 >= limit:
+            break
+    return out
+
+
+def check_rows(batches, data):
+    for b in batches:
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+
+
+def split_samples(manifest, split):
+    return manifest.grid.samples_of(manifest.chunk_ids(split)).tolist()
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+geometries = st.fixed_dictionaries({
+    "n": st.integers(1, 90),
+    "cs_a": st.integers(1, 12),
+    "cs_b": st.integers(1, 12),
+    "batch": st.integers(1, 20),
+    "block": st.integers(1, 5),
+    "drop_last": st.booleans(),
+    "val": st.sampled_from([0.0, 0.3]),
+})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(g=geometries)
+def test_exactly_once_over_shapes(store_dir, g):
+    src, data = make(store_dir, [Var("a", (g["n"], 3), (g["cs_a"], 2), compressors=BLOSC),
+                                 Var("b", (g["n"],), (g["cs_b"],), dtype="int16")])
+    m = ib.split_by_chunk(src, (1 - g["val"], g["val"]))
+    with ib.build_loader(src, m, "train", batch_size=g["batch"], block_chunks=g["block"],
+                         drop_last=g["drop_last"]) as loader:
+        batches = epoch(loader)
+    check_rows(batches, data)
+    seen = np.concatenate([b["sample_index"] for b in batches]) if batches else np.array([])
+    want = split_samples(m, "train")
+    assert len(set(seen.tolist())) == len(seen)  # never twice
+    if g["drop_last"]:
+        assert all(len(b["sample_index"]) == g["batch"] for b in batches)
+        assert len(want) - len(seen) < g["batch"] and set(seen.tolist()) <= set(want)
+    else:
+        assert sorted(seen.tolist()) == want
+        assert all(len(b["sample_index"]) == g["batch"] for b in batches[:-1])
+
+
+def test_geometries_of_issue(store_dir):
+    """Sharded, inner-chunked, one-sample-per-chunk and mixed dtypes in one loader."""
+    src, data = make(store_dir, [
+        Var("sharded", (61, 4, 6), (4, 4, 3), shards=(8, 4, 6)),
+        Var("inner", (61, 5, 6), (8, 2, 4), compressors=BLOSC),
+        Var("half", (61, 3), (8, 3), dtype="float16"),
+        Var("ints", (61,), (8,), dtype="int64"),
+    ])
+    m = ib.split_by_chunk(src, (1.0,))
+    batches = epoch(ib.build_loader(src, m, "train", batch_size=5, block_chunks=3))
+    check_rows(batches, data)
+    assert batches[0]["half"].dtype == np.float16
+    assert sorted(np.concatenate([b["sample_index"] for b in batches]).tolist()) == list(range(61))
+
+    src1, data1 = make(store_dir, [Var("grib", (40, 8, 8), (1, 8, 8))])
+    m1 = ib.split_by_chunk(src1, (1.0,))
+    batches = epoch(ib.build_loader(src1, m1, "train", batch_size=4, block_chunks=8))
+    check_rows(batches, data1)
+    assert sorted(np.concatenate([b["sample_index"] for b in batches]).tolist()) == list(range(40))
+
+
+@pytest.fixture(scope="module")
+def medium(store_dir):
+    src, data = make(store_dir, [Var("x", (400, 6), (8, 6), compressors=BLOSC),
+                                 Var("y", (400,), (16,), dtype="int32")])
+    return src, data, ib.split_by_chunk(src, (0.8, 0.2))
+
+
+def test_batch_contract(medium):
+    src, _, m = medium
+    b = next(iter(ib.build_loader(src, m, "train", batch_size=32)))
+    assert set(b) == {"x", "y", "sample_index"}
+    assert b["x"].shape == (32, 6) and b["x"].dtype == torch.float32
+    assert b["y"].shape == (32,) and b["sample_index"].dtype == torch.int64
+    assert b["x"].device.type == "cpu"
+
+
+def test_new_permutation_every_epoch_and_deterministic(medium):
+    src, _, m = medium
+    a = ib.build_loader(src, m, "train", batch_size=16, seed=3)
+    b = ib.build_loader(src, m, "train", batch_size=16, seed=3)
+    c = ib.build_loader(src, m, "train", batch_size=16, seed=4)
+    a0, a1 = epoch(a), epoch(a)
+    same(a0, epoch(b))
+    same(a1, epoch(b))
+    order = lambda bs: np.concatenate([x["sample_index"] for x in bs]).tolist()  # noqa: E731
+    assert order(a0) != order(a1)
+    assert order(a0) != order(epoch(c))
+    assert sorted(order(a0)) == sorted(order(a1)) == split_samples(m, "train")
+
+
+def test_batches_mix_the_whole_window(medium):
+    src, _, m = medium
+    loader = ib.build_loader(src, m, "train", batch_size=32, block_chunks=16)
+    batches = epoch(loader)
+    distinct = [np.unique(b["sample_index"] // 8).size for b in batches[:-1]]
+    # 32 draws from 16 chunks of 8: about 14 distinct chunks, never one chunk at a time.
+    assert np.mean(distinct) > 11
+    measured = ib.measured_shuffle_quality([b["sample_index"] for b in batches], 8, 40)
+    assert measured == pytest.approx(loader.shuffle_quality, rel=0.15)
+
+
+def test_measured_quality_rises_with_block_chunks(medium):
+    src, _, m = medium
+    scores = []
+    for block in (1, 4, 16, 40):
+        batches = epoch(ib.build_loader(src, m, "train", batch_size=8, block_chunks=block))
+        scores.append(ib.measured_shuffle_quality([b["sample_index"] for b in batches], 8, 40))
+    assert scores == sorted(scores) and scores[0] < 0.4 < 0.8 < scores[-1]
+
+
+# -- exact resume ------------------------------------------------------------------------
+
+def _resume_check(src, m, k, epoch_of_cut, **kw):
+    ref = ib.build_loader(src, m, "train", **kw)
+    full = [epoch(ref) for _ in range(epoch_of_cut + 2)]
+    run = ib.build_loader(src, m, "train", **kw)
+    for _ in range(epoch_of_cut):
+        epoch(run)
+    it = iter(run)
+    if k == "initial":
+        state = ib.build_loader(src, m, "train", **kw).state_dict()
+        done = 0
+    else:
+        for _ in range(k):
+            next(it)
+        state = run.state_dict()
+        done = k
+    text = json.dumps(state)
+    assert len(text) < 2048
+    resumed = ib.build_loader(src, m, "train", **kw)
+    resumed.load_state_dict(json.loads(text))
+    if k == "initial":
+        rest = [epoch(resumed) for _ in range(2)]
+        same(rest[0], full[0])
+        same(rest[1], full[1])
+        return
+    same(epoch(resumed), full[epoch_of_cut][done:])
+    same(epoch(resumed), full[epoch_of_cut + 1])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(0, 12), ep=st.integers(0, 1), batch=st.integers(1, 24),
+       block=st.integers(1, 6))
+def test_resume_is_exact(medium, k, ep, batch, block):
+    src, _, m = medium
+    n_batches = -(-m.n_samples_in("train") // batch)
+    _resume_check(src, m, min(k, n_batches), ep, batch_size=batch, block_chunks=block, seed=7)
+
+
+def test_resume_from_initial_state(medium):
+    src, _, m = medium
+    _resume_check(src, m, "initial", 0, batch_size=16, block_chunks=4)
+
+
+def test_resume_at_epoch_end_starts_next_epoch(medium):
+    src, _, m = medium
+    a = ib.build_loader(src, m, "train", batch_size=16)
+    e0 = epoch(a)
+    state = a.state_dict()
+    e1 = epoch(a)
+    b = ib.build_loader(src, m, "train", batch_size=16)
+    b.load_state_dict(state)
+    assert len(e0) > 0
+    same(epoch(b), e1)
+
+
+def test_num_yielded_is_exact_after_restore(medium):
+    src, _, m = medium
+    a = ib.build_loader(src, m, "train", batch_size=16)
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    b = ib.build_loader(src, m, "train", batch_size=16)
+    b.load_state_dict(a.state_dict())
+    it = iter(b)
+    next(it)
+    next(it)
+    assert b.state_dict()["num_yielded"] == 5
+
+
+def test_state_dict_on_fresh_loader_does_not_hide_loaded_state(medium):
+    src, _, m = medium
+    a = ib.build_loader(src, m, "train", batch_size=16)
+    ref = epoch(a)
+    b = ib.build_loader(src, m, "train", batch_size=16)
+    it = iter(b)
+    for _ in range(4):
+        next(it)
+    state = b.state_dict()
+    c = ib.build_loader(src, m, "train", batch_size=16)
+    c.state_dict()  # torchdata 0.11 would ignore the state loaded after this
+    c.load_state_dict(state)
+    same(epoch(c), ref[4:])
+
+
+def test_resume_refetches_at_most_one_window(medium):
+    src, _, m = medium
+    kw = dict(batch_size=16, block_chunks=4, prefetch_windows=0)
+    a = ib.build_loader(src, m, "train", **kw)
+    it = iter(a)
+    for _ in range(5):  # 80 samples: two and a half windows of 32
+        next(it)
+    state = a.state_dict()
+    b = ib.build_loader(src, m, "train", **kw)
+    b.load_state_dict(state)
+    rest = epoch(b)
+    fetch = b.node(ib.AsyncFetchNode)
+    windows_left = -(-(m.n_samples_in("train") - 80) // 32)
+    assert fetch.stats.windows <= windows_left + 1
+    assert sum(len(x["sample_index"]) for x in rest) == m.n_samples_in("train") - 80
+
+
+# -- memory ------------------------------------------------------------------------------
+
+def test_resident_memory_stays_within_bound(store_dir):
+    src, _ = make(store_dir, [Var("x", (600, 32, 32), (8, 32, 32), compressors=BLOSC)])
+    m = ib.split_by_chunk(src, (1.0,))
+    window = 4 * 8 * 32 * 32 * 4
+    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, prefetch_windows=1)
+    for _ in range(2):
+        for _ in loader:
+            assert loader.ledger.resident <= loader.resident_bound
+    assert 0 < loader.ledger.peak <= loader.resident_bound
+    # The bound is about three windows, independent of the epoch's 19 windows.
+    assert loader.resident_bound <= 3 * window
+
+
+def test_memory_budget_is_checked(medium):
+    src, _, m = medium
+    with pytest.raises(ValueError, match=r"block_chunks=\d+ fits"):
+        ib.build_loader(src, m, "train", block_chunks=16, memory_budget="5kB")
+    ib.build_loader(src, m, "train", block_chunks=2, memory_budget="1MB")
+    assert ib.parse_bytes("2GiB") == 2 * 2**30
+    with pytest.raises(ValueError, match="byte size"):
+        ib.parse_bytes("lots")
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"batch_size": 0}, "batch_size"),
+    ({"block_chunks": 0}, "block_chunks"),
+    ({"max_inflight": 0}, "max_inflight"),
+])
+def test_bad_arguments(medium, kw, match):
+    src, _, m = medium
+    with pytest.raises(ValueError, match=match):
+        ib.build_loader(src, m, "train", **kw)
+
+
+def test_unknown_and_empty_split(store_dir):
+    src, _ = make(store_dir, [Var("x", (40, 2), (8, 2))])
+    m = ib.split_by_chunk(src, (1.0, 0.0, 0.0))
+    with pytest.raises(KeyError, match=r"'tran'.*\['train', 'val', 'test'\]"):
+        ib.build_loader(src, m, "tran")
+    with pytest.raises(ValueError, match=r"'val' has no chunks.*\['train'\]"):
+        ib.build_loader(src, m, "val")
+
+
+def test_no_threads_leak(medium):
+    src, _, m = medium
+    gc.collect()
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(3):
+        loader = ib.build_loader(src, m, "train", batch_size=16)
+        for _ in range(2):
+            epoch(loader)
+        epoch(loader, limit=2)  # an abandoned epoch too
+        del loader
+    with ib.build_loader(src, m, "train") as loader:
+        epoch(loader, limit=1)
+    gc.collect()
+    leaked = [t for t in threading.enumerate() if t.ident not in before]
+    assert not leaked, leaked
