@@ -84,7 +84,8 @@ def make_demo_store(path: str | Path, spec: DemoSpec, *, progress: bool = True) 
     }
     time_arr = g.create_array("time", shape=(spec.n_times,), chunks=(spec.n_times,),
                               dtype="int64", dimension_names=("time",),
-                              attributes={"units": "hours since 2000-01-01", "calendar": "standard"})
+                              attributes={"units": "hours since 2000-01-01",
+                                          "calendar": "standard"})
     time_arr[:] = np.arange(spec.n_times, dtype=np.int64) * 6
     for name, n in (("lat", spec.n_lat), ("lon", spec.n_lon)):
         c = g.create_array(name, shape=(n,), dtype="float32", dimension_names=(name,))

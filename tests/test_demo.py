@@ -1,0 +1,36 @@
+import numpy as np
+import pytest
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.demo import VARIABLES, DemoSpec, main, make_demo_store, train
+
+
+def test_demo_store_is_era5_like(tmp_path):
+    spec = DemoSpec(n_times=30, n_lat=16, n_lon=32, time_chunk=12)
+    path = make_demo_store(tmp_path / "d.zarr", spec, progress=False)
+    src = ib.open_source(path, sample_dim="time")
+    assert src.names == tuple(sorted(VARIABLES))
+    t2m = src.variable("t2m")
+    assert t2m.shape == (30, 16, 32) and t2m.chunks == (12, 16, 32)
+    assert t2m.dimension_names == ("time", "lat", "lon")
+    x = src.arrays[src.names.index("t2m")][:]
+    assert 200 < x.mean() < 320 and x.std() > 1  # plausible temperatures, not constant
+    # Smooth: neighbouring grid points differ much less than the field varies.
+    assert np.abs(np.diff(x, axis=2)).mean() < x.std()
+
+
+def test_demo_trains_and_reports(tmp_path, capsys):
+    spec = DemoSpec(n_times=48, n_lat=16, n_lon=32, time_chunk=8)
+    path = make_demo_store(tmp_path / "d.zarr", spec, progress=False)
+    report = train(path, batch_size=8, block_chunks=2)
+    assert report["samples"] == 40  # 90% of 6 chunks = 5 chunks of 8
+    assert report["samples_per_s"] > 0 and 0 <= report["starvation"] <= 1
+    out = capsys.readouterr().out
+    assert "samples/s" in out and "MB/s" in out and "waited for data" in out
+
+
+def test_demo_cli(tmp_path, capsys):
+    assert main(["--path", str(tmp_path / "c.zarr"), "--size-mb", "2", "--batch-size", "4"]) == 0
+    assert "samples/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--size-mb", "-1"])

@@ -1,0 +1,214 @@
+"""Each node, used on its own, honours the torchdata resume protocol and its own job."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from stores import BLOSC, Var, write_store
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.nodes import (
+    AsyncFetchNode,
+    ChunkPermuteNode,
+    GatherNode,
+    PinOrCudaNode,
+    ReadPlanNode,
+    ShuffleBufferNode,
+    SplitNode,
+)
+
+STAGES = ["split", "permute", "plan", "fetch", "shuffle", "gather", "pin"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nodes") / "s.zarr"
+    data = write_store(path, [Var("x", (150, 4), (8, 4), compressors=BLOSC),
+                              Var("y", (150, 2), (4, 2), dtype="int16")])
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (0.9, 0.1)), data
+
+
+def build(src, m, upto, seed=5):
+    node = SplitNode(m, "train")
+    if upto == "split":
+        return node
+    node = ChunkPermuteNode(node, seed=seed, rank=0, world_size=1)
+    if upto == "permute":
+        return node
+    node = ReadPlanNode(node, src.grid, src.variables, block_chunks=3, seed=seed)
+    if upto == "plan":
+        return node
+    node = AsyncFetchNode(node, src, max_inflight=4)
+    if upto == "fetch":
+        return node
+    node = ShuffleBufferNode(node, src.variables, batch_size=7)
+    if upto == "shuffle":
+        return node
+    node = GatherNode(node, src.variables)
+    if upto == "gather":
+        return node
+    return PinOrCudaNode(node, device=None)
+
+
+def key(item):
+    """A comparable rendering of any node's output."""
+    if isinstance(item, ib.ReadPlan):
+        return (item.epoch, item.window, item.chunk_ids, item.draw_order.tolist(), item.reads)
+    if hasattr(item, "plan"):  # DecodedWindow
+        return (key(item.plan),
+                tuple(sorted((i, a.tobytes()) for i, a in d.items()) for d in item.arrays))
+    if hasattr(item, "parts"):  # BatchDraw
+        return item.sample_index.tolist()
+    if isinstance(item, dict):
+        return tuple(sorted((k, v.numpy().tobytes()) for k, v in item.items()))
+    return item
+
+
+def run_epochs(node, n_epochs):
+    out = []
+    for _ in range(n_epochs):
+        node.reset(None)
+        out.append([key(x) for x in node])
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_node_resume_protocol(setup, stage):
+    src, m, _ = setup
+    ref = run_epochs(build(src, m, stage), 2)
+    assert ref[0] and ref[1]
+    if stage != "split":
+        assert ref[0] != ref[1]  # a new epoch is a new order
+    for ep in (0, 1):
+        for k in sorted({0, 1, len(ref[ep]) // 2, len(ref[ep])}):
+            node = build(src, m, stage)
+            for _ in range(ep):
+                node.reset(None)
+                list(node)
+            node.reset(None)
+            for _ in range(k):
+                next(node)
+            state = json.loads(json.dumps(node.state_dict()))
+            fresh = build(src, m, stage)
+            fresh.reset(state)
+            assert [key(x) for x in fresh] == ref[ep][k:], (stage, ep, k)
+            if stage != "split":
+                fresh.reset(None)  # the epoch after a restored one is the next epoch
+                assert [key(x) for x in fresh] == ref[1] if ep == 0 else True
+
+
+def test_permute_node_deals_rank_shares(setup):
+    src, m, _ = setup
+    shares = []
+    for r in range(3):
+        node = ChunkPermuteNode(SplitNode(m, "train"), seed=1, rank=r, world_size=3)
+        shares.append([c.chunk for c in node])
+    flat = sorted(sum(shares, []))
+    assert flat == m.chunk_ids("train").tolist()
+
+
+def test_shuffle_buffer_evicts_drained_stripes(setup):
+    src, m, _ = setup
+    fetch = build(src, m, "fetch")
+    shuffle = ShuffleBufferNode(fetch, src.variables, batch_size=5)
+    shuffle.reset(None)
+    next(shuffle)
+    head = shuffle._resident[0]
+    for v, var in enumerate(src.variables):
+        # Exactly the stripes with undrawn samples are still held.
+        undrawn = head.window.plan.draw_order[head.offset:]
+        assert set(head.window.arrays[v]) == set((undrawn // var.sample_chunk).tolist())
+    fetch.close()
+
+
+def test_gather_rows_match_store(setup):
+    src, m, data = setup
+    gather = build(src, m, "gather")
+    for batch in gather:
+        idx = batch["sample_index"].numpy()
+        assert np.all(np.diff(idx) > 0)  # rows in ascending sample order
+        for name in ("x", "y"):
+            np.testing.assert_array_equal(batch[name].numpy(), data[name][idx])
+
+
+def test_pin_or_cuda_on_cpu_is_a_pass_through(setup):
+    src, m, _ = setup
+    gather = build(src, m, "gather")
+    gather.reset(None)
+    ref = next(gather)
+    pin = build(src, m, "pin")
+    got = next(pin)
+    assert all(v.device.type == "cpu" and not v.is_pinned() for v in got.values())
+    assert key(got) == key(ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_cuda_is_a_clear_error(setup):
+    src, m, _ = setup
+    with pytest.raises(RuntimeError, match="no usable CUDA"):
+        PinOrCudaNode(build(src, m, "gather"), device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_equal_cpu_batches(setup):
+    src, m, _ = setup
+    cpu = [key(b) for b in build(src, m, "pin")]
+    node = PinOrCudaNode(build(src, m, "gather"), device="cuda")
+    gpu = [key({k: v.cpu() for k, v in b.items()}) for b in node]
+    assert cpu == gpu
+
+
+# -- AsyncFetchNode: errors and threads ---------------------------------------------------
+
+@pytest.fixture
+def corrupt(tmp_path):
+    path = tmp_path / "bad.zarr"
+    write_store(path, [Var("x", (64, 4), (8, 4), compressors=BLOSC)])
+    (path / "x" / "c" / "5" / "0").write_bytes(b"garbage, not blosc")
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (1.0,))
+
+
+def test_fetch_error_reaches_consumer_with_note_and_repeats(corrupt):
+    src, m = corrupt
+    loader = ib.build_loader(src, m, "train", batch_size=4, block_chunks=2)
+    it = iter(loader)
+    with pytest.raises(Exception) as info:
+        for _ in range(100):
+            next(it)
+    err = info.value
+    assert not isinstance(err, StopIteration)
+    notes = "\n".join(getattr(err, "__notes__", []))
+    assert "'x'" in notes and "x/c/5/0" in notes, notes
+    # Asking again does not turn the failure into a quiet end of epoch.
+    with pytest.raises(type(err)):
+        next(it)
+    loader.close()
+
+
+def test_close_stops_threads(setup):
+    src, m, _ = setup
+    fetch = build(src, m, "fetch")
+    next(fetch)
+    names = {t.name for t in threading.enumerate()}
+    assert any(n.startswith("insitubatch-fetch") for n in names)
+    thread = fetch._lt.thread
+    fetch.close()
+    time.sleep(0.05)
+    assert not thread.is_alive()
+
+
+def test_one_loop_thread_for_the_nodes_lifetime(setup):
+    src, m, _ = setup
+    fetch = build(src, m, "fetch")
+    next(fetch)
+    first = fetch._lt.thread
+    for _ in range(3):
+        fetch.reset(None)
+        list(fetch)
+    assert fetch._lt.thread is first and first.is_alive()
+    fetch.close()
