@@ -86,6 +86,11 @@ class InSituLoader(Loader):
                 return n
         raise LookupError(f"no {kind.__name__} in this loader's graph")
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the current (or, before ``iter``, the next) pass belongs to."""
+        return self.node(ChunkPermuteNode).epoch
+
     def close(self) -> None:
         """Stop background threads now instead of at garbage collection."""
         for n in self._nodes():
