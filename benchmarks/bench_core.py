@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import queue
+import resource
 import shutil
 import sys
 import threading
@@ -92,6 +93,19 @@ def warm_page_cache(path: Path) -> tuple[int, float]:
 
 
 # -- measurement helpers ------------------------------------------------------------------
+def _usage() -> np.ndarray:
+    """(CPU s, of which system s, minor page faults) of the process and its reaped children
+    (the naive DataLoader's workers). ``getrusage`` rather than ``os.times``, whose 10 ms
+    ticks are too coarse for one pass; system time and faults show fresh-memory costs."""
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return np.array([own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime,
+                     own.ru_stime + kids.ru_stime, own.ru_minflt + kids.ru_minflt])
+
+
+def _usage_extra(used: np.ndarray) -> dict[str, float]:
+    return {"cpu_s": float(used[0]), "sys_s": float(used[1]), "minor_faults": int(used[2])}
+
+
 @dataclass
 class Run:
     """One timed path: ``samples`` of ``sample_nbytes`` decoded bytes in ``seconds``."""
@@ -101,6 +115,7 @@ class Run:
     seconds: float
     sample_nbytes: int
     first_batch_s: float | None = None
+    cpu_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -110,6 +125,11 @@ class Run:
     @property
     def gb_per_s(self) -> float:
         return self.samples * self.sample_nbytes / self.seconds / 1e9
+
+    @property
+    def cores(self) -> float | None:
+        """CPU cores kept busy on average: tells starved parallelism from real work."""
+        return None if self.cpu_s is None else self.cpu_s / self.seconds
 
 
 class RssSampler:
@@ -144,13 +164,13 @@ class RssSampler:
 
 
 def _consume(batches: Iterable[Any], total: int, desc: str,
-             key: str | None) -> tuple[int, float, float, float]:
+             key: str | None) -> tuple[int, float, float, np.ndarray]:
     """Iterate one epoch, touching each batch (one element) the way a model would read it.
 
-    Returns (samples, seconds, time to first batch, checksum); the clock starts before
+    Returns (samples, seconds, time to first batch, ``_usage`` delta); the clock starts before
     ``iter()`` so worker start-up and first window fetch are charged to the path that has them.
     """
-    t0 = time.perf_counter()
+    u0, t0 = _usage(), time.perf_counter()
     first = None
     samples, acc = 0, 0.0
     it: Iterator[Any] = iter(batches)
@@ -161,14 +181,83 @@ def _consume(batches: Iterable[Any], total: int, desc: str,
         x = batch[key] if key is not None else batch
         acc += float(x[0, 0, 0])
         samples += int(x.shape[0])
-    return samples, time.perf_counter() - t0, first or 0.0, acc
+    del it  # a DataLoader iterator reaps its workers here, so their CPU time is counted
+    return samples, time.perf_counter() - t0, first or 0.0, _usage() - u0
+
+
+# -- (c) the read floor -------------------------------------------------------------------
+class StripeFloor:
+    """Every chunk of the split fetched and decoded once, unshuffled, on the library's best
+    local path (``StripeReader.read_local``, one thread task per chunk).
+
+    Chunks decode into a small pool of pre-touched buffers, so page faults of new memory
+    stay out of the floor.
+    """
+
+    def __init__(self, source: ib.Source, chunk_ids: np.ndarray, threads: int) -> None:
+        self.geom = source.variables[0]
+        self.reader = StripeReader(source.arrays[0], self.geom, source.url)
+        self.chunk_ids = chunk_ids.tolist()
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="floor")
+        self.threads = threads
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for _ in range(2 * threads):  # more buffers than workers: get() never blocks
+            self._free.put(np.ones(self.geom.stripe_shape, self.geom.dtype))
+        self.seconds: list[float] = []
+        self.usage: list[np.ndarray] = []
+
+    def _task(self, idx: int) -> None:
+        buf = self._free.get()
+        try:
+            self.reader.read_local(idx, buf)
+        finally:
+            self._free.put(buf)
+
+    def run_pass(self) -> float:
+        u0, t0 = _usage(), time.perf_counter()
+        list(self.pool.map(self._task, self.chunk_ids))
+        self.seconds.append(time.perf_counter() - t0)
+        self.usage.append(_usage() - u0)
+        return self.seconds[-1]
+
+    def result(self, name: str, n_samples: int, sample_nbytes: int) -> Run:
+        """The best pass (least disturbed by the machine's noise), with all passes kept."""
+        best = int(np.argmin(self.seconds))
+        return Run(name, n_samples, self.seconds[best], sample_nbytes,
+                   cpu_s=float(self.usage[best][0]),
+                   extra={**_usage_extra(self.usage[best]), "mode": self.reader.mode,
+                          "all_seconds": self.seconds,
+                          "decoder": self.reader.decoder.chain if self.reader.decoder else None})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def time_zarr_floor(source: ib.Source, rows: Sequence[slice], n_samples: int,
+                    repeats: int) -> Run:
+    """zarr's own whole-array read, for reference (it allocates its output afresh)."""
+    arr = source.arrays[0]
+    times, usage = [], []
+    for _ in range(repeats):
+        u0, t0 = _usage(), time.perf_counter()
+        for sl in rows:
+            out = arr[sl]
+            del out
+        times.append(time.perf_counter() - t0)
+        usage.append(_usage() - u0)
+    best = int(np.argmin(times))
+    return Run("zarr arr[:]", n_samples, times[best], source.sample_nbytes,
+               cpu_s=float(usage[best][0]),
+               extra={**_usage_extra(usage[best]), "all_seconds": times,
+                      "async.concurrency": zarr.config.get("async.concurrency")})
 
 
 # -- (a) the insitubatch loader -----------------------------------------------------------
 def time_loader(source: ib.Source, manifest: ib.SplitManifest, args: argparse.Namespace,
-                ) -> list[Run]:
-    """Consecutive epochs on one loader: epoch 1 includes the loop/pool start-up, later
-    ones are the steady state a training run sees."""
+                floor: StripeFloor) -> list[Run]:
+    """Consecutive epochs on one loader, each right after a floor pass: epoch 1 includes the
+    loop/pool start-up, later ones are the steady state a training run sees, and pairing
+    each epoch with a floor pass makes their ratio robust to this VM's drifting speed."""
     loader = ib.build_loader(source, manifest, SPLIT, batch_size=args.batch_size,
                              block_chunks=args.block_chunks, max_inflight=args.max_inflight)
     n_batches = -(-manifest.n_samples_in(SPLIT) // args.batch_size)
@@ -176,18 +265,21 @@ def time_loader(source: ib.Source, manifest: ib.SplitManifest, args: argparse.Na
     with loader:
         fetch = loader.node(ib.AsyncFetchNode)
         for epoch in range(1, args.epochs + 1):
+            floor_s = floor.run_pass()
             loader.ledger.reset_peak()
             wait0 = fetch.stats.wait_s
             with RssSampler() as rss:
-                samples, secs, first, _ = _consume(loader, n_batches, f"loader epoch {epoch}", VAR)
+                samples, secs, first, used = _consume(loader, n_batches,
+                                                      f"loader epoch {epoch}", VAR)
             runs.append(Run(
                 f"insitubatch loader, epoch {epoch}", samples, secs, source.sample_nbytes, first,
-                extra={"rss_peak_growth_bytes": rss.growth,
-                       "ledger_peak_bytes": loader.ledger.peak,
-                       "resident_bound_bytes": loader.resident_bound,
-                       "consumer_wait_s": fetch.stats.wait_s - wait0,
-                       "decode_threads": fetch.decode_threads,
-                       "shuffle_quality": loader.shuffle_quality}))
+                float(used[0]), extra={**_usage_extra(used), "rss_peak_growth_bytes": rss.growth,
+                            "ledger_peak_bytes": loader.ledger.peak,
+                            "resident_bound_bytes": loader.resident_bound,
+                            "consumer_wait_s": fetch.stats.wait_s - wait0,
+                            "paired_floor_s": floor_s,
+                            "decode_threads": fetch.decode_threads,
+                            "shuffle_quality": loader.shuffle_quality}))
     return runs
 
 
@@ -221,12 +313,12 @@ def time_naive(array_path: Path, indices: np.ndarray, batch_size: int, workers: 
                         generator=torch.Generator().manual_seed(0))
     n_batches = -(-len(indices) // batch_size)
     sample_nbytes = int(np.prod(zarr.open_array(array_path, mode="r").shape[1:])) * 4
-    samples, secs, first, _ = _consume(dl, n_batches, f"naive {workers} workers", None)
+    samples, secs, first, used = _consume(dl, n_batches, f"naive {workers} workers", None)
     return Run(f"naive DataLoader, {workers} workers", samples, secs, sample_nbytes, first,
-               extra={"subset_samples": len(indices)})
+               float(used[0]), extra={**_usage_extra(used), "subset_samples": len(indices)})
 
 
-# -- (c) the read floor -------------------------------------------------------------------
+# -- report -------------------------------------------------------------------------------
 def _split_chunks_and_rows(source: ib.Source, manifest: ib.SplitManifest,
                            ) -> tuple[np.ndarray, list[slice], int]:
     """The split's chunk ids, its row slices for zarr ``arr[...]``, and its sample count."""
@@ -236,52 +328,6 @@ def _split_chunks_and_rows(source: ib.Source, manifest: ib.SplitManifest,
     return manifest.chunk_ids(SPLIT), rows, manifest.n_samples_in(SPLIT)
 
 
-def time_stripe_floor(source: ib.Source, chunk_ids: np.ndarray, n_samples: int, threads: int,
-                      repeats: int) -> Run:
-    """Each chunk fetched and decoded once on the library's best local path, one thread task
-    per chunk; a small pool of pre-touched buffers keeps page faults out of the number."""
-    arr, geom = source.arrays[0], source.variables[0]
-    reader = StripeReader(arr, geom, source.url)
-    free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-    for _ in range(2 * threads):  # more buffers than workers: get() never blocks
-        free.put(np.ones(geom.stripe_shape, geom.dtype))
-
-    def task(idx: int) -> None:
-        buf = free.get()
-        try:
-            reader.read_local(idx, buf)
-        finally:
-            free.put(buf)
-
-    times = []
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            list(pool.map(task, chunk_ids.tolist()))
-            times.append(time.perf_counter() - t0)
-    return Run(f"read floor: StripeReader, {threads} threads", n_samples, min(times),
-               source.sample_nbytes, extra={"mode": reader.mode, "all_seconds": times,
-                                            "decoder": reader.decoder.chain
-                                            if reader.decoder else None})
-
-
-def time_zarr_floor(source: ib.Source, rows: Sequence[slice], n_samples: int,
-                    repeats: int) -> Run:
-    """zarr's own whole-array read, for reference (it allocates its output afresh)."""
-    arr = source.arrays[0]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for sl in rows:
-            out = arr[sl]
-            del out
-        times.append(time.perf_counter() - t0)
-    return Run("zarr arr[:]", n_samples, min(times), source.sample_nbytes,
-               extra={"all_seconds": times, "async.concurrency": zarr.config.get(
-                   "async.concurrency")})
-
-
-# -- report -------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """Enough to tell whether two result files came from comparable machines."""
     model = "unknown"
@@ -304,19 +350,34 @@ def _row(run: Run, floor: Run, naive2: Run | None) -> dict[str, Any]:
             "samples_per_s": run.samples_per_s, "gb_per_s": run.gb_per_s,
             "ratio_to_floor": run.samples_per_s / floor.samples_per_s,
             "ratio_to_naive_2w": run.samples_per_s / naive2.samples_per_s if naive2 else None,
-            "first_batch_s": run.first_batch_s, **run.extra}
+            "first_batch_s": run.first_batch_s, "cpu_cores": run.cores, **run.extra}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'path':<38} {'samples/s':>10} {'GB/s':>6} {'x floor':>8} {'x naive2w':>9} "
-            f"{'1st batch s':>11} {'secs':>6}")
+    head = (f"{'path':<48} {'samples/s':>9} {'GB/s':>5} {'x floor':>7} {'x naive2w':>9} "
+            f"{'1st batch':>9} {'cores':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        first = f"{r['first_batch_s']:.3f}" if r["first_batch_s"] is not None else "-"
-        naive = f"{r['ratio_to_naive_2w']:.2f}" if r["ratio_to_naive_2w"] is not None else "-"
-        print(f"{r['name']:<38} {r['samples_per_s']:>10,.0f} {r['gb_per_s']:>6.2f} "
-              f"{r['ratio_to_floor']:>8.2f} {naive:>9} {first:>11} {r['seconds']:>6.2f}")
+        print(f"{r['name']:<48} {r['samples_per_s']:>9,.0f} {r['gb_per_s']:>5.2f} "
+              f"{r['ratio_to_floor']:>7.2f} {_fmt(r['ratio_to_naive_2w'], '.1f'):>9} "
+              f"{_fmt(r['first_batch_s'], '.3f'):>9} {_fmt(r['cpu_cores'], '.2f'):>5}")
+
+
+def steady_state(epochs: list[Run]) -> tuple[Run, float]:
+    """The best epoch after the first (the steady state), and the median over those epochs of
+    (epoch rate / rate of the floor pass run just before it), which drift cannot bias."""
+    warm = epochs[1:] or epochs
+    best = min(warm, key=lambda r: r.seconds)
+    steady = Run(f"insitubatch loader, steady (best of epochs {len(epochs) - len(warm) + 1}"
+                 f"-{len(epochs)})", best.samples, best.seconds, best.sample_nbytes,
+                 best.first_batch_s, best.cpu_s, extra={"epoch": best.name, **best.extra})
+    paired = float(np.median([r.extra["paired_floor_s"] / r.seconds for r in warm]))
+    return steady, paired
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -339,11 +400,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fraction of chunks in the 'train' split that every path reads")
     p.add_argument("--naive-samples", type=int, default=1500,
                    help="samples the naive DataLoaders read (a random subset of the split)")
-    p.add_argument("--epochs", type=int, default=3,
+    p.add_argument("--epochs", type=int, default=5,
                    help="loader epochs; epoch 1 is cold, the best later one is steady state")
     p.add_argument("--floor-threads", type=int, default=min(4, os.cpu_count() or 2),
                    help="threads of the StripeReader floor (the loader's decode pool size)")
-    p.add_argument("--repeats", type=int, default=3, help="floor passes; the best is kept")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="passes of the zarr floor; the best is kept")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out/core.json"))
     p.add_argument("--reuse", action="store_true", help="keep an existing matching store")
@@ -366,57 +428,72 @@ def main(argv: list[str] | None = None) -> int:
     else:
         make_store(args.path, args.shape, args.time_chunk, args.seed)
     nbytes, secs = warm_page_cache(args.path)
-    print(f"store {args.path}: {nbytes / 1e6:,.0f} MB on disk, "
-          f"{np.prod(args.shape) * 4 / 1e6:,.0f} MB decoded (ratio "
-          f"{np.prod(args.shape) * 4 / nbytes:.2f}); page cache warmed in {secs:.2f} s")
+    decoded = int(np.prod(args.shape)) * 4
+    print(f"store {args.path}: {nbytes / 1e6:,.0f} MB on disk, {decoded / 1e6:,.0f} MB decoded "
+          f"(ratio {decoded / nbytes:.2f}); page cache warmed in {secs:.2f} s")
 
     source = ib.open_source(args.path, variables=[VAR])
     f = args.split_fraction
     manifest = (ib.split_by_chunk(source, fractions=(f, 1 - f), seed=args.seed) if f < 1
                 else ib.split_by_chunk(source, fractions=(1.0,), seed=args.seed))
     chunk_ids, rows, n_split = _split_chunks_and_rows(source, manifest)
+    nbytes_s = source.sample_nbytes
 
-    stripe = time_stripe_floor(source, chunk_ids, n_split, args.floor_threads, args.repeats)
-    loader_runs = time_loader(source, manifest, args)
+    floor_ring = StripeFloor(source, chunk_ids, args.floor_threads)
+    for _ in range(2):  # warm-up passes: thread start, first-touch of code and caches
+        floor_ring.run_pass()
+    loader_runs = time_loader(source, manifest, args, floor_ring)
+    floor_ring.close()
+    stripe = floor_ring.result(f"read floor: StripeReader, {args.floor_threads} threads",
+                               n_split, nbytes_s)
+
     rng = np.random.default_rng(args.seed)
     pool = source.grid.samples_of(chunk_ids)
     subset = rng.choice(pool, size=min(args.naive_samples, pool.size), replace=False)
     naive0 = time_naive(args.path / VAR, subset, args.batch_size, 0)
     naive2 = time_naive(args.path / VAR, subset, args.batch_size, 2)
-    zfloor = time_zarr_floor(source, rows, n_split, max(1, args.repeats - 1))
+    zfloor = time_zarr_floor(source, rows, n_split, args.repeats)
 
     floor = max((stripe, zfloor), key=lambda r: r.samples_per_s)
-    runs = [*loader_runs, naive0, naive2, stripe, zfloor]
+    steady, paired = steady_state(loader_runs)
+    runs = [*loader_runs[:2], steady, naive0, naive2, stripe, zfloor]
     table = [_row(r, floor, naive2) for r in runs]
-    steady = max(loader_runs[1:] or loader_runs, key=lambda r: r.samples_per_s)
 
     print()
     print(f"split {SPLIT!r}: {len(chunk_ids)} chunks, {n_split} samples of "
-          f"{source.sample_nbytes / 1e3:,.0f} kB; batch {args.batch_size}, block_chunks "
+          f"{nbytes_s / 1e3:,.0f} kB; batch {args.batch_size}, block_chunks "
           f"{args.block_chunks}, max_inflight {args.max_inflight}; naive paths over "
-          f"{subset.size} random samples")
+          f"{subset.size} random samples; floors are the best of their passes")
     print_table(table)
     r_floor = steady.samples_per_s / floor.samples_per_s
     r_naive = steady.samples_per_s / naive2.samples_per_s
     print(f"\nread floor = {floor.name} ({floor.gb_per_s:.2f} GB/s)")
-    print(f"loader steady state = {steady.name} (best epoch after the first): "
-          f"{r_floor:.2f}x floor [{'OK' if r_floor >= 0.85 else 'BELOW'} target 0.85], "
-          f"{r_naive:.1f}x naive 2 workers [{'OK' if r_naive >= 10 else 'BELOW'} target 10]")
-    print("loader memory per epoch: " + "; ".join(
-        f"epoch {i + 1}: RSS +{r.extra['rss_peak_growth_bytes'] / 1e6:,.0f} MB, ledger peak "
-        f"{r.extra['ledger_peak_bytes'] / 1e6:,.0f} MB, consumer waited "
-        f"{r.extra['consumer_wait_s']:.2f} s" for i, r in enumerate(loader_runs))
-        + f" (resident bound {loader_runs[0].extra['resident_bound_bytes'] / 1e6:,.0f} MB)")
+    print("loader epoch rates: " + ", ".join(f"{r.samples_per_s:,.0f}" for r in loader_runs)
+          + " samples/s; steady state = best epoch after the first")
+    print(f"steady state: {r_floor:.2f}x floor (median paired ratio {paired:.2f}x) "
+          f"[{'OK' if r_floor >= 0.85 else 'BELOW'} target 0.85]; {r_naive:.1f}x naive 2 "
+          f"workers [{'OK' if r_naive >= 10 else 'BELOW'} target 10]")
+    rss = max(r.extra["rss_peak_growth_bytes"] for r in loader_runs)
+    ledger = max(r.extra["ledger_peak_bytes"] for r in loader_runs)
+    waits = ", ".join(f"{r.extra['consumer_wait_s']:.2f}" for r in loader_runs)
+    faults = ", ".join(f"{r.extra['minor_faults'] / 1e3:.0f}k/{r.extra['sys_s']:.2f}"
+                       for r in loader_runs)
+    bound = loader_runs[0].extra["resident_bound_bytes"]
+    print(f"loader memory: peak RSS growth {rss / 1e6:,.0f} MB (max over epochs), ledger peak "
+          f"{ledger / 1e6:,.0f} MB, resident bound {bound / 1e6:,.0f} MB; consumer waited for "
+          f"windows {waits} s per epoch")
+    print(f"loader page faults/system CPU s per epoch: {faults} (floor pass: "
+          f"{stripe.extra['minor_faults'] / 1e3:.0f}k/{stripe.extra['sys_s']:.2f})")
     total = time.perf_counter() - t_start
     print(f"total benchmark time {total:.1f} s")
 
     result = {"machine": machine, "config": {k: (str(v) if isinstance(v, Path) else v)
                                              for k, v in vars(args).items()},
-              "split": {"chunks": len(chunk_ids), "samples": n_split,
-                        "sample_nbytes": source.sample_nbytes},
-              "store": {"disk_bytes": nbytes},
-              "rows": table, "floor": floor.name, "steady_state": steady.name,
-              "steady_ratio_to_floor": r_floor, "steady_ratio_to_naive_2w": r_naive,
+              "split": {"chunks": len(chunk_ids), "samples": n_split, "sample_nbytes": nbytes_s},
+              "store": {"disk_bytes": nbytes, "decoded_bytes": decoded},
+              "rows": table, "loader_epochs": [_row(r, floor, naive2) for r in loader_runs],
+              "floor": floor.name, "steady_ratio_to_floor": r_floor,
+              "steady_paired_ratio_to_floor": paired, "steady_ratio_to_naive_2w": r_naive,
               "total_seconds": total}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
