@@ -18,7 +18,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..io.reader import StripeReader
-from ..memory import MemoryLedger
+from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
 
@@ -85,7 +85,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
     def __init__(self, source: BaseNode[ReadPlan], src: Source, *, max_inflight: int = 32,
                  prefetch_windows: int = 1, decode_threads: int | None = None,
-                 ledger: MemoryLedger | None = None) -> None:
+                 ledger: MemoryLedger | None = None, pool: BufferPool | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -97,6 +97,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.prefetch_windows = int(prefetch_windows)
         self.decode_threads = int(decode_threads or min(4, os.cpu_count() or 2))
         self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.pool = pool if pool is not None else BufferPool(self.ledger)
         self.stats = FetchStats()
         self.readers = tuple(StripeReader(a, g, src.url)
                              for a, g in zip(src.arrays, src.variables, strict=True))
@@ -142,7 +143,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self._sem is not None and self._lt is not None
         reader = self.readers[v]
         async with self._sem:
-            buf = self.ledger.track(np.empty(reader.geom.stripe_shape, reader.geom.dtype))
+            buf = self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
             try:
                 await reader.read(idx, buf, self._lt.loop, self._lt.pool)
             except Exception as e:

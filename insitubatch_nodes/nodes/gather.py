@@ -10,6 +10,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
+from ..memory import BufferPool
 from .shuffle_buffer import BatchDraw
 
 
@@ -22,18 +23,24 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 class GatherNode(BaseNode[dict[str, torch.Tensor]]):
-    """Copies the drawn rows into fresh CPU tensors (a batch the user may keep).
+    """Copies the drawn rows into CPU tensors that the user owns (and may keep).
+
+    Batch memory comes from a ``BufferPool``: it is reused only after every tensor over it
+    is gone, so recycling never overwrites a batch someone still holds.
 
     ``np.take(..., out=, mode="clip")`` writes straight into the tensor's memory; the
     default ``mode="raise"`` buffers and runs at a third of the speed. The offsets come from
     geometry, so clipping never changes a value.
     """
 
-    def __init__(self, source: BaseNode[BatchDraw], variables: Sequence[VariableGeometry]) -> None:
+    def __init__(self, source: BaseNode[BatchDraw], variables: Sequence[VariableGeometry],
+                 pool: BufferPool | None = None) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
-        self._dtypes = tuple(torch_dtype(v.dtype) for v in self.variables)
+        self.pool = pool if pool is not None else BufferPool()
+        for v in self.variables:
+            torch_dtype(v.dtype)  # fail at build time, naming the dtype, not mid-epoch
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -43,12 +50,11 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         draw = next(self.source)
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
-        for var, dt, parts in zip(self.variables, self._dtypes, draw.parts, strict=True):
-            t = torch.empty((n, *var.sample_shape), dtype=dt)
-            out = t.numpy()
+        for var, parts in zip(self.variables, draw.parts, strict=True):
+            out = self.pool.take((n, *var.sample_shape), var.dtype)
             for p in parts:
                 np.take(p.array, p.offsets, axis=0, out=out[p.start : p.stop], mode="clip")
-            batch[var.name] = t
+            batch[var.name] = torch.from_numpy(out)
         batch["sample_index"] = torch.from_numpy(draw.sample_index.astype(np.int64, copy=False))
         return batch
 
