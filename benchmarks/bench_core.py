@@ -233,6 +233,80 @@ class StripeFloor:
         self.pool.shutdown(wait=True)
 
 
+class GatherFloor:
+    """The read floor plus the one copy every shuffling loader must make: each sample copied
+    once, in shuffled batches, from the decoded stripes into one reused batch buffer.
+
+    Chunks decode (``read_local``, as in ``StripeFloor``) in windows of ``block_chunks`` on
+    ``threads`` pool threads, two windows ahead, while the main thread gathers the current
+    window: per batch, sorted draws, one ``np.take(out=, mode="clip")`` per stripe run, as
+    ``GatherNode`` does. Draw plans are built up front, so no Python glue is timed; three
+    window slots of pre-touched stripe buffers are reused, so no page faults are either.
+    """
+
+    AHEAD = 2  # windows decoding while one is gathered (the loader's head + prefetch)
+
+    def __init__(self, source: ib.Source, chunk_ids: np.ndarray, threads: int,
+                 block_chunks: int, batch_size: int, seed: int) -> None:
+        geom = source.variables[0]
+        self.reader = StripeReader(source.arrays[0], geom, source.url)
+        rng = np.random.default_rng(seed)
+        ids = rng.permutation(np.asarray(chunk_ids, dtype=np.int64))
+        self.windows = [ids[i:i + block_chunks].tolist() for i in range(0, ids.size, block_chunks)]
+        cs, n_total = geom.sample_chunk, geom.shape[0]
+        # plans[w][b] = [(stripe slot j, row offsets, batch start, batch stop), ...]
+        self.plans: list[list[list[tuple[int, np.ndarray, int, int]]]] = []
+        for win in self.windows:
+            local = np.concatenate([j * cs + np.arange(min(cs, n_total - c * cs))
+                                    for j, c in enumerate(win)])
+            draws = local[rng.permutation(local.size)]
+            batches = []
+            for b0 in range(0, draws.size, batch_size):
+                s = np.sort(draws[b0:b0 + batch_size])
+                stripe = s // cs
+                cuts = (np.flatnonzero(np.diff(stripe)) + 1).tolist()
+                bounds = list(zip([0, *cuts], [*cuts, s.size], strict=True))
+                batches.append([(int(stripe[a]), (s[a:b] - stripe[a] * cs).astype(np.intp), a, b)
+                                for a, b in bounds])
+            self.plans.append(batches)
+        n_slots = self.AHEAD + 1
+        self.slots = [[np.ones(geom.stripe_shape, geom.dtype) for _ in range(block_chunks)]
+                      for _ in range(n_slots)]
+        self.out = np.ones((batch_size, *geom.sample_shape), geom.dtype)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gfloor")
+        self.threads = threads
+        self.seconds: list[float] = []
+        self.usage: list[np.ndarray] = []
+
+    def _submit(self, w: int) -> list[Any]:
+        bufs = self.slots[w % len(self.slots)]
+        return [self.pool.submit(self.reader.read_local, c, bufs[j])
+                for j, c in enumerate(self.windows[w])]
+
+    def run_pass(self) -> float:
+        u0, t0 = _usage(), time.perf_counter()
+        n_win, out, acc = len(self.windows), self.out, 0.0
+        futs = {w: self._submit(w) for w in range(min(self.AHEAD, n_win))}
+        for w in range(n_win):
+            for f in futs.pop(w):
+                f.result()
+            if w + self.AHEAD < n_win:  # its slot held window w - 1, gathered already
+                futs[w + self.AHEAD] = self._submit(w + self.AHEAD)
+            bufs = self.slots[w % len(self.slots)]
+            for parts in self.plans[w]:
+                for j, offs, a, b in parts:
+                    np.take(bufs[j], offs, axis=0, out=out[a:b], mode="clip")
+                acc += float(out[0, 0, 0])
+        self.seconds.append(time.perf_counter() - t0)
+        self.usage.append(_usage() - u0)
+        return self.seconds[-1]
+
+    result = StripeFloor.result
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 def time_zarr_floor(source: ib.Source, rows: Sequence[slice], n_samples: int,
                     repeats: int) -> Run:
     """zarr's own whole-array read, for reference (it allocates its output afresh)."""
@@ -254,18 +328,20 @@ def time_zarr_floor(source: ib.Source, rows: Sequence[slice], n_samples: int,
 
 # -- (a) the insitubatch loader -----------------------------------------------------------
 def time_loader(source: ib.Source, manifest: ib.SplitManifest, args: argparse.Namespace,
-                floor: StripeFloor) -> list[Run]:
-    """Consecutive epochs on one loader, each right after a floor pass: epoch 1 includes the
-    loop/pool start-up, later ones are the steady state a training run sees, and pairing
-    each epoch with a floor pass makes their ratio robust to this VM's drifting speed."""
+                floor: StripeFloor, gfloor: GatherFloor) -> list[Run]:
+    """Consecutive epochs on one loader, each right after a pass of both floors: epoch 1
+    includes the loop/pool start-up, later ones are the steady state a training run sees, and
+    pairing each epoch with floor passes makes their ratios robust to this VM's drifting speed."""
     loader = ib.build_loader(source, manifest, SPLIT, batch_size=args.batch_size,
-                             block_chunks=args.block_chunks, max_inflight=args.max_inflight)
+                             block_chunks=args.block_chunks, max_inflight=args.max_inflight,
+                             decode_threads=args.decode_threads)
     n_batches = -(-manifest.n_samples_in(SPLIT) // args.batch_size)
     runs: list[Run] = []
     with loader:
         fetch = loader.node(ib.AsyncFetchNode)
         for epoch in range(1, args.epochs + 1):
             floor_s = floor.run_pass()
+            gfloor_s = gfloor.run_pass()
             loader.ledger.reset_peak()
             wait0 = fetch.stats.wait_s
             with RssSampler() as rss:
@@ -278,6 +354,7 @@ def time_loader(source: ib.Source, manifest: ib.SplitManifest, args: argparse.Na
                             "resident_bound_bytes": loader.resident_bound,
                             "consumer_wait_s": fetch.stats.wait_s - wait0,
                             "paired_floor_s": floor_s,
+                            "paired_gather_floor_s": gfloor_s,
                             "decode_threads": fetch.decode_threads,
                             "shuffle_quality": loader.shuffle_quality}))
     return runs
@@ -345,10 +422,11 @@ def machine_info() -> dict[str, Any]:
             "insitubatch_nodes": ib.__version__, "platform": platform.platform()}
 
 
-def _row(run: Run, floor: Run, naive2: Run | None) -> dict[str, Any]:
+def _row(run: Run, floor: Run, naive2: Run | None, gfloor: Run) -> dict[str, Any]:
     return {"name": run.name, "samples": run.samples, "seconds": run.seconds,
             "samples_per_s": run.samples_per_s, "gb_per_s": run.gb_per_s,
             "ratio_to_floor": run.samples_per_s / floor.samples_per_s,
+            "ratio_to_gather_floor": run.samples_per_s / gfloor.samples_per_s,
             "ratio_to_naive_2w": run.samples_per_s / naive2.samples_per_s if naive2 else None,
             "first_batch_s": run.first_batch_s, "cpu_cores": run.cores, **run.extra}
 
@@ -358,25 +436,27 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'path':<48} {'samples/s':>9} {'GB/s':>5} {'x floor':>7} {'x naive2w':>9} "
-            f"{'1st batch':>9} {'cores':>5}")
+    head = (f"{'path':<48} {'samples/s':>9} {'GB/s':>5} {'x floor':>7} {'x f+copy':>8} "
+            f"{'x naive2w':>9} {'1st batch':>9} {'cores':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['name']:<48} {r['samples_per_s']:>9,.0f} {r['gb_per_s']:>5.2f} "
-              f"{r['ratio_to_floor']:>7.2f} {_fmt(r['ratio_to_naive_2w'], '.1f'):>9} "
+              f"{r['ratio_to_floor']:>7.2f} {r['ratio_to_gather_floor']:>8.2f} "
+              f"{_fmt(r['ratio_to_naive_2w'], '.1f'):>9} "
               f"{_fmt(r['first_batch_s'], '.3f'):>9} {_fmt(r['cpu_cores'], '.2f'):>5}")
 
 
-def steady_state(epochs: list[Run]) -> tuple[Run, float]:
+def steady_state(epochs: list[Run], key: str = "paired_floor_s") -> tuple[Run, float]:
     """The best epoch after the first (the steady state), and the median over those epochs of
-    (epoch rate / rate of the floor pass run just before it), which drift cannot bias."""
+    (epoch rate / rate of the floor pass, ``key``, run just before it), which drift cannot
+    bias."""
     warm = epochs[1:] or epochs
     best = min(warm, key=lambda r: r.seconds)
     steady = Run(f"insitubatch loader, steady (best of epochs {len(epochs) - len(warm) + 1}"
                  f"-{len(epochs)})", best.samples, best.seconds, best.sample_nbytes,
                  best.first_batch_s, best.cpu_s, extra={"epoch": best.name, **best.extra})
-    paired = float(np.median([r.extra["paired_floor_s"] / r.seconds for r in warm]))
+    paired = float(np.median([r.extra[key] / r.seconds for r in warm]))
     return steady, paired
 
 
@@ -403,7 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=5,
                    help="loader epochs; epoch 1 is cold, the best later one is steady state")
     p.add_argument("--floor-threads", type=int, default=min(4, os.cpu_count() or 2),
-                   help="threads of the StripeReader floor (the loader's decode pool size)")
+                   help="threads of the StripeReader floors (the loader's default decode pool)")
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="the loader's decode_threads (default: the library's)")
     p.add_argument("--repeats", type=int, default=3,
                    help="passes of the zarr floor; the best is kept")
     p.add_argument("--seed", type=int, default=0)
@@ -440,12 +522,17 @@ def main(argv: list[str] | None = None) -> int:
     nbytes_s = source.sample_nbytes
 
     floor_ring = StripeFloor(source, chunk_ids, args.floor_threads)
+    gather_ring = GatherFloor(source, chunk_ids, args.floor_threads, args.block_chunks,
+                              args.batch_size, args.seed)
     for _ in range(2):  # warm-up passes: thread start, first-touch of code and caches
         floor_ring.run_pass()
-    loader_runs = time_loader(source, manifest, args, floor_ring)
+        gather_ring.run_pass()
+    loader_runs = time_loader(source, manifest, args, floor_ring, gather_ring)
     floor_ring.close()
+    gather_ring.close()
     stripe = floor_ring.result(f"read floor: StripeReader, {args.floor_threads} threads",
                                n_split, nbytes_s)
+    gfloor = gather_ring.result("read floor + one gather copy", n_split, nbytes_s)
 
     rng = np.random.default_rng(args.seed)
     pool = source.grid.samples_of(chunk_ids)
@@ -456,8 +543,9 @@ def main(argv: list[str] | None = None) -> int:
 
     floor = max((stripe, zfloor), key=lambda r: r.samples_per_s)
     steady, paired = steady_state(loader_runs)
-    runs = [*loader_runs[:2], steady, naive0, naive2, stripe, zfloor]
-    table = [_row(r, floor, naive2) for r in runs]
+    _, paired_g = steady_state(loader_runs, "paired_gather_floor_s")
+    runs = [*loader_runs[:2], steady, naive0, naive2, stripe, gfloor, zfloor]
+    table = [_row(r, floor, naive2, gfloor) for r in runs]
 
     print()
     print(f"split {SPLIT!r}: {len(chunk_ids)} chunks, {n_split} samples of "
@@ -467,12 +555,16 @@ def main(argv: list[str] | None = None) -> int:
     print_table(table)
     r_floor = steady.samples_per_s / floor.samples_per_s
     r_naive = steady.samples_per_s / naive2.samples_per_s
-    print(f"\nread floor = {floor.name} ({floor.gb_per_s:.2f} GB/s)")
+    print(f"\nread floor = {floor.name} ({floor.gb_per_s:.2f} GB/s); floor + one gather copy "
+          f"{gfloor.gb_per_s:.2f} GB/s = {gfloor.samples_per_s / floor.samples_per_s:.2f}x floor")
     print("loader epoch rates: " + ", ".join(f"{r.samples_per_s:,.0f}" for r in loader_runs)
           + " samples/s; steady state = best epoch after the first")
     print(f"steady state: {r_floor:.2f}x floor (median paired ratio {paired:.2f}x) "
           f"[{'OK' if r_floor >= 0.85 else 'BELOW'} target 0.85]; {r_naive:.1f}x naive 2 "
           f"workers [{'OK' if r_naive >= 10 else 'BELOW'} target 10]")
+    r_gfloor = steady.samples_per_s / gfloor.samples_per_s
+    print(f"steady state vs floor + one gather copy: {r_gfloor:.2f}x (median paired ratio "
+          f"{paired_g:.2f}x)")
     rss = max(r.extra["rss_peak_growth_bytes"] for r in loader_runs)
     ledger = max(r.extra["ledger_peak_bytes"] for r in loader_runs)
     waits = ", ".join(f"{r.extra['consumer_wait_s']:.2f}" for r in loader_runs)
@@ -491,9 +583,12 @@ def main(argv: list[str] | None = None) -> int:
                                              for k, v in vars(args).items()},
               "split": {"chunks": len(chunk_ids), "samples": n_split, "sample_nbytes": nbytes_s},
               "store": {"disk_bytes": nbytes, "decoded_bytes": decoded},
-              "rows": table, "loader_epochs": [_row(r, floor, naive2) for r in loader_runs],
+              "rows": table,
+              "loader_epochs": [_row(r, floor, naive2, gfloor) for r in loader_runs],
               "floor": floor.name, "steady_ratio_to_floor": r_floor,
               "steady_paired_ratio_to_floor": paired, "steady_ratio_to_naive_2w": r_naive,
+              "steady_ratio_to_gather_floor": r_gfloor,
+              "steady_paired_ratio_to_gather_floor": paired_g,
               "total_seconds": total}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -4,6 +4,7 @@ The standard graph is Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> Shuffle
 Gather -> PinOrCuda; ``build_loader`` composes it, and every node can be used on its own.
 """
 
+from .distributed import merge_rank_states
 from .geometry import SampleGrid, VariableGeometry
 from .loader import InSituLoader, build_loader, parse_bytes
 from .memory import MemoryLedger
@@ -28,5 +29,5 @@ __all__ = [
     "PinOrCudaNode", "ReadPlan", "ReadPlanNode", "SampleGrid", "ShuffleBufferNode", "Source",
     "SplitManifest", "SplitNode", "VariableGeometry", "build_loader", "make_read_plan",
     "measured_shuffle_quality", "open_source", "parse_bytes", "recommend_block_chunks",
-    "shuffle_quality", "split_by_chunk",
+    "merge_rank_states", "shuffle_quality", "split_by_chunk",
 ]

@@ -10,7 +10,8 @@ import torch
 from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
-from .memory import MemoryLedger
+from .distributed import ELASTIC_KEY
+from .memory import BufferPool, MemoryLedger
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -23,6 +24,7 @@ from .nodes import (
 from .permute import resolve_rank
 from .plan import max_window_nbytes
 from .quality import shuffle_quality
+from .schedule import UNEVEN_POLICIES, Resumption
 from .source import Source
 from .split import SplitManifest
 
@@ -64,10 +66,19 @@ class InSituLoader(Loader):
         return json.loads(json.dumps(super().state_dict()))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(json.loads(json.dumps(state_dict)))
+        """Apply a state at the next ``iter()``: one rank's own state, or the output of
+        ``merge_rank_states`` (any world size)."""
+        state_dict = json.loads(json.dumps(state_dict))
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
+        if ELASTIC_KEY in state_dict:
+            el = state_dict[ELASTIC_KEY]
+            history = [Resumption.from_json(h) for h in el["history"]]
+            self.node(ChunkPermuteNode).arm_elastic(int(el["epoch"]), history)
+            self._next_iter_state_dict = None
+            return
+        super().load_state_dict(state_dict)
 
     # -- conveniences -----------------------------------------------------------------
     def _nodes(self) -> list[BaseNode]:
@@ -135,12 +146,17 @@ def build_loader(
     prefetch_windows: int = 1,
     decode_threads: int | None = None,
     memory_budget: int | str | None = None,
+    uneven: str = "pad",
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
 
     ``memory_budget`` caps resident decoded data (windows held plus prefetched); a budget
     too small for ``block_chunks`` is an error that names the largest value that fits.
+    ``rank``/``world_size`` default to the initialised ``torch.distributed`` group (else 0/1);
+    ``uneven`` keeps ranks at equal step counts: ``"pad"`` (default: repeats a few samples of
+    the rank's own last window), ``"drop"`` (cuts every rank to the smallest share) or
+    ``"none"`` (unequal; never with DDP, whose last all-reduce would hang).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -156,6 +172,14 @@ def build_loader(
             f"splits with chunks: {[n for n in manifest.names if len(manifest.chunk_ids(n))]}"
         )
     rank, world_size = resolve_rank(rank, world_size)
+    if uneven not in UNEVEN_POLICIES:
+        raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {uneven!r}")
+    if world_size > n_chunks:
+        raise ValueError(
+            f"world_size={world_size} exceeds the {n_chunks} chunks of split {split!r}: a chunk "
+            "is served by one rank, so some ranks would get nothing. Use at most "
+            f"{n_chunks} ranks, or a split with more chunks."
+        )
     if memory_budget is not None:
         budget = parse_bytes(memory_budget)
         need = _resident_bound(source, block_chunks, prefetch_windows, batch_size)
@@ -172,14 +196,14 @@ def build_loader(
 
     ledger = MemoryLedger()
     node: BaseNode = SplitNode(manifest, split)
-    node = ChunkPermuteNode(node, seed=seed, rank=rank, world_size=world_size)
-    node = ReadPlanNode(node, source.grid, source.variables, block_chunks, seed=seed, rank=rank,
-                        world_size=world_size)
+    node = ChunkPermuteNode(node, source.grid, seed=seed, rank=rank, world_size=world_size,
+                            block_chunks=block_chunks, uneven=uneven)
+    node = ReadPlanNode(node, source.variables)
     node = AsyncFetchNode(node, source, max_inflight=max_inflight,
                           prefetch_windows=prefetch_windows, decode_threads=decode_threads,
-                          ledger=ledger)
+                          ledger=ledger, pool=BufferPool(ledger))
     node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
-    node = GatherNode(node, source.variables)
+    node = GatherNode(node, source.variables, pool=BufferPool())
     node = PinOrCudaNode(node, device=device)
     loader = InSituLoader(node)
     loader.ledger = ledger

@@ -31,8 +31,8 @@ from insitubatch_nodes.nodes import (
 def make_loader(source: ib.Source, manifest: ib.SplitManifest, seed: int) -> ib.InSituLoader:
     """The standard graph, spelled out so that any stage can be swapped for an experiment."""
     node = SplitNode(manifest, "train")
-    node = ChunkPermuteNode(node, seed=seed)
-    node = ReadPlanNode(node, source.grid, source.variables, block_chunks=16, seed=seed)
+    node = ChunkPermuteNode(node, source.grid, seed=seed, block_chunks=16)
+    node = ReadPlanNode(node, source.variables)
     node = AsyncFetchNode(node, source, max_inflight=32)
     node = ShuffleBufferNode(node, source.variables, batch_size=32)
     node = GatherNode(node, source.variables)

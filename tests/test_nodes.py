@@ -13,6 +13,7 @@ import insitubatch_nodes as ib
 from insitubatch_nodes.nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
+    EpochChunk,
     GatherNode,
     PinOrCudaNode,
     ReadPlanNode,
@@ -36,10 +37,10 @@ def build(src, m, upto, seed=5):
     node = SplitNode(m, "train")
     if upto == "split":
         return node
-    node = ChunkPermuteNode(node, seed=seed, rank=0, world_size=1)
+    node = ChunkPermuteNode(node, src.grid, seed=seed, rank=0, world_size=1, block_chunks=3)
     if upto == "permute":
         return node
-    node = ReadPlanNode(node, src.grid, src.variables, block_chunks=3, seed=seed)
+    node = ReadPlanNode(node, src.variables)
     if upto == "plan":
         return node
     node = AsyncFetchNode(node, src, max_inflight=4)
@@ -56,6 +57,8 @@ def build(src, m, upto, seed=5):
 
 def key(item):
     """A comparable rendering of any node's output."""
+    if isinstance(item, EpochChunk):
+        return (item.epoch, item.chunk, item.last)
     if isinstance(item, ib.ReadPlan):
         return (item.epoch, item.window, item.chunk_ids, item.draw_order.tolist(), item.reads)
     if hasattr(item, "plan"):  # DecodedWindow
@@ -105,7 +108,8 @@ def test_permute_node_deals_rank_shares(setup):
     src, m, _ = setup
     shares = []
     for r in range(3):
-        node = ChunkPermuteNode(SplitNode(m, "train"), seed=1, rank=r, world_size=3)
+        node = ChunkPermuteNode(SplitNode(m, "train"), src.grid, seed=1, rank=r, world_size=3,
+                                uneven="none")
         shares.append([c.chunk for c in node])
     flat = sorted(sum(shares, []))
     assert flat == m.chunk_ids("train").tolist()

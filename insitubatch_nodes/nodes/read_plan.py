@@ -1,4 +1,4 @@
-"""ReadPlanNode: groups chunks into windows and plans each window's reads and draws."""
+"""ReadPlanNode: turns each scheduled window into a read plan (stripes to read, draw order)."""
 
 from __future__ import annotations
 
@@ -7,31 +7,24 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from ..geometry import SampleGrid, VariableGeometry
-from ..plan import ReadPlan, make_read_plan
+from ..geometry import VariableGeometry
+from ..plan import ReadPlan
+from ..schedule import plan_window
 from .chunk_permute import EpochChunk
 
 
 class ReadPlanNode(BaseNode[ReadPlan]):
-    """Takes ``block_chunks`` chunks at a time and yields one ``ReadPlan`` per window.
+    """Collects one window's chunks and yields its ``ReadPlan``: the deduplicated stripe reads
+    of every variable and the seeded draw order.
 
-    State: the window counter and the upstream state, which are enough to recompute every
-    plan (plans are pure functions of geometry, seed, epoch and window).
+    State: windows planned so far and the upstream state; plans are pure functions of the
+    schedule, so nothing else is needed to rebuild them.
     """
 
-    def __init__(self, source: BaseNode[EpochChunk], grid: SampleGrid,
-                 variables: Sequence[VariableGeometry], block_chunks: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, source: BaseNode[EpochChunk], variables: Sequence[VariableGeometry]) -> None:
         super().__init__()
-        if block_chunks < 1:
-            raise ValueError(f"block_chunks must be >= 1, got {block_chunks}")
         self.source = source
-        self.grid = grid
         self.variables = tuple(variables)
-        self.block_chunks = int(block_chunks)
-        self.seed = int(seed)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
         self._window = 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -44,19 +37,10 @@ class ReadPlanNode(BaseNode[ReadPlan]):
             self.source.reset(None)
 
     def next(self) -> ReadPlan:
-        chunks: list[int] = []
-        epoch = None
-        for _ in range(self.block_chunks):
-            try:
-                item = next(self.source)
-            except StopIteration:
-                break
-            epoch = item.epoch
-            chunks.append(item.chunk)
-        if not chunks:
-            raise StopIteration
-        plan = make_read_plan(self.grid, self.variables, chunks, seed=self.seed, epoch=epoch,
-                              window=self._window, rank=self.rank, world_size=self.world_size)
+        item = next(self.source)
+        while not item.last:
+            item = next(self.source)
+        plan = plan_window(item.window, self.variables, self._window)
         self._window += 1
         return plan
 

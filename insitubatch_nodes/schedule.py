@@ -1,0 +1,227 @@
+"""Epoch schedules: which windows each rank serves, equal step counts, elastic remainders.
+
+Everything here is a pure function of (split, seed, epoch, world size, resume history), so
+a rank computes every other rank's share without talking to it, and a loader state needs
+only counters.
+
+Generation 0 of an epoch deals the epoch's global chunk order (independent of the world
+size) round-robin to the ranks and cuts each share into windows of ``block_chunks``. An
+*elastic* resume merges the progress of all ranks (window index and draws taken in it) and
+starts generation k+1: the undrawn tails of partly drawn windows are dealt whole to the new
+ranks, and the chunks of untouched windows are pooled, put back in the epoch's global order,
+and dealt again. So over one epoch no sample is lost and none repeats, whatever the world
+sizes before and after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+from .geometry import SampleGrid, VariableGeometry
+from .permute import DRAW_STREAM, epoch_chunk_order
+from .plan import ReadPlan
+
+Uneven = Literal["pad", "drop", "none"]
+UNEVEN_POLICIES: tuple[str, ...] = ("pad", "drop", "none")
+_PAD_STREAM = 0x9A
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far one rank got in one generation: windows finished, draws taken in the next."""
+
+    window: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """An elastic resume: the world size before it and every old rank's progress."""
+
+    world_size: int
+    progress: tuple[Progress, ...]
+
+    def to_json(self) -> list:
+        return [self.world_size, [[p.window, p.offset] for p in self.progress]]
+
+    @classmethod
+    def from_json(cls, obj: Sequence) -> Resumption:
+        return cls(int(obj[0]), tuple(Progress(int(w), int(o)) for w, o in obj[1]))
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleContext:
+    """What every schedule of a loader depends on besides epoch, rank and history."""
+
+    chunk_ids: np.ndarray  # the split's chunks, canonical order
+    grid: SampleGrid
+    seed: int
+    block_chunks: int
+    uneven: str = "pad"
+
+    def __post_init__(self) -> None:
+        if self.uneven not in UNEVEN_POLICIES:
+            raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {self.uneven!r}")
+        if self.block_chunks < 1:
+            raise ValueError(f"block_chunks must be >= 1, got {self.block_chunks}")
+
+
+@dataclass(frozen=True, eq=False)
+class WindowSpec:
+    """One window of one rank: its chunks and, for an elastic tail, its explicit draws.
+
+    ``key`` seeds the draw order of a fresh window. ``limit`` drops draws past it and
+    ``extra`` appends padding draws (equal steps); both touch only a rank's last windows.
+    """
+
+    ctx: ScheduleContext
+    epoch: int
+    key: tuple[int, ...]
+    chunk_ids: np.ndarray
+    draws: np.ndarray | None = None
+    limit: int | None = None
+    extra: np.ndarray | None = None
+
+    def base_draws(self) -> np.ndarray:
+        """The window's draws before equal-steps adjustments."""
+        if self.draws is not None:
+            return self.draws
+        samples = self.ctx.grid.samples_of(self.chunk_ids)
+        rng = np.random.default_rng(
+            np.random.SeedSequence([DRAW_STREAM, self.ctx.seed, self.epoch, *self.key]))
+        return samples[rng.permutation(samples.size)]
+
+    @property
+    def n_base(self) -> int:
+        if self.draws is not None:
+            return int(self.draws.size)
+        return self.ctx.grid.n_samples_of(self.chunk_ids)
+
+    def final_draws(self) -> np.ndarray:
+        d = self.base_draws()
+        if self.limit is not None:
+            d = d[: self.limit]
+        if self.extra is not None:
+            d = np.concatenate([d, self.extra])
+        return d
+
+
+@dataclass(frozen=True, eq=False)
+class RankSchedule:
+    """A rank's windows for one epoch (adjusted) and the per-rank sample counts behind it."""
+
+    windows: tuple[WindowSpec, ...]
+    own_samples: int  # this rank's real samples
+    target: int  # samples it yields after equal-steps adjustment
+    counts: tuple[int, ...]  # every rank's real samples, for reports and errors
+
+    @property
+    def n_padded(self) -> int:
+        return max(0, self.target - self.own_samples)
+
+
+def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list[WindowSpec]]:
+    order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
+    out = []
+    for r in range(world_size):
+        share = order[r::world_size]
+        b = ctx.block_chunks
+        out.append([WindowSpec(ctx, epoch, (0, r, world_size, i), share[i * b:(i + 1) * b])
+                    for i in range(-(-share.size // b))])
+    return out
+
+
+def _windows(ctx: ScheduleContext, epoch: int, history: Sequence[Resumption],
+             world_size: int) -> list[list[WindowSpec]]:
+    """Every rank's unadjusted windows in the generation after ``history``."""
+    if not history:
+        return _generation0(ctx, epoch, world_size)
+    *earlier, last = history
+    prev = _windows(ctx, epoch, earlier, last.world_size)
+    if len(last.progress) != last.world_size:
+        raise ValueError(f"resume record has {len(last.progress)} rank progresses for world "
+                         f"size {last.world_size}")
+    tails: list[WindowSpec] = []
+    untouched: list[np.ndarray] = []
+    for r, (wins, p) in enumerate(zip(prev, last.progress, strict=True)):
+        if p.window > len(wins):
+            raise ValueError(f"resume record says rank {r} finished {p.window} windows, but it "
+                             f"had only {len(wins)} in that epoch")
+        for i, spec in enumerate(wins):
+            if i < p.window:
+                continue
+            if i == p.window or spec.draws is not None:
+                d = spec.base_draws()[p.offset if i == p.window else 0:]
+                if d.size:
+                    tails.append(WindowSpec(ctx, epoch, (), np.unique(d // ctx.grid.chunk_size),
+                                            draws=d))
+            else:
+                untouched.append(spec.chunk_ids)
+    g = len(history)
+    pool = np.concatenate(untouched) if untouched else np.empty(0, dtype=np.int64)
+    if pool.size:
+        order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
+        rank_in_order = np.empty(int(order.max()) + 1, dtype=np.int64)
+        rank_in_order[order] = np.arange(order.size)
+        pool = pool[np.argsort(rank_in_order[pool], kind="stable")]
+    out = []
+    b = ctx.block_chunks
+    for r in range(world_size):
+        mine = [replace(t, key=(g, r, world_size, -1 - j))
+                for j, t in enumerate(tails[r::world_size])]
+        share = pool[r::world_size]
+        mine += [WindowSpec(ctx, epoch, (g, r, world_size, i), share[i * b:(i + 1) * b])
+                 for i in range(-(-share.size // b))]
+        out.append(mine)
+    return out
+
+
+def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
+                  history: Sequence[Resumption] = ()) -> RankSchedule:
+    """This rank's windows, adjusted so that every rank yields the same number of samples.
+
+    ``pad`` repeats draws of the rank's own last window (no extra reads), ``drop`` cuts each
+    rank to the smallest share, ``none`` leaves shares unequal (not for DDP).
+    """
+    all_windows = _windows(ctx, epoch, history, world_size)
+    counts = tuple(sum(w.n_base for w in wins) for wins in all_windows)
+    wins = list(all_windows[rank])
+    own = counts[rank]
+    target = {"pad": max(counts), "drop": min(counts), "none": own}[ctx.uneven]
+    if target < own:
+        kept, total = [], 0
+        for w in wins:
+            if total >= target:
+                break
+            n = w.n_base
+            kept.append(w if total + n <= target else replace(w, limit=target - total))
+            total += n
+        wins = kept
+    elif target > own:
+        if not wins:
+            raise ValueError(
+                f"rank {rank} of {world_size} has no samples to pad from in epoch {epoch} "
+                f"(samples per rank: {list(counts)}); use fewer ranks, or uneven='drop'"
+            )
+        last = wins[-1]
+        pool = last.base_draws()
+        need = target - own
+        rng = np.random.default_rng(np.random.SeedSequence(
+            [_PAD_STREAM, ctx.seed, epoch, len(history), rank, world_size]))
+        extra = rng.choice(pool, size=need, replace=need > pool.size)
+        wins[-1] = replace(last, extra=extra.astype(np.int64))
+    return RankSchedule(tuple(wins), own, target, counts)
+
+
+def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window: int) -> ReadPlan:
+    """The read plan of one window: its final draw order and the stripes those draws need."""
+    draws = spec.final_draws()
+    reads = tuple(tuple(int(i) for i in np.unique(draws // v.sample_chunk)) for v in variables)
+    nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
+    return ReadPlan(epoch=spec.epoch, window=window,
+                    chunk_ids=tuple(int(c) for c in spec.chunk_ids), draw_order=draws,
+                    reads=reads, nbytes=nbytes)
