@@ -17,7 +17,7 @@ from .nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
-from .plan import ReadPlan, make_read_plan
+from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
 from .source import Source, open_source
 from .split import SplitManifest, split_by_chunk
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncFetchNode", "ChunkPermuteNode", "GatherNode", "InSituLoader", "MemoryLedger",
     "PinOrCudaNode", "ReadPlan", "ReadPlanNode", "SampleGrid", "ShuffleBufferNode", "Source",
-    "SplitManifest", "SplitNode", "VariableGeometry", "build_loader", "make_read_plan",
+    "SplitManifest", "SplitNode", "VariableGeometry", "build_loader",
     "measured_shuffle_quality", "open_source", "parse_bytes", "recommend_block_chunks",
     "merge_rank_states", "shuffle_quality", "split_by_chunk",
 ]

@@ -1,7 +1,8 @@
 """Read plans: the deduplicated chunk reads of one window and the window's draw order.
 
 Planning per window, not per batch, is what makes every chunk of a window be fetched once
-and fully used while resident (the lesson of an earlier prototype).
+and fully used while resident (the lesson of an earlier prototype). Plans are made from
+scheduled windows by ``schedule.plan_window``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .geometry import SampleGrid, VariableGeometry
-from .permute import DRAW_STREAM
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,45 +38,6 @@ class ReadPlan:
     @property
     def n_reads(self) -> int:
         return sum(len(r) for r in self.reads)
-
-
-def window_draw_order(samples: np.ndarray, seed: int, epoch: int, window: int,
-                      rank: int = 0, world_size: int = 1) -> np.ndarray:
-    """A uniform permutation of the window's samples, keyed on everything that defines it."""
-    rng = np.random.default_rng(
-        np.random.SeedSequence([DRAW_STREAM, seed, epoch, window, rank, world_size]))
-    return samples[rng.permutation(samples.size)]
-
-
-def stripe_reads(grid: SampleGrid, var: VariableGeometry, chunk_ids: np.ndarray) -> tuple[int, ...]:
-    """Sample-axis chunks of ``var`` that overlap the given grid chunks, each listed once."""
-    cs = var.sample_chunk
-    starts = np.asarray(chunk_ids, dtype=np.int64) * grid.chunk_size
-    stops = np.minimum(starts + grid.chunk_size, grid.n_samples)
-    first = starts // cs
-    last = (stops - 1) // cs
-    if np.all(first == last):
-        idx = first
-    else:
-        idx = np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last, strict=True)])
-    return tuple(int(i) for i in np.unique(idx))
-
-
-def make_read_plan(grid: SampleGrid, variables: Sequence[VariableGeometry],
-                   chunk_ids: Sequence[int], *, seed: int, epoch: int, window: int,
-                   rank: int = 0, world_size: int = 1) -> ReadPlan:
-    ids = np.asarray(chunk_ids, dtype=np.int64)
-    samples = grid.samples_of(ids)
-    reads = tuple(stripe_reads(grid, v, ids) for v in variables)
-    nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
-    return ReadPlan(
-        epoch=epoch,
-        window=window,
-        chunk_ids=tuple(int(i) for i in ids),
-        draw_order=window_draw_order(samples, seed, epoch, window, rank, world_size),
-        reads=reads,
-        nbytes=nbytes,
-    )
 
 
 def max_window_nbytes(grid: SampleGrid, variables: Sequence[VariableGeometry],

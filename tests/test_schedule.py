@@ -1,0 +1,136 @@
+"""Schedules are pure: rank shares, windows, equal steps and elastic remainders, no store."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from insitubatch_nodes.geometry import SampleGrid, VariableGeometry, common_chunk_size
+from insitubatch_nodes.plan import max_window_nbytes
+from insitubatch_nodes.schedule import (
+    Progress,
+    Resumption,
+    ScheduleContext,
+    plan_window,
+    rank_schedule,
+)
+
+
+def ctx(n=203, cs=8, block=3, uneven="none", seed=0, split=None):
+    grid = SampleGrid(n, cs)
+    ids = np.arange(grid.n_chunks) if split is None else np.asarray(split)
+    return ScheduleContext(ids, grid, seed, block, uneven)
+
+
+def epoch_draws(c, epoch, world, history=()):
+    return [np.concatenate([w.final_draws() for w in rank_schedule(c, epoch, r, world,
+                                                                   history).windows] or
+                           [np.empty(0, np.int64)]) for r in range(world)]
+
+
+def var(name, n, cs):
+    return VariableGeometry(name, (n, 3), (cs, 3), np.dtype("float32"))
+
+
+@given(n=st.integers(1, 200), cs=st.lists(st.integers(1, 16), min_size=1, max_size=3),
+       block=st.integers(1, 6))
+def test_plans_read_each_needed_stripe_once(n, cs, block):
+    variables = [var(f"v{i}", n, c) for i, c in enumerate(cs)]
+    c = ctx(n, common_chunk_size(cs), block)
+    for w_i, spec in enumerate(rank_schedule(c, 0, 0, 1).windows):
+        plan = plan_window(spec, variables, w_i)
+        samples = c.grid.samples_of(spec.chunk_ids)
+        assert sorted(plan.draw_order.tolist()) == sorted(samples.tolist())
+        for v, reads in zip(variables, plan.reads, strict=True):
+            assert list(reads) == sorted(set((samples // v.sample_chunk).tolist()))
+        assert plan.nbytes <= max_window_nbytes(c.grid, variables, block)
+
+
+def test_draw_order_depends_on_seed_and_epoch_only_through_keys():
+    a = epoch_draws(ctx(seed=0), 0, 1)[0]
+    assert np.array_equal(a, epoch_draws(ctx(seed=0), 0, 1)[0])
+    assert not np.array_equal(a, epoch_draws(ctx(seed=1), 0, 1)[0])
+    assert not np.array_equal(a, epoch_draws(ctx(seed=0), 1, 1)[0])
+
+
+@given(n=st.integers(1, 300), cs=st.integers(1, 12), block=st.integers(1, 5),
+       world=st.integers(1, 4), epoch=st.integers(0, 3))
+def test_ranks_cover_the_split_once(n, cs, block, world, epoch):
+    c = ctx(n, cs, block)
+    if world > c.grid.n_chunks:
+        return
+    draws = np.concatenate(epoch_draws(c, epoch, world))
+    assert sorted(draws.tolist()) == list(range(n))
+
+
+def test_shares_are_redealt_every_epoch():
+    c = ctx(400, 8, 2)
+    s0 = set(rank_schedule(c, 0, 0, 2).windows[0].chunk_ids.tolist())
+    s1 = set(rank_schedule(c, 1, 0, 2).windows[0].chunk_ids.tolist())
+    assert s0 != s1
+
+
+@pytest.mark.parametrize("uneven", ["pad", "drop"])
+@given(n=st.integers(1, 300), cs=st.integers(1, 12), block=st.integers(1, 5),
+       world=st.integers(2, 4))
+def test_equal_samples_per_rank(uneven, n, cs, block, world):
+    c = ctx(n, cs, block, uneven)
+    if world > c.grid.n_chunks:
+        return
+    per_rank = epoch_draws(c, 0, world)
+    sizes = {d.size for d in per_rank}
+    assert len(sizes) == 1  # equal steps whatever batch size and drop_last
+    allc = Counter(np.concatenate(per_rank).tolist())
+    if uneven == "pad":
+        assert set(allc) == set(range(n))  # nothing lost
+        # padding repeats only the rank's own samples, and only as much as needed
+        for r, d in enumerate(per_rank):
+            sched = rank_schedule(c, 0, r, world)
+            assert d.size == sched.target and len(set(d.tolist())) == sched.own_samples
+    else:
+        assert max(allc.values()) == 1 and len(allc) == world * sizes.pop()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 260), cs=st.integers(1, 10), block=st.integers(1, 4),
+       w0=st.integers(1, 4), w1=st.integers(1, 4), w2=st.integers(1, 4), data=st.data())
+def test_elastic_resumes_lose_and_repeat_nothing(n, cs, block, w0, w1, w2, data):
+    """Stop anywhere at W0, resume at W1, stop again, resume at W2: the epoch is exact."""
+    c = ctx(n, cs, block)
+    if max(w0, w1, w2) > c.grid.n_chunks:
+        return
+    seen: list[int] = []
+    history: tuple[Resumption, ...] = ()
+    for world in (w0, w1):
+        progress = []
+        for r in range(world):
+            wins = rank_schedule(c, 0, r, world, history).windows
+            h = data.draw(st.integers(0, len(wins)))
+            o = data.draw(st.integers(0, wins[h].n_base - 1)) if h < len(wins) else 0
+            for w in wins[:h]:
+                seen += w.final_draws().tolist()
+            if h < len(wins):
+                seen += wins[h].final_draws()[:o].tolist()
+            progress.append(Progress(h, o))
+        history = (*history, Resumption(world, tuple(progress)))
+    rest = np.concatenate(epoch_draws(c, 0, w2, history)).tolist()
+    assert sorted(seen + rest) == list(range(n))
+
+
+def test_resumption_json_round_trip():
+    r = Resumption(2, (Progress(1, 5), Progress(0, 0)))
+    assert Resumption.from_json(r.to_json()) == r
+
+
+def test_rank_without_samples_cannot_pad():
+    c = ctx(16, 8, 1, "pad")
+    history = (Resumption(2, (Progress(1, 0), Progress(0, 3))),)  # only 5 samples left
+    with pytest.raises(ValueError, match="no samples to pad from"):
+        rank_schedule(c, 0, 1, 2, history)
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match="uneven"):
+        ctx(uneven="spread")
