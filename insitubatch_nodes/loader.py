@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from typing import Any
 
 import torch
@@ -38,9 +39,14 @@ class _ExactIterator(LoaderIterator):
             item = self._cached_item
             self._cached_item = None
             self._cached_state_dict = None
-            return item
-        item = next(self.root)
-        self._num_yielded += 1
+        else:
+            item = next(self.root)
+            self._num_yielded += 1
+        ring = self.loader._recent_states
+        if ring is not None:
+            ring.append((self._num_yielded,
+                         {self.ROOT_KEY: self.root.state_dict(),
+                          self.NUM_YIELDED_KEY: self._num_yielded}))
         return item
 
 
@@ -52,8 +58,27 @@ class InSituLoader(Loader):
     copied in and out, so a caller mutating one cannot corrupt the loader.
     """
 
-    def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True) -> None:
+    def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
+                 keep_states: int = 0) -> None:
         super().__init__(root, restart_on_stop_iteration)
+        self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
+
+    def state_dict_at(self, num_yielded: int) -> dict[str, Any]:
+        """The state as it was right after batch ``num_yielded`` of the current epoch.
+
+        For trainers that fetch ahead of the step they checkpoint (Lightning prefetches one
+        batch): build with ``keep_states=k`` and ask for the batches actually consumed.
+        """
+        if self._recent_states is None:
+            raise ValueError("state_dict_at needs the loader built with keep_states >= 1")
+        if self._it is not None and self._it._num_yielded == num_yielded:
+            return self.state_dict()
+        for n, state in reversed(self._recent_states):
+            if n == num_yielded:
+                return json.loads(json.dumps(state))
+        kept = [n for n, _ in self._recent_states]
+        raise ValueError(f"no state kept for num_yielded={num_yielded}; kept: {kept} "
+                         "(raise keep_states)")
 
     def __iter__(self):
         if self._it is None:
@@ -147,6 +172,7 @@ def build_loader(
     decode_threads: int | None = None,
     memory_budget: int | str | None = None,
     uneven: str = "pad",
+    keep_states: int = 0,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -205,7 +231,7 @@ def build_loader(
     node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
     node = GatherNode(node, source.variables, pool=BufferPool())
     node = PinOrCudaNode(node, device=device)
-    loader = InSituLoader(node)
+    loader = InSituLoader(node, keep_states=keep_states)
     loader.ledger = ledger
     loader.shuffle_quality = shuffle_quality(n_chunks, source.grid.chunk_size, block_chunks,
                                              batch_size)

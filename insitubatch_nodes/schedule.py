@@ -212,7 +212,8 @@ def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
         need = target - own
         rng = np.random.default_rng(np.random.SeedSequence(
             [_PAD_STREAM, ctx.seed, epoch, len(history), rank, world_size]))
-        extra = rng.choice(pool, size=need, replace=need > pool.size)
+        # Cycle through a shuffled copy: each sample repeats as few times as possible.
+        extra = np.resize(rng.permutation(pool), need)
         wins[-1] = replace(last, extra=extra.astype(np.int64))
     return RankSchedule(tuple(wins), own, target, counts)
 

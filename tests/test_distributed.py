@@ -1,0 +1,216 @@
+"""Rank partitions, equal steps, elastic resume, and the torchrun / Lightning recipes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stores import BLOSC, Var, write_store
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.demo import DemoSpec, make_demo_store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def uneven_source(tmp_path_factory):
+    """13 chunks of 8 and a short last chunk of 3: no world size divides it evenly."""
+    path = tmp_path_factory.mktemp("dist") / "s.zarr"
+    write_store(path, [Var("x", (99, 3), (8, 3), compressors=BLOSC)])
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (1.0,))
+
+
+def rank_epochs(src, m, world, n_epochs=1, **kw):
+    loaders = [ib.build_loader(src, m, "train", rank=r, world_size=world, **kw)
+               for r in range(world)]
+    out = []
+    for _ in range(n_epochs):
+        out.append([[b["sample_index"].numpy().copy() for b in ld] for ld in loaders])
+    for ld in loaders:
+        ld.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch", [5, 8])
+def test_ranks_partition_each_epoch(uneven_source, world, batch):
+    src, m = uneven_source
+    epochs = rank_epochs(src, m, world, n_epochs=2, batch_size=batch, block_chunks=2,
+                         uneven="none")
+    shares = []
+    for ranks in epochs:
+        seen = np.concatenate([np.concatenate(b) for b in ranks]).tolist()
+        assert sorted(seen) == list(range(99))  # disjoint and covering
+        shares.append([set(np.concatenate(b).tolist()) for b in ranks])
+    if world > 1:
+        assert shares[0] != shares[1]  # re-dealt every epoch
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_pad_gives_equal_steps_and_loses_nothing(uneven_source, world, drop_last):
+    src, m = uneven_source
+    (ranks,) = rank_epochs(src, m, world, batch_size=5, block_chunks=2, drop_last=drop_last)
+    steps = {len(b) for b in ranks}
+    assert len(steps) == 1, steps  # DDP never waits on a finished rank
+    assert {tuple(len(x) for x in b) for b in ranks}.__len__() == 1  # same batch sizes too
+    seen = Counter(np.concatenate([np.concatenate(b) for b in ranks]).tolist())
+    if not drop_last:
+        assert set(seen) == set(range(99))
+    (plain,) = rank_epochs(src, m, world, batch_size=5, block_chunks=2, uneven="none")
+    for b, p in zip(ranks, plain, strict=True):  # a rank repeats only its own samples
+        assert set(np.concatenate(b).tolist()) <= set(np.concatenate(p).tolist())
+
+
+def test_drop_gives_equal_steps_without_repeats(uneven_source):
+    src, m = uneven_source
+    (ranks,) = rank_epochs(src, m, 3, batch_size=5, block_chunks=2, uneven="drop")
+    assert len({len(b) for b in ranks}) == 1
+    seen = np.concatenate([np.concatenate(b) for b in ranks]).tolist()
+    assert len(seen) == len(set(seen))
+
+
+def test_world_larger_than_split_is_an_error(uneven_source):
+    src, m = uneven_source
+    with pytest.raises(ValueError, match="world_size=14 exceeds the 13 chunks"):
+        ib.build_loader(src, m, "train", rank=0, world_size=14)
+
+
+def _elastic(src, m, w_before, w_after, k, **kw):
+    before = [ib.build_loader(src, m, "train", rank=r, world_size=w_before, **kw)
+              for r in range(w_before)]
+    seen, states = [], []
+    for ld in before:
+        it = iter(ld)
+        for _ in range(k):
+            seen += next(it)["sample_index"].tolist()
+        states.append(ld.state_dict())
+    merged = json.loads(json.dumps(ib.merge_rank_states(states)))
+    assert len(json.dumps(merged)) < 2048
+    after = []
+    for r in range(w_after):
+        ld = ib.build_loader(src, m, "train", rank=r, world_size=w_after, **kw)
+        ld.load_state_dict(merged)
+        after.append(ld)
+    rest = [[b["sample_index"].tolist() for b in ld] for ld in after]
+    nxt = [[b["sample_index"].tolist() for b in ld] for ld in after]
+    for ld in before + after:
+        ld.close()
+    return seen, rest, nxt
+
+
+@pytest.mark.parametrize("w_after", [1, 3])
+@pytest.mark.parametrize("k", [1, 4])
+def test_elastic_resume_is_exactly_once(uneven_source, w_after, k):
+    src, m = uneven_source
+    seen, rest, nxt = _elastic(src, m, 2, w_after, k, batch_size=4, block_chunks=2,
+                               uneven="none")
+    after = [s for r in rest for b in r for s in b]
+    assert sorted(seen + after) == list(range(99))
+    # The following epoch runs normally on the new world size.
+    assert sorted(s for r in nxt for b in r for s in b) == list(range(99))
+
+
+def test_elastic_resume_with_padding_keeps_equal_steps(uneven_source):
+    src, m = uneven_source
+    seen, rest, _ = _elastic(src, m, 2, 3, 3, batch_size=4, block_chunks=2)
+    assert len({len(r) for r in rest}) == 1
+    after = [s for r in rest for b in r for s in b]
+    assert set(seen + after) == set(range(99)) and not set(seen) & set(after)
+
+
+def test_merge_refuses_mixed_epochs(uneven_source):
+    src, m = uneven_source
+    a = ib.build_loader(src, m, "train", rank=0, world_size=2)
+    b = ib.build_loader(src, m, "train", rank=1, world_size=2)
+    list(a)
+    next(iter(a))
+    next(iter(b))
+    with pytest.raises(ValueError, match="different epochs"):
+        ib.merge_rank_states([a.state_dict(), b.state_dict()])
+    with pytest.raises(ValueError, match="not an insitubatch loader state"):
+        ib.merge_rank_states([{"root": {}}])
+    a.close()
+    b.close()
+
+
+# -- recipes in real subprocesses ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    return make_demo_store(tmp_path_factory.mktemp("demo") / "d.zarr",
+                           DemoSpec(n_times=200, n_lat=16, n_lon=32, time_chunk=8),
+                           progress=False)
+
+
+def _records(folder, world):
+    return [[json.loads(x) for x in (folder / f"rank{r}.jsonl").read_text().splitlines()]
+            for r in range(world)]
+
+
+def _torchrun(nproc, *args, cwd):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_port", str(29500 + os.getpid() % 1000 + nproc),
+           str(ROOT / "recipes" / "ddp_torchrun.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+@pytest.mark.torchrun
+def test_torchrun_recipe_resume_is_exact(demo_store, tmp_path):
+    common = ["--store", str(demo_store), "--every", "1", "--epochs", "2"]
+    _torchrun(2, *common, "--checkpoint", str(tmp_path / "a.pt"), "--stop-after", "4",
+              "--record", str(tmp_path / "a"), cwd=tmp_path)
+    out = _torchrun(2, *common, "--checkpoint", str(tmp_path / "a.pt"), "--resume",
+                    "--record", str(tmp_path / "a"), cwd=tmp_path)
+    assert "resumed at step 4 from 2 ranks onto 2" in out
+    _torchrun(2, *common, "--checkpoint", str(tmp_path / "b.pt"), "--record",
+              str(tmp_path / "b"), cwd=tmp_path)
+    assert _records(tmp_path / "a", 2) == _records(tmp_path / "b", 2)
+
+
+@pytest.mark.torchrun
+def test_torchrun_recipe_elastic_resume(demo_store, tmp_path):
+    common = ["--store", str(demo_store), "--every", "1", "--epochs", "1", "--checkpoint",
+              str(tmp_path / "c.pt")]
+    _torchrun(2, *common, "--stop-after", "3", "--record", str(tmp_path / "before"),
+              cwd=tmp_path)
+    out = _torchrun(3, *common, "--resume", "--record", str(tmp_path / "after"), cwd=tmp_path)
+    assert "from 2 ranks onto 3" in out
+    before = [s for r in _records(tmp_path / "before", 2) for x in r for s in x["samples"]]
+    after = [s for r in _records(tmp_path / "after", 3) for x in r for s in x["samples"]]
+    src = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
+    m = ib.split_by_chunk(src, fractions=(0.9, 0.1, 0.0))
+    want = set(m.grid.samples_of(m.chunk_ids("train")).tolist())
+    assert set(before) | set(after) == want and not set(before) & set(after)
+    assert len(before) == len(set(before))
+    steps = {len(r) for r in _records(tmp_path / "after", 3)}
+    assert len(steps) == 1  # equal steps after the elastic resume too
+
+
+@pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
+def test_lightning_recipe_resume_is_exact(demo_store, tmp_path):
+    pytest.importorskip("lightning")
+    script = str(ROOT / "recipes" / "lightning_datamodule.py")
+
+    def run(*args):
+        res = subprocess.run([sys.executable, script, "--store", str(demo_store), *args],
+                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+    run("--checkpoint", str(tmp_path / "a.ckpt"), "--max-steps", "5", "--record",
+        str(tmp_path / "a"))
+    run("--checkpoint", str(tmp_path / "a.ckpt"), "--max-steps", "16", "--resume", "--record",
+        str(tmp_path / "a"))
+    run("--checkpoint", str(tmp_path / "b.ckpt"), "--max-steps", "16", "--record",
+        str(tmp_path / "b"))
+    assert _records(tmp_path / "a", 1) == _records(tmp_path / "b", 1)
