@@ -6,6 +6,7 @@ Gather -> PinOrCuda; ``build_loader`` composes it, and every node can be used on
 
 from .distributed import merge_rank_states
 from .geometry import SampleGrid, VariableGeometry
+from .io.retry import RetryPolicy
 from .loader import InSituLoader, build_loader, parse_bytes
 from .memory import MemoryLedger
 from .nodes import (
@@ -26,8 +27,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncFetchNode", "ChunkPermuteNode", "GatherNode", "InSituLoader", "MemoryLedger",
-    "PinOrCudaNode", "ReadPlan", "ReadPlanNode", "SampleGrid", "ShuffleBufferNode", "Source",
-    "SplitManifest", "SplitNode", "VariableGeometry", "build_loader",
-    "measured_shuffle_quality", "open_source", "parse_bytes", "recommend_block_chunks",
-    "merge_rank_states", "shuffle_quality", "split_by_chunk",
+    "PinOrCudaNode", "ReadPlan", "ReadPlanNode", "RetryPolicy", "SampleGrid",
+    "ShuffleBufferNode", "Source", "SplitManifest", "SplitNode", "VariableGeometry",
+    "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_source",
+    "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
 ]

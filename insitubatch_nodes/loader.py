@@ -12,6 +12,7 @@ from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
 from .distributed import ELASTIC_KEY
+from .io.retry import RetryPolicy
 from .memory import BufferPool, MemoryLedger
 from .nodes import (
     AsyncFetchNode,
@@ -173,6 +174,7 @@ def build_loader(
     memory_budget: int | str | None = None,
     uneven: str = "pad",
     keep_states: int = 0,
+    retry: RetryPolicy | None = None,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -227,7 +229,7 @@ def build_loader(
     node = ReadPlanNode(node, source.variables)
     node = AsyncFetchNode(node, source, max_inflight=max_inflight,
                           prefetch_windows=prefetch_windows, decode_threads=decode_threads,
-                          ledger=ledger, pool=BufferPool(ledger))
+                          ledger=ledger, pool=BufferPool(ledger), retry=retry)
     node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
     node = GatherNode(node, source.variables, pool=BufferPool())
     node = PinOrCudaNode(node, device=device)

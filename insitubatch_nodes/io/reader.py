@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from ..geometry import VariableGeometry
 from .decode import ChunkDecoder, decoder_for
+from .retry import NO_RETRY, RetryPolicy, classify
 
 
 class StripeReader:
@@ -116,8 +118,35 @@ class StripeReader:
         return None if buf is None else buf.as_numpy_array().data
 
     async def read(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
-                   pool: Executor) -> None:
-        """Fill ``out`` with stripe ``index``; pool work goes through ``loop.run_in_executor``."""
+                   pool: Executor, retry: RetryPolicy = NO_RETRY) -> int:
+        """Fill ``out`` with stripe ``index``, retrying transient failures; returns attempts.
+
+        The error that ends the retries keeps its type and gets a note naming the array,
+        the chunk key, the store (without credentials) and the number of attempts.
+        """
+        rng = random.Random()
+        attempt = decode_failures = 0
+        while True:
+            attempt += 1
+            try:
+                await self._read_once(index, out, loop, pool)
+                return attempt
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                kind = classify(e)
+                decode_failures += kind == "decode"
+                give_up = (kind == "permanent" or attempt >= retry.attempts
+                           or decode_failures >= retry.decode_attempts)
+                if give_up:
+                    why = ("not retried: this error does not heal by waiting"
+                           if kind == "permanent" else f"gave up after {attempt} attempt(s)")
+                    e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
+                    raise
+                await asyncio.sleep(retry.delay(attempt, rng))
+
+    async def _read_once(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
+                         pool: Executor) -> None:
         if self.mode == "local":
             await loop.run_in_executor(pool, self.read_local, index, out)
         elif self.mode == "zarr":

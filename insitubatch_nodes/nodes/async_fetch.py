@@ -18,6 +18,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..io.reader import StripeReader
+from ..io.retry import RetryPolicy
 from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
@@ -41,6 +42,7 @@ class FetchStats:
     stripes: int = 0
     bytes_decoded: int = 0
     wait_s: float = 0.0  # time the consumer blocked on a window that was not ready
+    retries: int = 0  # stripe reads that needed another attempt
 
 
 class _LoopThread:
@@ -85,7 +87,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
     def __init__(self, source: BaseNode[ReadPlan], src: Source, *, max_inflight: int = 32,
                  prefetch_windows: int = 1, decode_threads: int | None = None,
-                 ledger: MemoryLedger | None = None, pool: BufferPool | None = None) -> None:
+                 ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
+                 retry: RetryPolicy | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -98,7 +101,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.decode_threads = int(decode_threads or min(4, os.cpu_count() or 2))
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.pool = pool if pool is not None else BufferPool(self.ledger)
+        self.retry = retry if retry is not None else RetryPolicy()
         self.stats = FetchStats()
+        self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, src.url)
                              for a, g in zip(src.arrays, src.variables, strict=True))
         self._lt: _LoopThread | None = None
@@ -110,8 +115,27 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._error: BaseException | None = None
 
     # -- lifecycle --------------------------------------------------------------------
+    def _check_process(self) -> None:
+        if self._pid is not None and os.getpid() != self._pid:
+            raise RuntimeError(
+                "this insitubatch loader was started in another process and then forked (e.g. "
+                "wrapped in a DataLoader with num_workers > 0). It does its own parallel IO on "
+                "a background thread, which does not survive fork (and obstore clients hang "
+                "after fork): iterate the loader directly in the training process, without "
+                "DataLoader workers."
+            )
+
+    def __reduce__(self):
+        raise TypeError(
+            "an AsyncFetchNode (and so an insitubatch loader) cannot be pickled or sent to "
+            "worker processes: it owns an event loop thread. Build the loader in the process "
+            "that trains (one per rank) and iterate it there, without DataLoader workers."
+        )
+
     def _ensure_loop(self) -> _LoopThread:
+        self._check_process()
         if self._lt is None:
+            self._pid = os.getpid()
             self._lt = _LoopThread(self.decode_threads)
             self._finalizer = weakref.finalize(self, _LoopThread.stop, self._lt)
         return self._lt
@@ -132,6 +156,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._check_process()
         self._cancel_all()
         self._error = None
         self._exhausted = False
@@ -145,10 +170,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         async with self._sem:
             buf = self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
             try:
-                await reader.read(idx, buf, self._lt.loop, self._lt.pool)
+                attempts = await reader.read(idx, buf, self._lt.loop, self._lt.pool, self.retry)
             except Exception as e:
-                e.add_note(f"insitubatch: while reading {reader.describe(idx)}")
+                if not any("insitubatch:" in n for n in getattr(e, "__notes__", ())):
+                    e.add_note(f"insitubatch: while reading {reader.describe(idx)}")
                 raise
+            self.stats.retries += attempts - 1
         return buf
 
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
@@ -183,6 +210,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self._fifo.append((fut, snap))
 
     def next(self) -> DecodedWindow:
+        self._check_process()
         if self._error is not None:
             raise self._error
         self._top_up()
