@@ -20,7 +20,7 @@ from .nodes import (
 )
 from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
-from .source import Source, open_source
+from .source import Source, open_icechunk, open_source
 from .split import SplitManifest, split_by_chunk
 
 __version__ = "0.1.0"
@@ -29,6 +29,6 @@ __all__ = [
     "AsyncFetchNode", "ChunkPermuteNode", "GatherNode", "InSituLoader", "MemoryLedger",
     "PinOrCudaNode", "ReadPlan", "ReadPlanNode", "RetryPolicy", "SampleGrid",
     "ShuffleBufferNode", "Source", "SplitManifest", "SplitNode", "VariableGeometry",
-    "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_source",
+    "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
 ]

@@ -9,19 +9,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import zarr
 import zarr.storage
 
 from .geometry import SampleGrid, VariableGeometry, common_chunk_size
+from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 _NUMERIC_KINDS = "biufc"
-_OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "http", "https",
-                         "memory")
+__all__ = ["Source", "open_icechunk", "open_source", "redact_url"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,6 +34,7 @@ class Source:
     grid: SampleGrid
     arrays: tuple[zarr.Array, ...] = field(repr=False)
     sample_dim: str | None = None
+    snapshot_id: str | None = None  # icechunk snapshot the data was read from
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -55,42 +54,6 @@ class Source:
     def sample_nbytes(self) -> int:
         """Decoded bytes of one sample over all variables."""
         return sum(v.sample_nbytes for v in self.variables)
-
-
-def redact_url(url: str) -> str:
-    """Drop user info and query strings (where signed URLs keep their secrets)."""
-    parts = urlsplit(url)
-    if not parts.scheme:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def _open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> tuple[
-        Any, str]:
-    text = os.fspath(url)
-    parts = urlsplit(text)
-    scheme = parts.scheme.lower()
-    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
-        path = Path(parts.path if scheme == "file" else text).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"Zarr store not found: {text!r} (looked for the directory {str(path)!r}). "
-                "Give an existing local path, a file:// URL, or an object-store URL such as "
-                "s3://bucket/path.zarr."
-            )
-        return zarr.storage.LocalStore(path, read_only=True), f"file://{path.resolve()}"
-    if scheme in _OBJECT_STORE_SCHEMES:
-        import obstore.store
-
-        obs = obstore.store.from_url(text, **dict(storage_options or {}))
-        return zarr.storage.ObjectStore(obs, read_only=True), redact_url(text)
-    raise ValueError(
-        f"unsupported store URL scheme {scheme!r} in {redact_url(text)!r}; use a local path, "
-        f"file://, or one of {', '.join(s + '://' for s in _OBJECT_STORE_SCHEMES)}"
-    )
 
 
 def _is_coordinate(name: str, arr: zarr.Array) -> bool:
@@ -122,20 +85,43 @@ def open_source(
     dimension has that name.
     """
     if isinstance(url, zarr.Group):
-        group, display = url, str(url.store_path)
+        return _describe(url, str(url.store_path), variables, sample_dim, None)
+    if isinstance(url, (str, os.PathLike)):
+        opened = open_url(url, storage_options)
     else:
-        if isinstance(url, (str, os.PathLike)):
-            store, display = _open_store(url, storage_options)
-        else:
-            store, display = url, type(url).__name__
-        try:
-            group = zarr.open_group(store, mode="r")
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError) as e:
-            raise FileNotFoundError(
-                f"no Zarr group at {display!r}: {e}. Point open_source at the group that holds "
-                "the variables (the directory with zarr.json or .zgroup)."
-            ) from None
+        opened = OpenedStore(url, type(url).__name__)
+    return _open_group(opened, variables, sample_dim)
 
+
+def open_icechunk(
+    location: Any,
+    variables: Sequence[str] | None = None,
+    *,
+    branch: str | None = None,
+    tag: str | None = None,
+    snapshot_id: str | None = None,
+    sample_dim: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Source:
+    """Like ``open_source``, for an icechunk repository read at a branch (default ``main``),
+    tag or snapshot id. The resolved snapshot id is kept in the source, the split manifest
+    and the loader state, so a resume against a moved branch is caught."""
+    opened = open_icechunk_store(location, branch=branch, tag=tag, snapshot_id=snapshot_id,
+                                 storage_options=storage_options)
+    return _open_group(opened, variables, sample_dim)
+
+
+def _open_group(opened: OpenedStore, variables: Sequence[str] | None,
+                sample_dim: str | None) -> Source:
+    try:
+        group = zarr.open_group(opened.store, mode="r")
+    except Exception as e:
+        raise explain(opened, e) from None
+    return _describe(group, opened.display, variables, sample_dim, opened.snapshot_id)
+
+
+def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
+              sample_dim: str | None, snapshot_id: str | None) -> Source:
     arrays = dict(group.arrays())
     if not arrays:
         raise ValueError(f"the Zarr group at {display!r} holds no arrays")
@@ -204,4 +190,4 @@ def open_source(
     n = geoms[0].shape[0]
     grid = SampleGrid(n_samples=n, chunk_size=common_chunk_size([g.sample_chunk for g in geoms]))
     return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
-                  sample_dim=sample_dim)
+                  sample_dim=sample_dim, snapshot_id=snapshot_id)

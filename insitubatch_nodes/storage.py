@@ -1,0 +1,223 @@
+"""From a URL (or icechunk repository) to a read-only zarr store, with errors for humans.
+
+Object stores go through obstore (never fsspec). Credentials live only inside the obstore
+client: what this module keeps for display and errors is the URL without user info or query
+string, and failures are re-worded from the store's error *code*, never its full response.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import zarr
+import zarr.storage
+
+OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "http",
+                        "https", "memory")
+
+# obstore retries requests itself (5xx, connection errors, timeouts) before we see an error;
+# its default (10 retries within 3 minutes) makes a dead endpoint look like a hang.
+DEFAULT_RETRY_CONFIG = {
+    "max_retries": 3,
+    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
+                "base": 2},
+    "retry_timeout": timedelta(seconds=30),
+}
+DEFAULT_CLIENT_OPTIONS = {"connect_timeout": "5s", "timeout": "60s"}
+
+
+@dataclass(frozen=True, eq=False)
+class OpenedStore:
+    """A zarr store plus what errors and the loader state may say about it."""
+
+    store: Any
+    display: str  # for messages: no credentials
+    snapshot_id: str | None = None
+    obstore: Any = None
+    endpoint: str | None = None
+
+
+def redact_url(url: str) -> str:
+    """Drop user info and query strings (where signed URLs keep their secrets)."""
+    parts = urlsplit(url)
+    if not parts.scheme:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _with_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    opts = dict(options or {})
+    opts.setdefault("retry_config", DEFAULT_RETRY_CONFIG)
+    client = dict(DEFAULT_CLIENT_OPTIONS)
+    client.update(opts.get("client_options") or {})
+    # obstore wants strings for client options (measured): accept Python bools/numbers too.
+    opts["client_options"] = {k: (str(v).lower() if isinstance(v, bool) else
+                                  v if isinstance(v, (str, timedelta)) else str(v))
+                              for k, v in client.items()}
+    return opts
+
+
+def open_url(url: str | os.PathLike[str],
+             storage_options: Mapping[str, Any] | None = None) -> OpenedStore:
+    """A read-only zarr store for a local path, ``file://`` or object-store URL."""
+    text = os.fspath(url)
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        path = Path(parts.path if scheme == "file" else text).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"Zarr store not found: {redact_url(text)!r} (looked for the directory "
+                f"{str(path)!r}). Give an existing local path, a file:// URL, or an "
+                "object-store URL such as s3://bucket/path.zarr."
+            )
+        return OpenedStore(zarr.storage.LocalStore(path, read_only=True),
+                           f"file://{path.resolve()}")
+    if scheme in OBJECT_STORE_SCHEMES:
+        import obstore.store
+
+        opts = _with_defaults(storage_options)
+        try:
+            obs = obstore.store.from_url(text, **opts)
+        except Exception as e:  # bad option names or values: say which, without values
+            raise ValueError(
+                f"cannot configure an object store for {redact_url(text)!r}: "
+                f"{type(e).__name__}: {_first_line(e)} (storage_options keys given: "
+                f"{sorted((storage_options or {}).keys())})"
+            ) from None
+        endpoint = opts.get("endpoint") or opts.get("endpoint_url") or opts.get("aws_endpoint")
+        return OpenedStore(zarr.storage.ObjectStore(obs, read_only=True), redact_url(text),
+                           obstore=obs, endpoint=redact_url(str(endpoint)) if endpoint else None)
+    raise ValueError(
+        f"unsupported store URL scheme {scheme!r} in {redact_url(text)!r}; use a local path, "
+        f"file://, or one of {', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _s3_code(e: BaseException) -> str | None:
+    m = re.search(r"<Code>(\w+)</Code>", str(e))
+    return m.group(1) if m else None
+
+
+def explain(opened: OpenedStore, exc: BaseException) -> BaseException:
+    """Turn a failure to open the group into an error that says what to fix."""
+    import obstore.exceptions as oe
+
+    where = opened.display + (f" (endpoint {opened.endpoint})" if opened.endpoint else "")
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or (
+            isinstance(exc, oe.BaseError) and re.search(r"\b40[13]\b", str(exc))):
+        code = _s3_code(exc) or "403 Forbidden"
+        return PermissionError(
+            f"access to {where} was denied ({code}). Check the credentials and region in "
+            "storage_options (access_key_id / secret_access_key / region, or the "
+            "environment's credentials) and that they may read this bucket."
+        )
+    if isinstance(exc, oe.BaseError) and not isinstance(exc, oe.NotFoundError):
+        return ConnectionError(
+            f"cannot read from {where}: {_first_line(exc)}. Check that the endpoint is "
+            "reachable; retries and timeouts are set with storage_options "
+            "retry_config / client_options (e.g. {'timeout': '30s'})."
+        )
+    if isinstance(exc, (FileNotFoundError, zarr.errors.GroupNotFoundError, oe.NotFoundError)):
+        hint = _probe(opened)
+        return FileNotFoundError(
+            f"no Zarr group at {where}: {hint} Point open_source at the group that holds "
+            "the variables (the directory with zarr.json or .zgroup)."
+        )
+    return exc
+
+
+def _probe(opened: OpenedStore) -> str:
+    """Why is the group missing: no bucket, or nothing at that prefix?"""
+    if opened.obstore is None:
+        return "there is no zarr.json or .zgroup there."
+    import obstore
+
+    try:
+        listing = obstore.list_with_delimiter(opened.obstore)
+    except Exception as e:
+        code = _s3_code(e)
+        if code == "NoSuchBucket" or "NoSuchBucket" in str(e) or "bucket" in str(e).lower():
+            return "the bucket does not exist."
+        return f"listing it failed too ({type(e).__name__})."
+    keys = [o["path"] for o in listing.get("objects", [])][:5]
+    prefixes = list(listing.get("common_prefixes", []))[:5]
+    if not keys and not prefixes:
+        return "nothing is stored under that prefix."
+    return f"found no zarr.json there; it holds {keys + prefixes}."
+
+
+def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | None = None,
+                  snapshot_id: str | None = None,
+                  storage_options: Mapping[str, Any] | None = None) -> OpenedStore:
+    """A read-only session of an icechunk repository at a branch, tag or snapshot.
+
+    ``location`` is a local path, ``s3://bucket/prefix`` (options: ``endpoint_url``,
+    ``region``, ``access_key_id``, ``secret_access_key``, ``allow_http``...), an
+    ``icechunk.Storage`` or an ``icechunk.Repository``. Default: branch ``main``.
+    """
+    try:
+        import icechunk
+    except ImportError:
+        raise ImportError("icechunk is not installed: pip install 'insitubatch-nodes[icechunk]'"
+                          ) from None
+    if sum(x is not None for x in (branch, tag, snapshot_id)) > 1:
+        raise ValueError(f"give one of branch/tag/snapshot_id, got branch={branch!r}, "
+                         f"tag={tag!r}, snapshot_id={snapshot_id!r}")
+    if branch is None and tag is None and snapshot_id is None:
+        branch = "main"
+    if isinstance(location, icechunk.Repository):
+        repo, display = location, "icechunk repository"
+    else:
+        if isinstance(location, icechunk.Storage):
+            storage, display = location, "icechunk storage"
+        else:
+            text = os.fspath(location)
+            parts = urlsplit(text)
+            display = f"icechunk {redact_url(text)}"
+            if parts.scheme == "s3":
+                opts = dict(storage_options or {})
+                storage = icechunk.s3_storage(bucket=parts.hostname or "",
+                                              prefix=parts.path.lstrip("/") or None, **opts)
+            elif parts.scheme in ("", "file"):
+                path = Path(parts.path if parts.scheme == "file" else text)
+                if not path.exists():
+                    raise FileNotFoundError(f"no icechunk repository at {str(path)!r}")
+                storage = icechunk.local_filesystem_storage(str(path))
+            else:
+                raise ValueError(f"icechunk location {redact_url(text)!r}: use a local path or "
+                                 "s3://bucket/prefix, or pass an icechunk.Storage")
+        try:
+            repo = icechunk.Repository.open(storage)
+        except Exception as e:
+            raise FileNotFoundError(f"cannot open {display}: {_first_line(e)}") from None
+    ref = (f"branch {branch!r}" if branch is not None else f"tag {tag!r}" if tag is not None
+           else f"snapshot {snapshot_id!r}")
+    try:
+        session = repo.readonly_session(branch=branch, tag=tag, snapshot_id=snapshot_id)
+    except Exception as e:
+        known = {"branches": _safe(repo.list_branches), "tags": _safe(repo.list_tags)}
+        raise KeyError(f"{ref} not found in {display} ({_first_line(e).strip(' x')}); "
+                       f"it has branches {known['branches']} and tags {known['tags']}") from None
+    return OpenedStore(session.store, f"{display} @ {ref}", snapshot_id=session.snapshot_id)
+
+
+def _safe(fn: Any) -> list[str]:
+    try:
+        return sorted(fn())
+    except Exception:
+        return []
