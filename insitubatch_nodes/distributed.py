@@ -14,6 +14,7 @@ from typing import Any
 from .schedule import Progress, Resumption
 
 ELASTIC_KEY = "elastic"
+SNAPSHOT_KEY = "snapshot_id"
 
 
 def _chain(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -57,7 +58,13 @@ def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             f"rank states come from different epochs or resumes (epochs {sorted(epochs)}); "
             "take every rank's state_dict() at the same step"
         )
+    snapshots = {s.get(SNAPSHOT_KEY) for s in states}
+    if len(snapshots) != 1:
+        raise ValueError(f"rank states were read from different icechunk snapshots: {snapshots}")
     epoch, history, _ = parsed[0]
     resumption = Resumption(len(states), tuple(p[2] for p in parsed))
-    return {ELASTIC_KEY: {"epoch": epoch,
-                          "history": [h.to_json() for h in (*history, resumption)]}}
+    merged: dict[str, Any] = {ELASTIC_KEY: {"epoch": epoch, "history": [
+        h.to_json() for h in (*history, resumption)]}}
+    if (snap := snapshots.pop()) is not None:
+        merged[SNAPSHOT_KEY] = snap
+    return merged

@@ -11,7 +11,7 @@ import torch
 from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
-from .distributed import ELASTIC_KEY
+from .distributed import ELASTIC_KEY, SNAPSHOT_KEY
 from .io.retry import RetryPolicy
 from .memory import BufferPool, MemoryLedger
 from .nodes import (
@@ -76,7 +76,7 @@ class InSituLoader(Loader):
             return self.state_dict()
         for n, state in reversed(self._recent_states):
             if n == num_yielded:
-                return json.loads(json.dumps(state))
+                return self._tag(json.loads(json.dumps(state)))
         kept = [n for n, _ in self._recent_states]
         raise ValueError(f"no state kept for num_yielded={num_yielded}; kept: {kept} "
                          "(raise keep_states)")
@@ -86,15 +86,35 @@ class InSituLoader(Loader):
             self._it = _ExactIterator(self)
         return super().__iter__()
 
+    snapshot_id: str | None = None  # icechunk snapshot being read, checked on load
+    allow_snapshot_change: bool = False
+
     def state_dict(self) -> dict[str, Any]:
         if self._it is None:
             self._it = _ExactIterator(self)
-        return json.loads(json.dumps(super().state_dict()))
+        return self._tag(json.loads(json.dumps(super().state_dict())))
+
+    def _tag(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self.snapshot_id is not None:
+            state[SNAPSHOT_KEY] = self.snapshot_id
+        return state
+
+    def _check_snapshot(self, state: dict[str, Any]) -> None:
+        saved = state.pop(SNAPSHOT_KEY, None)
+        if (saved is not None and self.snapshot_id is not None and saved != self.snapshot_id
+                and not self.allow_snapshot_change):
+            raise ValueError(
+                f"this loader state was saved while reading icechunk snapshot {saved}, but the "
+                f"source now resolves to snapshot {self.snapshot_id} (the branch moved since). "
+                "Resume on the saved snapshot (open_icechunk(..., snapshot_id=...)) or build "
+                "the loader with allow_snapshot_change=True to continue on the new data."
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a state at the next ``iter()``: one rank's own state, or the output of
         ``merge_rank_states`` (any world size)."""
         state_dict = json.loads(json.dumps(state_dict))
+        self._check_snapshot(state_dict)
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
@@ -175,6 +195,7 @@ def build_loader(
     uneven: str = "pad",
     keep_states: int = 0,
     retry: RetryPolicy | None = None,
+    allow_snapshot_change: bool = False,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -192,7 +213,7 @@ def build_loader(
         raise ValueError(f"block_chunks must be an integer >= 1, got {block_chunks!r}")
     if split not in manifest.names:
         raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
-    manifest.check_source(source)
+    manifest.check_source(source, allow_snapshot_change)
     n_chunks = len(manifest.chunk_ids(split))
     if n_chunks == 0:
         raise ValueError(
@@ -234,6 +255,8 @@ def build_loader(
     node = GatherNode(node, source.variables, pool=BufferPool())
     node = PinOrCudaNode(node, device=device)
     loader = InSituLoader(node, keep_states=keep_states)
+    loader.snapshot_id = source.snapshot_id
+    loader.allow_snapshot_change = allow_snapshot_change
     loader.ledger = ledger
     loader.shuffle_quality = shuffle_quality(n_chunks, source.grid.chunk_size, block_chunks,
                                              batch_size)

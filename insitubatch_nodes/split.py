@@ -37,6 +37,7 @@ class SplitManifest:
     fractions: tuple[float, ...] = ()
     mode: str = "contiguous"
     source_url: str = ""
+    snapshot_id: str | None = None  # icechunk snapshot the split was made on
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -72,6 +73,7 @@ class SplitManifest:
             "fractions": list(self.fractions),
             "mode": self.mode,
             "source_url": self.source_url,
+            "snapshot_id": self.snapshot_id,
             "splits": {name: [list(r) for r in ranges] for name, ranges in self.splits},
         }
 
@@ -94,6 +96,7 @@ class SplitManifest:
             fractions=tuple(float(f) for f in d.get("fractions", ())),
             mode=str(d.get("mode", "contiguous")),
             source_url=str(d.get("source_url", "")),
+            snapshot_id=d.get("snapshot_id"),
         )
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
@@ -103,8 +106,17 @@ class SplitManifest:
     def from_json(cls, path: str | os.PathLike[str]) -> SplitManifest:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
-    def check_source(self, source: Source) -> None:
-        """Refuse a store whose sample axis is not the one this manifest was made for."""
+    def check_source(self, source: Source, allow_snapshot_change: bool = False) -> None:
+        """Refuse a store whose sample axis (or icechunk snapshot) is not the one this
+        manifest was made for."""
+        if (self.snapshot_id and source.snapshot_id and self.snapshot_id != source.snapshot_id
+                and not allow_snapshot_change):
+            raise ValueError(
+                f"split manifest was made on icechunk snapshot {self.snapshot_id}, but "
+                f"{source.url} now resolves to snapshot {source.snapshot_id} (the branch "
+                "moved). Open the old snapshot with open_icechunk(..., snapshot_id=...), or "
+                "pass allow_snapshot_change=True to use the new data."
+            )
         if (source.n_samples, source.grid.chunk_size) != (self.n_samples, self.chunk_size):
             raise ValueError(
                 f"split manifest was made for {self.n_samples} samples in chunks of "
@@ -184,4 +196,5 @@ def split_by_chunk(
         fractions=fractions,
         mode=mode,
         source_url=source.url,
+        snapshot_id=source.snapshot_id,
     )

@@ -24,13 +24,13 @@ _PERMANENT = (oe.PermissionDeniedError, oe.UnauthenticatedError, oe.InvalidPathE
 class RetryPolicy:
     """Up to ``attempts`` tries per stripe; waits ``base_delay * 2**k`` (capped at
     ``max_delay``) with +-``jitter`` relative noise. A decode error gets ``decode_attempts``
-    tries: once is a truncated transfer, twice in a row is a corrupt chunk."""
+    tries: once may be a truncated transfer, three times in a row is a corrupt chunk."""
 
     attempts: int = 5
     base_delay: float = 0.1
     max_delay: float = 5.0
     jitter: float = 0.5
-    decode_attempts: int = 2
+    decode_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.decode_attempts < 1:
