@@ -1,0 +1,275 @@
+"""The remote path: a real S3 server on loopback, faults injected by a proxy, icechunk,
+clear errors, no leaked secrets, no hang under fork."""
+
+import json
+import logging
+import multiprocessing
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from faultproxy import FaultPlan, FaultProxy
+from s3server import start_moto
+from stores import BLOSC, Var, write_store
+
+import insitubatch_nodes as ib
+
+VARS = [Var("x", (400, 4, 4), (4, 4, 4), compressors=BLOSC),
+        Var("y", (400, 3), (8, 3), dtype="int16")]
+FAST_RETRY = ib.RetryPolicy(attempts=5, base_delay=0.02, max_delay=0.2)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("s3")
+    server = start_moto(folder)
+    try:
+        server.make_bucket("data")
+        data = write_store(folder / "local.zarr", VARS)
+        server.upload_dir(folder / "local.zarr", "data", "era5.zarr")
+        yield server, data
+    finally:
+        server.stop()
+
+
+def _retry_config():
+    from datetime import timedelta
+
+    return {"max_retries": 1, "retry_timeout": timedelta(seconds=10),
+            "backoff": {"init_backoff": timedelta(milliseconds=10),
+                        "max_backoff": timedelta(milliseconds=50), "base": 2}}
+
+
+def open_s3(server, endpoint=None, **opts):
+    options = server.options(endpoint=endpoint, retry_config=_retry_config(), **opts)
+    return ib.open_source("s3://data/era5.zarr", storage_options=options)
+
+
+def epoch(loader):
+    return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+
+
+def check_exact(batches, data, n=400):
+    idx = np.concatenate([b["sample_index"] for b in batches])
+    assert sorted(idx.tolist()) == list(range(n))
+    for b in batches:
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+
+
+def test_s3_epoch_is_exact_and_resumes(s3):
+    server, data = s3
+    src = open_s3(server)
+    assert src.url == "s3://data/era5.zarr"
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=8)
+    assert loader.node(ib.AsyncFetchNode).readers[0].mode == "object"
+    full = epoch(loader)
+    check_exact(full, data)
+    ref = ib.build_loader(src, m, "train", batch_size=16, block_chunks=8)
+    it = iter(ref)
+    for _ in range(7):
+        next(it)
+    resumed = ib.build_loader(open_s3(server), m, "train", batch_size=16, block_chunks=8)
+    resumed.load_state_dict(ref.state_dict())
+    rest = epoch(resumed)
+    for a, b in zip(rest, full[7:], strict=True):
+        np.testing.assert_array_equal(a["sample_index"], b["sample_index"])
+        np.testing.assert_array_equal(a["x"], b["x"])
+
+
+def test_epoch_survives_faults_and_latency(s3):
+    server, data = s3
+    plan = FaultPlan(latency_s=0.02, error_rate=0.02, reset_rate=0.015, truncate_rate=0.015,
+                     seed=3)
+    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+        src = open_s3(server, endpoint=proxy.endpoint)
+        m = ib.split_by_chunk(src, (1.0,))
+        loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=8,
+                                 max_inflight=32, retry=FAST_RETRY)
+        for _ in range(2):
+            check_exact(epoch(loader), data)
+        st = proxy.stats
+    assert st.errors and st.resets and st.truncations, st  # every fault kind was exercised
+    assert loader.node(ib.AsyncFetchNode).stats.retries > 0
+
+
+def test_stall_longer_than_timeout_is_retried(s3):
+    server, data = s3
+    plan = FaultPlan(stall_first=2, stall_s=4.0)
+    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+        src = open_s3(server, endpoint=proxy.endpoint,
+                      client_options={"allow_http": True, "timeout": "1s"})
+        m = ib.split_by_chunk(src, (1.0,))
+        loader = ib.build_loader(src, m, "train", batch_size=50, retry=FAST_RETRY)
+        t = time.monotonic()
+        check_exact(epoch(loader), data)
+        assert time.monotonic() - t < 30
+        assert proxy.stats.stalls == 2
+
+
+def test_a_chunk_that_always_fails_ends_the_epoch_loudly(s3):
+    server, _ = s3
+    plan = FaultPlan(always_fail=("/x/c/5/",))
+    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+        src = open_s3(server, endpoint=proxy.endpoint)
+        m = ib.split_by_chunk(src, (1.0,))
+        loader = ib.build_loader(src, m, "train", batch_size=16, retry=FAST_RETRY)
+        it = iter(loader)
+        t = time.monotonic()
+        with pytest.raises(Exception) as info:  # noqa: B017 - obstore's own error type
+            for _ in range(1000):
+                next(it)
+        assert time.monotonic() - t < 30  # not a hang
+        notes = "\n".join(info.value.__notes__)
+        assert "gave up after 5 attempt(s)" in notes
+        assert "'x'" in notes and "s3://data/era5.zarr" in notes and "x/c/5/0/0" in notes
+        with pytest.raises(type(info.value)):  # not a silent short epoch either
+            next(it)
+        loader.close()
+        assert proxy.stats.always_failed >= 5
+
+
+def test_bad_remote_inputs_are_clear(s3):
+    server, _ = s3
+    t = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"cannot read from s3://data/era5.zarr .*:9\)"):
+        open_s3(server, endpoint="http://127.0.0.1:9")
+    assert time.monotonic() - t < 15
+    with pytest.raises(PermissionError, match="denied.*SignatureDoesNotMatch") as info:
+        open_s3(server, secret_access_key="RECOGNISABLE-bad-secret-42")
+    assert "RECOGNISABLE" not in str(info.value)
+    with pytest.raises(FileNotFoundError, match="bucket does not exist"):
+        ib.open_source("s3://nobucket/era5.zarr", storage_options=server.options())
+    with pytest.raises(FileNotFoundError, match="nothing is stored under that prefix"):
+        ib.open_source("s3://data/missing.zarr", storage_options=server.options())
+    with pytest.raises(ValueError, match="storage_options keys"):
+        ib.open_source("s3://data/era5.zarr", storage_options={"no_such_option": "x"})
+
+
+def test_secrets_never_leak(s3, caplog):
+    server, _ = s3
+    secret = server.secret
+    caplog.set_level(logging.DEBUG)
+    src = open_s3(server)
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=64)
+    it = iter(loader)
+    next(it)
+    outputs = [repr(src), str(src), src.url, json.dumps(m.to_dict()), repr(m),
+               json.dumps(loader.state_dict()), repr(loader.node(ib.AsyncFetchNode).readers[0]),
+               caplog.text]
+    for i, text in enumerate(outputs):
+        assert secret not in text, i
+    loader.close()
+
+
+# -- icechunk --------------------------------------------------------------------------------
+
+def _write_repo(storage, data_vars, message="first"):
+    import icechunk
+    import zarr
+
+    repo = icechunk.Repository.open_or_create(storage)
+    session = repo.writable_session("main")
+    g = zarr.open_group(session.store, mode="a")
+    data = {}
+    for i, v in enumerate(data_vars):
+        arr = g.create_array(v.name, shape=v.shape, chunks=v.chunks, dtype=v.dtype,
+                             overwrite=True)
+        data[v.name] = (np.arange(np.prod(v.shape)).reshape(v.shape) * (i + 1)).astype(v.dtype)
+        arr[:] = data[v.name]
+    return repo, session.commit(message), data
+
+
+def test_icechunk_branch_tag_snapshot_and_moved_branch(tmp_path):
+    pytest.importorskip("icechunk")
+    import icechunk
+
+    storage = icechunk.local_filesystem_storage(str(tmp_path / "repo"))
+    small = [Var("x", (40, 3), (8, 3))]
+    repo, first, data = _write_repo(storage, small)
+    repo.create_tag("v1", first)
+    src = ib.open_icechunk(str(tmp_path / "repo"))
+    assert src.snapshot_id == first and "branch 'main'" in src.url
+    m = ib.split_by_chunk(src, (1.0,))
+    assert m.snapshot_id == first
+    loader = ib.build_loader(src, m, "train", batch_size=6)
+    check_exact(epoch(loader), data, n=40)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert state["snapshot_id"] == first
+    assert ib.open_icechunk(str(tmp_path / "repo"), tag="v1").snapshot_id == first
+    assert ib.open_icechunk(str(tmp_path / "repo"), snapshot_id=first).snapshot_id == first
+    with pytest.raises(KeyError, match=r"branch 'dev' not found.*\['main'\].*\['v1'\]"):
+        ib.open_icechunk(str(tmp_path / "repo"), branch="dev")
+
+    _, second, _ = _write_repo(storage, small, "second")  # the branch moves on
+    moved = ib.open_icechunk(str(tmp_path / "repo"))
+    assert moved.snapshot_id == second
+    with pytest.raises(ValueError, match=f"{first}.*{second}"):
+        ib.build_loader(moved, m, "train", batch_size=6)
+    fresh = ib.build_loader(moved, ib.split_by_chunk(moved, (1.0,)), "train", batch_size=6)
+    with pytest.raises(ValueError, match=f"snapshot {first}.*snapshot {second}"):
+        fresh.load_state_dict(state)
+    ok = ib.build_loader(moved, m, "train", batch_size=6, allow_snapshot_change=True)
+    ok.load_state_dict(state)
+    assert len(epoch(ok)) > 0
+    # Resuming on the recorded snapshot is exact.
+    pinned = ib.open_icechunk(str(tmp_path / "repo"), snapshot_id=first)
+    again = ib.build_loader(pinned, m, "train", batch_size=6)
+    again.load_state_dict(state)
+    assert len(epoch(again)) == 6  # 40 samples / 6 = 7 batches, one already taken
+
+
+def test_icechunk_on_s3(s3):
+    pytest.importorskip("icechunk")
+    import icechunk
+
+    server, _ = s3
+    server.make_bucket("repos")
+    opts = {"endpoint_url": server.endpoint, "allow_http": True, "region": "us-east-1",
+            "access_key_id": server.key_id, "secret_access_key": server.secret,
+            "force_path_style": True}
+    storage = icechunk.s3_storage(bucket="repos", prefix="era5", **opts)
+    _, snap, data = _write_repo(storage, [Var("x", (48, 3), (8, 3))])
+    src = ib.open_icechunk("s3://repos/era5", storage_options=opts)
+    assert src.snapshot_id == snap and server.secret not in repr(src)
+    m = ib.split_by_chunk(src, (1.0,))
+    check_exact(epoch(ib.build_loader(src, m, "train", batch_size=5)), data, n=48)
+
+
+# -- processes -----------------------------------------------------------------------------
+
+class _Wrapped(torch.utils.data.IterableDataset):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        yield from self.loader
+
+
+def test_forked_dataloader_workers_get_a_clear_error_not_a_hang(tmp_path):
+    write_store(tmp_path / "s.zarr", [Var("x", (64, 3), (8, 3))])
+    src = ib.open_source(tmp_path / "s.zarr")
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8)
+    next(iter(loader))  # the fetch thread is running in the parent
+    dl = torch.utils.data.DataLoader(_Wrapped(loader), batch_size=None, num_workers=1,
+                                     multiprocessing_context=multiprocessing.get_context("fork"),
+                                     timeout=60)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="without DataLoader workers"):
+        next(iter(dl))
+    assert time.monotonic() - t < 60
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(loader.node(ib.AsyncFetchNode))
+    loader.close()
+
+
+def test_local_paths_never_touch_the_network(tmp_path):
+    write_store(tmp_path / "s.zarr", [Var("x", (16, 3), (8, 3))])
+    assert ib.open_source(Path(tmp_path / "s.zarr")).url.startswith("file://")
