@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import deque
 from typing import Any
 
@@ -14,6 +15,7 @@ from torchdata.nodes.loader import LoaderIterator
 from .distributed import ELASTIC_KEY, SNAPSHOT_KEY
 from .io.retry import RetryPolicy
 from .memory import BufferPool, MemoryLedger
+from .metrics import ConsumerMeter, LoaderStats, collect_stats, maybe_log
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -41,8 +43,19 @@ class _ExactIterator(LoaderIterator):
             self._cached_item = None
             self._cached_state_dict = None
         else:
-            item = next(self.root)
+            meter = self.loader._meter
+            t0 = time.perf_counter()
+            try:
+                item = next(self.root)
+            except StopIteration:
+                meter.epoch_end = time.perf_counter()
+                raise
+            finally:
+                t1 = time.perf_counter()
+                meter.waited(t1 - t0)
             self._num_yielded += 1
+            if meter.next_log is not None:
+                maybe_log(self.loader, t1)
         ring = self.loader._recent_states
         if ring is not None:
             ring.append((self._num_yielded,
@@ -60,9 +73,12 @@ class InSituLoader(Loader):
     """
 
     def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
-                 keep_states: int = 0) -> None:
+                 keep_states: int = 0, log_every_s: float | None = None) -> None:
         super().__init__(root, restart_on_stop_iteration)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
+        self._meter = ConsumerMeter()
+        if log_every_s is not None:
+            self.log_stats_every(log_every_s)
 
     def state_dict_at(self, num_yielded: int) -> dict[str, Any]:
         """The state as it was right after batch ``num_yielded`` of the current epoch.
@@ -84,7 +100,40 @@ class InSituLoader(Loader):
     def __iter__(self):
         if self._it is None:
             self._it = _ExactIterator(self)
-        return super().__iter__()
+        if not self._iter_for_state_dict:  # else iter() only hands back the pre-built one
+            gather = self._stats_gather()
+            self._meter.start_epoch(time.perf_counter(), (gather.stats.batches,
+                                                          gather.stats.samples)
+                                    if gather is not None else (0, 0))
+        it = super().__iter__()
+        self._meter.epoch_end = None  # a restored, finished epoch rolled on to the next one
+        return it
+
+    # -- metrics ----------------------------------------------------------------------
+    def _stats_gather(self) -> GatherNode | None:
+        for n in self._nodes():
+            if isinstance(n, GatherNode):
+                return n
+        return None
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of the per-stage counters (``metrics.LoaderStats``), at any time."""
+        return collect_stats(self)
+
+    def log_stats_every(self, seconds: float | None, logger: Any = None,
+                        level: int | None = None) -> None:
+        """Log ``stats().summary()`` at most every ``seconds``, from the training thread as
+        batches are delivered (``None`` turns it off). Default logger ``insitubatch_nodes``,
+        level INFO."""
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"log_stats_every wants seconds > 0 (or None), got {seconds!r}")
+        meter = self._meter
+        meter.log_every_s = seconds
+        meter.next_log = None if seconds is None else time.perf_counter() + seconds
+        if logger is not None:
+            meter.logger = logger
+        if level is not None:
+            meter.level = level
 
     snapshot_id: str | None = None  # icechunk snapshot being read, checked on load
     allow_snapshot_change: bool = False
@@ -196,6 +245,7 @@ def build_loader(
     keep_states: int = 0,
     retry: RetryPolicy | None = None,
     allow_snapshot_change: bool = False,
+    log_every_s: float | None = None,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -206,6 +256,8 @@ def build_loader(
     ``uneven`` keeps ranks at equal step counts: ``"pad"`` (default: repeats a few samples of
     the rank's own last window), ``"drop"`` (cuts every rank to the smallest share) or
     ``"none"`` (unequal; never with DDP, whose last all-reduce would hang).
+    ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
+    summary (logger ``insitubatch_nodes``, INFO) at most that often.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -254,7 +306,7 @@ def build_loader(
     node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
     node = GatherNode(node, source.variables, pool=BufferPool())
     node = PinOrCudaNode(node, device=device)
-    loader = InSituLoader(node, keep_states=keep_states)
+    loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id
     loader.allow_snapshot_change = allow_snapshot_change
     loader.ledger = ledger

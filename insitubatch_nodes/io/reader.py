@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import zarr.storage
 from zarr.core.buffer import default_buffer_prototype
 
 from ..geometry import VariableGeometry
+from ..metrics import ReadTimes
 from .decode import ChunkDecoder, decoder_for
 from .retry import NO_RETRY, RetryPolicy, classify
 
@@ -33,6 +35,7 @@ class StripeReader:
         self.geom = geom
         self.source_url = source_url
         self.decoder: ChunkDecoder | None = decoder_for(arr)
+        self.times = ReadTimes()  # store / decode / pool-queue stripe-seconds (metrics)
         store = arr.store_path.store
         self._prefix = arr.store_path.path.strip("/")
         self._root: Path | None = None
@@ -99,10 +102,23 @@ class StripeReader:
         except FileNotFoundError:
             return None
 
-    def read_local(self, index: int, out: np.ndarray) -> None:
+    def read_local(self, index: int, out: np.ndarray, submitted: float | None = None) -> None:
+        """Read and decode stripe ``index`` into ``out`` on this thread.
+
+        ``submitted`` (a ``perf_counter`` time) is when the read was handed to the pool, to
+        count the time it queued.
+        """
+        t0 = time.perf_counter()
+        store = 0.0
         for inner in self._inner:
             key = self.chunk_key((index, *inner))
-            self._place(self._read_file(key), inner, out)
+            t1 = time.perf_counter()
+            data = self._read_file(key)
+            t2 = time.perf_counter()
+            store += t2 - t1
+            self._place(data, inner, out)
+        self.times.add(store, time.perf_counter() - t0 - store,
+                       t0 - submitted if submitted is not None else 0.0)
 
     # -- async paths ------------------------------------------------------------------
     async def _get_async(self, key: str) -> bytes | memoryview | None:
@@ -148,18 +164,33 @@ class StripeReader:
     async def _read_once(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
                          pool: Executor) -> None:
         if self.mode == "local":
-            await loop.run_in_executor(pool, self.read_local, index, out)
+            await loop.run_in_executor(pool, self.read_local, index, out, time.perf_counter())
         elif self.mode == "zarr":
             sel = (slice(index * self.geom.chunks[0],
                          min((index + 1) * self.geom.chunks[0], self.geom.shape[0])),)
-            data = await self.arr.async_array.getitem(sel)
+            t0 = time.perf_counter()
+            data = await self.arr.async_array.getitem(sel)  # zarr fetches *and* decodes here
+            self.times.add(time.perf_counter() - t0, 0.0)
             rows = int(data.shape[0])
-            await loop.run_in_executor(pool, np.copyto, out[:rows], data)
+            await loop.run_in_executor(pool, self._copy_rows, out[:rows], data,
+                                       time.perf_counter())
         else:
             keys = [(inner, self.chunk_key((index, *inner))) for inner in self._inner]
+            t0 = time.perf_counter()
             datas = await asyncio.gather(*(self._get_async(k) for _, k in keys))
-            await loop.run_in_executor(pool, self._place_all, keys, datas, out)
+            self.times.add(time.perf_counter() - t0, 0.0)
+            await loop.run_in_executor(pool, self._place_all, keys, datas, out,
+                                       time.perf_counter())
 
-    def _place_all(self, keys: list, datas: list, out: np.ndarray) -> None:
+    def _copy_rows(self, dst: np.ndarray, src: np.ndarray, submitted: float) -> None:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        self.times.add(0.0, time.perf_counter() - t0, t0 - submitted)
+
+    def _place_all(self, keys: list, datas: list, out: np.ndarray,
+                   submitted: float | None = None) -> None:
+        t0 = time.perf_counter()
         for (inner, _), data in zip(keys, datas, strict=True):
             self._place(data, inner, out)
+        self.times.add(0.0, time.perf_counter() - t0,
+                       t0 - submitted if submitted is not None else 0.0)

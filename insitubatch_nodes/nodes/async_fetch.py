@@ -11,7 +11,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from torchdata.nodes import BaseNode
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..memory import BufferPool, MemoryLedger
+from ..metrics import ReadTimes
 from ..plan import ReadPlan
 from ..source import Source
 
@@ -36,13 +37,24 @@ class DecodedWindow:
 
 @dataclass
 class FetchStats:
-    """Counters kept by the fetcher; cheap enough to stay on."""
+    """Counters kept by the fetcher; cheap enough to stay on (see ``metrics.LoaderStats``).
 
-    windows: int = 0
-    stripes: int = 0
-    bytes_decoded: int = 0
+    Loop-thread counters (stripes, bytes, in flight, slot waits) and consumer-thread timers
+    (``next_s``, ``wait_s``) are each written by one thread only; ``read`` is shared by the
+    readers' pool threads and takes a lock.
+    """
+
+    windows: int = 0  # windows fully fetched
+    chunks: int = 0  # sample-grid chunks of those windows
+    stripes: int = 0  # stripe reads completed
+    bytes_decoded: int = 0  # decoded bytes of those stripes (the "bytes fetched")
     wait_s: float = 0.0  # time the consumer blocked on a window that was not ready
+    next_s: float = 0.0  # consumer time inside next() (wait_s, planning, submitting)
     retries: int = 0  # stripe reads that needed another attempt
+    in_flight: int = 0  # stripe reads holding an in-flight slot now
+    peak_in_flight: int = 0
+    slot_wait_s: float = 0.0  # stripe-seconds waiting for an in-flight slot
+    read: ReadTimes = field(default_factory=ReadTimes)  # store / decode / pool-queue times
 
 
 class _LoopThread:
@@ -50,6 +62,7 @@ class _LoopThread:
 
     def __init__(self, decode_threads: int) -> None:
         n = next(_thread_ids)
+        self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self.pool = ThreadPoolExecutor(decode_threads, thread_name_prefix=f"insitubatch-decode-{n}")
         self.thread = threading.Thread(target=self._run, name=f"insitubatch-fetch-{n}",
@@ -69,6 +82,8 @@ class _LoopThread:
             self.loop.close()
 
     def stop(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child: the thread and pool exist only in the parent
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             if threading.current_thread() is not self.thread:
@@ -106,6 +121,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, src.url)
                              for a, g in zip(src.arrays, src.variables, strict=True))
+        for r in self.readers:
+            r.times = self.stats.read
         self._lt: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
@@ -167,15 +184,27 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     async def _read_one(self, v: int, idx: int) -> np.ndarray:
         assert self._sem is not None and self._lt is not None
         reader = self.readers[v]
+        stats = self.stats
+        t0 = time.perf_counter()
         async with self._sem:
-            buf = self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
+            stats.slot_wait_s += time.perf_counter() - t0
+            stats.in_flight += 1
+            if stats.in_flight > stats.peak_in_flight:
+                stats.peak_in_flight = stats.in_flight
             try:
-                attempts = await reader.read(idx, buf, self._lt.loop, self._lt.pool, self.retry)
-            except Exception as e:
-                if not any("insitubatch:" in n for n in getattr(e, "__notes__", ())):
-                    e.add_note(f"insitubatch: while reading {reader.describe(idx)}")
-                raise
-            self.stats.retries += attempts - 1
+                buf = self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
+                try:
+                    attempts = await reader.read(idx, buf, self._lt.loop, self._lt.pool,
+                                                 self.retry)
+                except Exception as e:
+                    if not any("insitubatch:" in n for n in getattr(e, "__notes__", ())):
+                        e.add_note(f"insitubatch: while reading {reader.describe(idx)}")
+                    raise
+            finally:
+                stats.in_flight -= 1
+            stats.retries += attempts - 1
+            stats.stripes += 1
+            stats.bytes_decoded += buf.nbytes
         return buf
 
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
@@ -193,8 +222,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         for (v, idx), buf in zip(jobs, bufs, strict=True):
             arrays[v][idx] = buf
         self.stats.windows += 1
-        self.stats.stripes += len(jobs)
-        self.stats.bytes_decoded += plan.nbytes
+        self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
 
     def _top_up(self) -> None:
@@ -210,6 +238,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self._fifo.append((fut, snap))
 
     def next(self) -> DecodedWindow:
+        t_in = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.stats.next_s += time.perf_counter() - t_in
+
+    def _next(self) -> DecodedWindow:
         self._check_process()
         if self._error is not None:
             raise self._error
@@ -230,6 +265,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._delivered = snap
         self._top_up()
         return win
+
+    def windows_pending(self) -> tuple[int, int]:
+        """(windows submitted and not yet handed over, of which fully fetched)."""
+        try:
+            futs = [f for f, _ in list(self._fifo)]
+        except RuntimeError:  # mutated while copied from another thread: report nothing
+            return 0, 0
+        return len(futs), sum(f.done() for f in futs)
 
     def get_state(self) -> dict[str, Any]:
         return {"source": copy.deepcopy(self._delivered)}

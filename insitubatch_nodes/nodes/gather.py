@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,18 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
         return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     except TypeError as e:
         raise TypeError(f"numpy dtype {dtype} has no torch equivalent: {e}") from None
+
+
+@dataclass
+class GatherStats:
+    """Batches made, their rows and variable bytes; consumer time in ``next()`` and, inside
+    it, waiting on upstream (``upstream_s``)."""
+
+    batches: int = 0
+    samples: int = 0
+    nbytes: int = 0  # bytes of the variables' tensors (sample_index excluded)
+    next_s: float = 0.0
+    upstream_s: float = 0.0
 
 
 class GatherNode(BaseNode[dict[str, torch.Tensor]]):
@@ -41,21 +55,37 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         self.pool = pool if pool is not None else BufferPool()
         for v in self.variables:
             torch_dtype(v.dtype)  # fail at build time, naming the dtype, not mid-epoch
+        self.stats = GatherStats()
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def next(self) -> dict[str, torch.Tensor]:
-        draw = next(self.source)
+        stats = self.stats
+        t0 = time.perf_counter()
+        try:
+            draw = next(self.source)
+        except BaseException:  # StopIteration included: the wait counts on both sides
+            dt = time.perf_counter() - t0
+            stats.upstream_s += dt
+            stats.next_s += dt
+            raise
+        stats.upstream_s += time.perf_counter() - t0
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
+        nbytes = 0
         for var, parts in zip(self.variables, draw.parts, strict=True):
             out = self.pool.take((n, *var.sample_shape), var.dtype)
             for p in parts:
                 np.take(p.array, p.offsets, axis=0, out=out[p.start : p.stop], mode="clip")
             batch[var.name] = torch.from_numpy(out)
+            nbytes += out.nbytes
         batch["sample_index"] = torch.from_numpy(draw.sample_index.astype(np.int64, copy=False))
+        stats.batches += 1
+        stats.samples += n
+        stats.nbytes += nbytes
+        stats.next_s += time.perf_counter() - t0
         return batch
 
     def get_state(self) -> dict[str, Any]:

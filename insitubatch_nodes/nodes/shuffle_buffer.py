@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,16 @@ class BatchDraw:
 
 
 @dataclass
+class ShuffleStats:
+    """Consumer time in ``next()`` (``next_s``) and, inside it, pulling windows from upstream
+    (``upstream_s``); the difference is this stage's own work."""
+
+    next_s: float = 0.0
+    upstream_s: float = 0.0
+    windows: int = 0  # windows pulled
+
+
+@dataclass
 class _Resident:
     window: DecodedWindow
     snapshot: dict  # upstream state before this window was pulled
@@ -65,6 +76,15 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
+        self.stats = ShuffleStats()
+
+    def resident_counts(self) -> tuple[int, int]:
+        """(windows being drawn from, stripes they still hold), for ``LoaderStats``."""
+        try:
+            res = list(self._resident)
+        except RuntimeError:  # mutated while copied from another thread
+            return 0, 0
+        return len(res), sum(len(a) for r in res for a in r.window.arrays)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -79,11 +99,15 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
 
     def _pull(self) -> _Resident | None:
         snap = copy.deepcopy(self.source.state_dict())
+        t0 = time.perf_counter()
         try:
             win = next(self.source)
         except StopIteration:
             self._exhausted = True
             return None
+        finally:
+            self.stats.upstream_s += time.perf_counter() - t0
+        self.stats.windows += 1
         remaining = []
         for var in self.variables:
             stripe = win.plan.draw_order // var.sample_chunk
@@ -117,6 +141,13 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         return taken
 
     def next(self) -> BatchDraw:
+        t0 = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.stats.next_s += time.perf_counter() - t0
+
+    def _next(self) -> BatchDraw:
         pieces: list[np.ndarray] = []
         touched: list[dict[int, np.ndarray]] = [{} for _ in self.variables]
         need = self.batch_size

@@ -1,0 +1,175 @@
+"""loader.stats(): the per-stage counters add up (bytes, stripes, chunks, times, starvation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import pytest
+from stores import BLOSC, Var
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.metrics import LoaderStats
+from insitubatch_nodes.nodes import ChunkPermuteNode, ReadPlanNode, SplitNode
+
+# Two variables chunked differently along the sample axis (grid chunk = lcm(6, 4) = 12) and
+# one chunked inside a sample, so stripes, chunks and inner chunks all differ.
+VARS = [
+    Var("a", (150, 6, 5), (6, 6, 5), compressors=BLOSC),
+    Var("b", (150, 8), (4, 3)),
+]
+
+
+@pytest.fixture
+def source(store_factory):
+    path, _ = store_factory(VARS)
+    return ib.open_source(path)
+
+
+def _planned(source, manifest, split, **kw):
+    """The read plans the standard graph makes for one epoch."""
+    node = SplitNode(manifest, split)
+    node = ChunkPermuteNode(node, source.grid, seed=kw.get("seed", 0), rank=0, world_size=1,
+                            block_chunks=kw["block_chunks"])
+    node = ReadPlanNode(node, source.variables)
+    node.reset()
+    return list(node)
+
+
+def _var_bytes(batch) -> int:
+    return sum(t.nbytes for k, t in batch.items() if k != "sample_index")
+
+
+@pytest.mark.parametrize("batch_size,block_chunks", [(7, 3), (32, 2), (5, 20)])
+def test_bytes_stripes_chunks_add_up(source, batch_size, block_chunks):
+    manifest = ib.split_by_chunk(source, fractions=(0.7, 0.3), seed=1)
+    plans = _planned(source, manifest, "train", block_chunks=block_chunks)
+    with ib.build_loader(source, manifest, "train", batch_size=batch_size,
+                         block_chunks=block_chunks, max_inflight=3) as loader:
+        delivered, samples, batches = 0, 0, 0
+        for b in loader:
+            delivered += _var_bytes(b)
+            samples += len(b["sample_index"])
+            batches += 1
+        s = loader.stats()
+    assert isinstance(s, LoaderStats)
+    assert s.bytes_delivered == delivered
+    assert s.bytes_fetched == sum(p.nbytes for p in plans)
+    assert s.stripes_fetched == sum(p.n_reads for p in plans)
+    assert s.chunks_fetched == len(manifest.chunk_ids("train"))
+    assert s.windows_fetched == len(plans)
+    assert (s.batches, s.samples) == (batches, samples) == (s.epoch_batches, s.epoch_samples)
+    assert samples == manifest.n_samples_in("train")
+    # Every stripe is read once and fully used: only the short last stripes differ.
+    assert 1.0 <= s.amplification < 1.25
+    assert 1 <= s.peak_stripes_in_flight <= 3
+    assert (s.stripes_in_flight, s.windows_in_flight, s.resident_windows) == (0, 0, 0)
+    assert s.retries == 0
+
+
+def test_starvation_and_stage_times(source):
+    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
+    with ib.build_loader(source, manifest, "train", batch_size=10, block_chunks=4) as loader:
+        before = loader.stats()
+        assert before.epoch_batches == 0 and before.starvation == 0.0
+        it = iter(loader)
+        next(it)
+        mid = loader.stats()
+        assert mid.epoch_batches == 1 and 0.0 <= mid.starvation <= 1.0
+        assert mid.resident_windows == 1 and mid.resident_stripes > 0
+        assert mid.resident_bound_bytes == loader.resident_bound
+        assert 0 < mid.window_occupancy <= 1.0
+        for _ in it:
+            time.sleep(0.01)  # a slow training step: the loader keeps ahead
+        s = loader.stats()
+    assert 0.0 <= s.starvation <= 1.0
+    assert s.epoch_wait_s <= s.epoch_wall_s
+    assert s.starvation < 0.5  # ~150 ms of sleep against a few ms of waiting
+    # The exclusive consumer times add up to the time spent inside next().
+    parts = s.wait_fetch_s + s.schedule_s + s.shuffle_s + s.gather_s + s.deliver_s
+    assert parts == pytest.approx(s.epoch_wait_s, rel=0.05, abs=2e-3)
+    assert s.store_s > 0 and s.decode_s > 0
+    # The epoch ended: its wall clock is frozen.
+    time.sleep(0.02)
+    assert loader.stats().epoch_wall_s == s.epoch_wall_s
+
+
+def test_fast_consumer_starves_more_than_slow(source):
+    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
+    with ib.build_loader(source, manifest, "train", batch_size=10, block_chunks=2) as loader:
+        list(loader)
+        fast = loader.stats()
+        for _ in loader:
+            time.sleep(0.005)
+        slow = loader.stats()
+    assert slow.epoch == fast.epoch + 1
+    assert slow.starvation < fast.starvation
+    assert slow.batches == 2 * fast.epoch_batches  # lifetime vs per-epoch counters
+
+
+def test_stats_after_resume_count_only_this_run(source):
+    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
+    kw = dict(batch_size=8, block_chunks=3, seed=4)
+    with ib.build_loader(source, manifest, "train", **kw) as loader:
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        state = loader.state_dict()
+        total = sum(1 for _ in it) + 5
+    with ib.build_loader(source, manifest, "train", **kw) as resumed:
+        resumed.load_state_dict(state)
+        n = sum(1 for _ in resumed)
+        s = resumed.stats()
+    assert n == total - 5
+    assert s.epoch_batches == s.batches == n
+    # Resume refetches the head window only: fewer stripes than a whole epoch.
+    plans = _planned(source, manifest, "train", **kw)
+    assert s.stripes_fetched < sum(p.n_reads for p in plans)
+
+
+def test_periodic_logging(source, caplog):
+    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
+    with caplog.at_level(logging.INFO, logger="insitubatch_nodes"), \
+            ib.build_loader(source, manifest, "train", batch_size=4, block_chunks=2,
+                            log_every_s=1e-6) as loader:
+        for _ in loader:
+            time.sleep(0.001)
+    lines = [r.getMessage() for r in caplog.records if r.name == "insitubatch_nodes"]
+    assert lines and all("starvation" in line for line in lines)
+    loader.log_stats_every(None)
+    with pytest.raises(ValueError, match="seconds > 0"):
+        loader.log_stats_every(0)
+
+
+def test_stats_is_a_frozen_snapshot(source):
+    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
+    with ib.build_loader(source, manifest, "train", batch_size=4) as loader:
+        s = loader.stats()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            s.batches = 3  # type: ignore[misc]
+        d = s.as_dict()
+        assert d["batches"] == 0 and "starvation" in s.summary()
+
+
+def test_hand_built_graph_has_stats(source):
+    from insitubatch_nodes.nodes import (
+        AsyncFetchNode,
+        GatherNode,
+        PinOrCudaNode,
+        ShuffleBufferNode,
+    )
+
+    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
+    node = SplitNode(manifest, "train")
+    node = ChunkPermuteNode(node, source.grid, seed=0, rank=0, world_size=1, block_chunks=4)
+    node = ReadPlanNode(node, source.variables)
+    node = AsyncFetchNode(node, source)
+    node = ShuffleBufferNode(node, source.variables, batch_size=16)
+    node = GatherNode(node, source.variables)
+    node = PinOrCudaNode(node)
+    with ib.InSituLoader(node) as loader:
+        delivered = sum(_var_bytes(b) for b in loader)
+        s = loader.stats()
+    assert s.bytes_delivered == delivered
+    assert s.resident_bound_bytes is None and s.window_occupancy is None
