@@ -262,8 +262,10 @@ def test_forked_dataloader_workers_get_a_clear_error_not_a_hang(tmp_path):
                                      multiprocessing_context=multiprocessing.get_context("fork"),
                                      timeout=60)
     t = time.monotonic()
+    it = iter(dl)
     with pytest.raises(RuntimeError, match="without DataLoader workers"):
-        next(iter(dl))
+        next(it)
+    it._shutdown_workers()
     assert time.monotonic() - t < 60
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(loader.node(ib.AsyncFetchNode))
