@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from faultproxy import FaultPlan, FaultProxy
-from s3server import start_moto
 from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.testing.faultproxy import FaultPlan, FaultProxy
+from insitubatch_nodes.testing.s3server import start_moto
 
 VARS = [Var("x", (400, 4, 4), (4, 4, 4), compressors=BLOSC),
         Var("y", (400, 3), (8, 3), dtype="int16")]
