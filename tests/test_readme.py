@@ -8,6 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_readme_examples_run(tmp_path, monkeypatch):
     text = (ROOT / "README.md").read_text()
+    # "```python skip" blocks need credentials or servers: shown, not run.
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 2
     monkeypatch.chdir(tmp_path)
