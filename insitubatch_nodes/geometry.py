@@ -68,10 +68,23 @@ class VariableGeometry:
 
 @dataclass(frozen=True)
 class SampleGrid:
-    """The common sample axis of all variables and its split into chunks (stripes)."""
+    """The common sample axis of all variables and its split into chunks (stripes).
+
+    ``first``/``last`` bound the indices that are samples: with time windows, a sample is an
+    anchor step whose whole window (history before, leads after) lies on the axis.
+    """
 
     n_samples: int
     chunk_size: int
+    first: int = 0
+    last: int | None = None  # exclusive; None = n_samples
+
+    @property
+    def end(self) -> int:
+        return self.n_samples if self.last is None else self.last
+
+    def with_valid(self, first: int, last: int) -> SampleGrid:
+        return SampleGrid(self.n_samples, self.chunk_size, max(0, first), min(self.n_samples, last))
 
     @property
     def n_chunks(self) -> int:
@@ -86,21 +99,24 @@ class SampleGrid:
         start, stop = self.chunk_range(chunk_id)
         return stop - start
 
+    def _bounds(self, chunk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.maximum(chunk_ids * self.chunk_size, self.first)
+        stops = np.minimum(chunk_ids * self.chunk_size + self.chunk_size, self.end)
+        return starts, np.maximum(stops, starts)
+
     def samples_of(self, chunk_ids: np.ndarray) -> np.ndarray:
         """Global sample indices of the given chunks, chunk by chunk, in the order given."""
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if chunk_ids.size == 0:
             return np.empty(0, dtype=np.int64)
-        starts = chunk_ids * self.chunk_size
-        stops = np.minimum(starts + self.chunk_size, self.n_samples)
+        starts, stops = self._bounds(chunk_ids)
         lens = stops - starts
         offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
         return np.arange(int(lens.sum()), dtype=np.int64) + offsets
 
     def n_samples_of(self, chunk_ids: np.ndarray) -> int:
-        chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
-        starts = chunk_ids * self.chunk_size
-        return int((np.minimum(starts + self.chunk_size, self.n_samples) - starts).sum())
+        starts, stops = self._bounds(np.asarray(chunk_ids, dtype=np.int64))
+        return int((stops - starts).sum())
 
 
 def common_chunk_size(sample_chunks: list[int]) -> int:

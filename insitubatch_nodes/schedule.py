@@ -62,6 +62,7 @@ class ScheduleContext:
     seed: int
     block_chunks: int
     uneven: str = "pad"
+    contiguous: bool = False  # windows are runs of adjacent chunks (samples span chunks)
 
     def __post_init__(self) -> None:
         if self.uneven not in UNEVEN_POLICIES:
@@ -124,7 +125,37 @@ class RankSchedule:
         return max(0, self.target - self.own_samples)
 
 
+def contiguous_blocks(ctx: ScheduleContext) -> list[np.ndarray]:
+    """The split's runs of adjacent chunks, cut into blocks of ``block_chunks``."""
+    ids = np.sort(np.asarray(ctx.chunk_ids, dtype=np.int64))
+    if ids.size == 0:
+        return []
+    runs = np.split(ids, np.flatnonzero(np.diff(ids) != 1) + 1)
+    b = ctx.block_chunks
+    return [run[i:i + b] for run in runs for i in range(0, run.size, b)]
+
+
+def n_units(ctx: ScheduleContext) -> int:
+    """How many units are dealt to ranks: chunks, or contiguous blocks."""
+    return len(contiguous_blocks(ctx)) if ctx.contiguous else int(np.asarray(ctx.chunk_ids).size)
+
+
+def _global_order(ctx: ScheduleContext, epoch: int) -> np.ndarray:
+    """The epoch's chunk order, the same for every world size (blocks kept whole)."""
+    if not ctx.contiguous:
+        return epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
+    blocks = contiguous_blocks(ctx)
+    perm = epoch_chunk_order(np.arange(len(blocks)), ctx.seed, epoch)
+    return np.concatenate([blocks[i] for i in perm]) if blocks else np.empty(0, np.int64)
+
+
 def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list[WindowSpec]]:
+    if ctx.contiguous:
+        blocks = contiguous_blocks(ctx)
+        perm = epoch_chunk_order(np.arange(len(blocks)), ctx.seed, epoch)
+        dealt = [blocks[i] for i in perm]
+        return [[WindowSpec(ctx, epoch, (0, r, world_size, i), blk)
+                 for i, blk in enumerate(dealt[r::world_size])] for r in range(world_size)]
     order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
     out = []
     for r in range(world_size):
@@ -157,25 +188,32 @@ def _windows(ctx: ScheduleContext, epoch: int, history: Sequence[Resumption],
             if i == p.window or spec.draws is not None:
                 d = spec.base_draws()[p.offset if i == p.window else 0:]
                 if d.size:
-                    tails.append(WindowSpec(ctx, epoch, (), np.unique(d // ctx.grid.chunk_size),
-                                            draws=d))
+                    chunks = (spec.chunk_ids if ctx.contiguous
+                              else np.unique(d // ctx.grid.chunk_size))
+                    tails.append(WindowSpec(ctx, epoch, (), chunks, draws=d))
             else:
                 untouched.append(spec.chunk_ids)
     g = len(history)
-    pool = np.concatenate(untouched) if untouched else np.empty(0, dtype=np.int64)
-    if pool.size:
-        order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
-        rank_in_order = np.empty(int(order.max()) + 1, dtype=np.int64)
-        rank_in_order[order] = np.arange(order.size)
-        pool = pool[np.argsort(rank_in_order[pool], kind="stable")]
+    order = _global_order(ctx, epoch)
+    rank_in_order = np.zeros(int(order.max()) + 1 if order.size else 0, dtype=np.int64)
+    rank_in_order[order] = np.arange(order.size)
     out = []
     b = ctx.block_chunks
+    if ctx.contiguous:  # untouched blocks stay whole: their neighbours are their halo
+        untouched.sort(key=lambda ids: int(rank_in_order[ids[0]]))
+    pool = np.concatenate(untouched) if untouched else np.empty(0, dtype=np.int64)
+    if pool.size and not ctx.contiguous:
+        pool = pool[np.argsort(rank_in_order[pool], kind="stable")]
     for r in range(world_size):
         mine = [replace(t, key=(g, r, world_size, -1 - j))
                 for j, t in enumerate(tails[r::world_size])]
-        share = pool[r::world_size]
-        mine += [WindowSpec(ctx, epoch, (g, r, world_size, i), share[i * b:(i + 1) * b])
-                 for i in range(-(-share.size // b))]
+        if ctx.contiguous:
+            mine += [WindowSpec(ctx, epoch, (g, r, world_size, i), blk)
+                     for i, blk in enumerate(untouched[r::world_size])]
+        else:
+            share = pool[r::world_size]
+            mine += [WindowSpec(ctx, epoch, (g, r, world_size, i), share[i * b:(i + 1) * b])
+                     for i in range(-(-share.size // b))]
         out.append(mine)
     return out
 
@@ -207,21 +245,31 @@ def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
                 f"rank {rank} of {world_size} has no samples to pad from in epoch {epoch} "
                 f"(samples per rank: {list(counts)}); use fewer ranks, or uneven='drop'"
             )
-        last = wins[-1]
+        nonempty = [i for i, w in enumerate(wins) if w.n_base]
+        if not nonempty:
+            raise ValueError(
+                f"rank {rank} of {world_size} has no samples to pad from in epoch {epoch} "
+                f"(samples per rank: {list(counts)}); use fewer ranks, or uneven='drop'"
+            )
+        last_i = nonempty[-1]
+        last = wins[last_i]
         pool = last.base_draws()
         need = target - own
         rng = np.random.default_rng(np.random.SeedSequence(
             [_PAD_STREAM, ctx.seed, epoch, len(history), rank, world_size]))
         # Cycle through a shuffled copy: each sample repeats as few times as possible.
         extra = np.resize(rng.permutation(pool), need)
-        wins[-1] = replace(last, extra=extra.astype(np.int64))
+        wins[last_i] = replace(last, extra=extra.astype(np.int64))
     return RankSchedule(tuple(wins), own, target, counts)
 
 
-def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window: int) -> ReadPlan:
-    """The read plan of one window: its final draw order and the stripes those draws need."""
+def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window: int,
+                offsets: np.ndarray | None = None) -> ReadPlan:
+    """The read plan of one window: its final draw order and the stripes those draws need
+    (all steps of each sample's time window, when ``offsets`` are given)."""
     draws = spec.final_draws()
-    reads = tuple(tuple(int(i) for i in np.unique(draws // v.sample_chunk)) for v in variables)
+    rows = draws if offsets is None else (draws[:, None] + offsets[None, :]).ravel()
+    reads = tuple(tuple(int(i) for i in np.unique(rows // v.sample_chunk)) for v in variables)
     nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
     return ReadPlan(epoch=spec.epoch, window=window,
                     chunk_ids=tuple(int(c) for c in spec.chunk_ids), draw_order=draws,

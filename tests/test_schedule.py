@@ -18,10 +18,11 @@ from insitubatch_nodes.schedule import (
 )
 
 
-def ctx(n=203, cs=8, block=3, uneven="none", seed=0, split=None):
-    grid = SampleGrid(n, cs)
+def ctx(n=203, cs=8, block=3, uneven="none", seed=0, split=None, contiguous=False,
+        valid=None):
+    grid = SampleGrid(n, cs) if valid is None else SampleGrid(n, cs).with_valid(*valid)
     ids = np.arange(grid.n_chunks) if split is None else np.asarray(split)
-    return ScheduleContext(ids, grid, seed, block, uneven)
+    return ScheduleContext(ids, grid, seed, block, uneven, contiguous)
 
 
 def epoch_draws(c, epoch, world, history=()):
@@ -93,12 +94,13 @@ def test_equal_samples_per_rank(uneven, n, cs, block, world):
         assert max(allc.values()) == 1 and len(allc) == world * sizes.pop()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 260), cs=st.integers(1, 10), block=st.integers(1, 4),
-       w0=st.integers(1, 4), w1=st.integers(1, 4), w2=st.integers(1, 4), data=st.data())
-def test_elastic_resumes_lose_and_repeat_nothing(n, cs, block, w0, w1, w2, data):
+       w0=st.integers(1, 4), w1=st.integers(1, 4), w2=st.integers(1, 4),
+       contiguous=st.booleans(), data=st.data())
+def test_elastic_resumes_lose_and_repeat_nothing(n, cs, block, w0, w1, w2, contiguous, data):
     """Stop anywhere at W0, resume at W1, stop again, resume at W2: the epoch is exact."""
-    c = ctx(n, cs, block)
+    c = ctx(n, cs, block, contiguous=contiguous)
     if max(w0, w1, w2) > c.grid.n_chunks:
         return
     seen: list[int] = []
@@ -108,7 +110,7 @@ def test_elastic_resumes_lose_and_repeat_nothing(n, cs, block, w0, w1, w2, data)
         for r in range(world):
             wins = rank_schedule(c, 0, r, world, history).windows
             h = data.draw(st.integers(0, len(wins)))
-            o = data.draw(st.integers(0, wins[h].n_base - 1)) if h < len(wins) else 0
+            o = data.draw(st.integers(0, max(0, wins[h].n_base - 1))) if h < len(wins) else 0
             for w in wins[:h]:
                 seen += w.final_draws().tolist()
             if h < len(wins):
@@ -134,3 +136,25 @@ def test_rank_without_samples_cannot_pad():
 def test_bad_policy():
     with pytest.raises(ValueError, match="uneven"):
         ctx(uneven="spread")
+
+
+@given(n=st.integers(1, 300), cs=st.integers(1, 12), block=st.integers(1, 5),
+       world=st.integers(1, 4), before=st.integers(0, 9), after=st.integers(0, 9))
+def test_contiguous_windows_cover_valid_anchors_in_runs(n, cs, block, world, before, after):
+    c = ctx(n, cs, block, contiguous=True, valid=(before, n - after))
+    draws = np.concatenate(epoch_draws(c, 0, world))
+    assert sorted(draws.tolist()) == list(range(before, max(before, n - after)))
+    for r in range(world):
+        for w in rank_schedule(c, 0, r, world).windows:
+            assert np.all(np.diff(w.chunk_ids) == 1)  # a window is a run of adjacent chunks
+
+
+def test_window_reads_include_every_step():
+    from insitubatch_nodes.windows import SampleWindow
+
+    win = SampleWindow(history=2, lead=(1, 6))
+    c = ctx(100, 8, 2, contiguous=True, valid=(1, 94))
+    spec = rank_schedule(c, 0, 0, 1).windows[0]
+    plan = plan_window(spec, [var("a", 100, 8)], 0, win.offsets)
+    rows = (plan.draw_order[:, None] + win.offsets[None, :]).ravel()
+    assert list(plan.reads[0]) == sorted(set((rows // 8).tolist()))

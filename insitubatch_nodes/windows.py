@@ -1,0 +1,66 @@
+"""Time-window samples: a sample is an anchor step with history before it and leads after.
+
+Pure index math. ``SampleWindow(history=2, lead=(1, 6), stride=1)`` makes the sample at
+anchor ``t`` the inputs ``t-1, t`` and the targets ``t+1, t+6``; only anchors whose whole
+window lies on the axis are samples, and exactly-once applies to anchors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .geometry import SampleGrid
+
+
+@dataclass(frozen=True)
+class SampleWindow:
+    """Inputs at ``t - (history-1)*stride, ..., t`` and targets at ``t + l*stride``."""
+
+    history: int = 1
+    lead: tuple[int, ...] = ()
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        lead = (self.lead,) if isinstance(self.lead, int) else tuple(self.lead)
+        object.__setattr__(self, "lead", tuple(int(x) for x in lead))
+        if self.history < 1 or self.stride < 1:
+            raise ValueError(f"history and stride must be >= 1, got history={self.history}, "
+                             f"stride={self.stride}")
+        if any(x < 1 for x in self.lead) or len(set(self.lead)) != len(self.lead):
+            raise ValueError(f"leads must be distinct integers >= 1, got {self.lead}")
+
+    @property
+    def input_offsets(self) -> np.ndarray:
+        return np.arange(-(self.history - 1), 1, dtype=np.int64) * self.stride
+
+    @property
+    def target_offsets(self) -> np.ndarray:
+        return np.asarray(self.lead, dtype=np.int64) * self.stride
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Every step a sample reads, relative to its anchor: inputs, then targets."""
+        return np.concatenate([self.input_offsets, self.target_offsets])
+
+    @property
+    def before(self) -> int:
+        return (self.history - 1) * self.stride
+
+    @property
+    def after(self) -> int:
+        return max(self.lead, default=0) * self.stride
+
+    @property
+    def span(self) -> int:
+        """Steps from the first input to the last target, inclusive."""
+        return self.before + self.after + 1
+
+    @property
+    def is_single_step(self) -> bool:
+        return self.history == 1 and not self.lead
+
+    def grid(self, grid: SampleGrid) -> SampleGrid:
+        """The same chunk grid, with only complete windows' anchors as samples."""
+        return grid.with_valid(self.before, grid.n_samples - self.after)
