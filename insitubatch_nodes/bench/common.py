@@ -1,0 +1,178 @@
+"""Measurement helpers shared by the core benchmark and the sweeps."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import resource
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def usage() -> np.ndarray:
+    """(CPU s, of which system s, minor page faults) of the process and its reaped children
+    (the naive DataLoader's workers). ``getrusage`` rather than ``os.times``, whose 10 ms
+    ticks are too coarse for one pass; system time and faults show fresh-memory costs."""
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return np.array([own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime,
+                     own.ru_stime + kids.ru_stime, own.ru_minflt + kids.ru_minflt])
+
+
+def usage_extra(used: np.ndarray) -> dict[str, float]:
+    return {"cpu_s": float(used[0]), "sys_s": float(used[1]), "minor_faults": int(used[2])}
+
+
+@dataclass
+class Run:
+    """One timed path: ``samples`` of ``sample_nbytes`` decoded bytes in ``seconds``."""
+
+    name: str
+    samples: int
+    seconds: float
+    sample_nbytes: int
+    first_batch_s: float | None = None
+    cpu_s: float | None = None
+    rss_peak: int | None = None  # bytes, process (+ workers) at its highest during the run
+    rss_growth: int | None = None  # bytes above the RSS when the run started
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.samples * self.sample_nbytes / self.seconds / 1e9
+
+    @property
+    def cores(self) -> float | None:
+        """CPU cores kept busy on average: tells starved parallelism from real work."""
+        return None if self.cpu_s is None else self.cpu_s / self.seconds
+
+
+class RssSampler:
+    """Polls RSS on a thread: ``ru_maxrss`` is a lifetime peak, useless once an earlier step
+    (store writing, zarr ``arr[:]``) has set it higher than the step being measured.
+
+    With ``children=True`` the RSS of child processes (DataLoader workers) is added; it counts
+    pages they share with the parent after ``fork``, so it over-states their cost.
+    """
+
+    def __init__(self, interval_s: float = 0.005, children: bool = False) -> None:
+        import psutil
+
+        self.interval_s = interval_s
+        self.children = children
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="rss-sampler", daemon=True)
+        self.baseline = 0
+        self.peak = 0
+
+    def _rss(self) -> int:
+        rss = self._proc.memory_info().rss
+        if self.children:
+            import psutil
+
+            for c in self._proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    rss += c.memory_info().rss
+        return rss
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> RssSampler:
+        self.baseline = self.peak = self._rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
+def consume(batches: Iterable[Any], total: int, desc: str, key: str | None,
+            progress: bool = True) -> tuple[int, float, float, np.ndarray]:
+    """Iterate one epoch, touching each batch (one element) the way a model would read it.
+
+    Returns (samples, seconds, time to first batch, ``usage`` delta); the clock starts before
+    ``iter()`` so worker start-up and first window fetch are charged to the path that has them.
+    """
+    from tqdm import tqdm
+
+    u0, t0 = usage(), time.perf_counter()
+    first = None
+    samples, acc = 0, 0.0
+    it: Iterator[Any] = iter(batches)
+    for batch in tqdm(it, total=total, desc=desc, unit="batch", file=sys.stderr,
+                      mininterval=0.5, leave=False, disable=not progress):
+        if first is None:
+            first = time.perf_counter() - t0
+        x = batch[key] if key is not None else batch
+        acc += float(x.reshape(-1)[0])
+        samples += int(x.shape[0])
+    del it  # a DataLoader iterator reaps its workers here, so their CPU time is counted
+    return samples, time.perf_counter() - t0, first or 0.0, usage() - u0
+
+
+def warm_page_cache(path: Path) -> tuple[int, float]:
+    """Read every file once so that no timed path pays for the disk (all paths see RAM)."""
+    n, t0 = 0, time.perf_counter()
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                n += len(f.read())
+    return n, time.perf_counter() - t0
+
+
+def local_path(url: str) -> Path | None:
+    """The directory of a local store URL (plain path or ``file://``), else ``None``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme in ("", "file"):
+        return Path(parts.path if parts.scheme == "file" else url).expanduser()
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Enough to tell whether two result files came from comparable machines."""
+    import numcodecs
+    import psutil
+    import torch
+    import zarr
+
+    import insitubatch_nodes as ib
+
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu_model": model,
+            "ram_gb": round(psutil.virtual_memory().total / 1e9, 1),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "zarr": zarr.__version__, "numcodecs": numcodecs.__version__,
+            "insitubatch_nodes": ib.__version__, "platform": platform.platform()}
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

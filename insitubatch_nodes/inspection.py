@@ -1,0 +1,261 @@
+"""``insitubatch inspect``: what a store looks like to the loader, and a ``block_chunks`` to use.
+
+For every variable: shape, dtype, dims, chunks and shards, samples per chunk, stored chunk
+count, decoded bytes per chunk and per stripe, *measured* compressed bytes per chunk (the
+sizes of a few stored objects, asked of the store), the codec chain, and the read path the
+loader will take (``StripeReader.mode``). Then a ``block_chunks`` recommendation: the
+smallest window whose modelled shuffle quality (``quality.shuffle_quality``) reaches the
+target, capped by the memory budget through the loader's own resident bound (the bound
+``build_loader(memory_budget=...)`` checks), so a recommendation always builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from .io.reader import StripeReader
+from .loader import _resident_bound, parse_bytes
+from .quality import recommend_block_chunks, shuffle_quality
+from .source import Source
+
+READ_PATHS = {
+    "local": "local file read + numcodecs decode straight into the window, one pool task "
+             "per stripe",
+    "object": "obstore get_async on the event loop, numcodecs decode on the pool",
+    "zarr-store": "zarr async store.get, numcodecs decode on the pool",
+    "zarr": "zarr async getitem per stripe (codec chain not special-cased), one copy into "
+            "the window",
+}
+
+
+@dataclass(frozen=True)
+class VariableReport:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[str | None, ...] | None
+    chunks: tuple[int, ...]  # the read unit (inner chunk when sharded)
+    shards: tuple[int, ...] | None
+    samples_per_chunk: int
+    sample_chunks: int  # chunks along the sample axis (stripes)
+    chunks_per_stripe: int  # stored chunks that make one stripe (chunking inside a sample)
+    stored_chunks: int  # chunks in the whole array
+    decoded_chunk_bytes: int
+    decoded_stripe_bytes: int
+    compressed_chunk_bytes: float | None  # mean over the measured objects, per chunk
+    measured_objects: int  # stored objects (chunks or shards) whose size was asked
+    missing_objects: int  # of those, never written (read as fill value)
+    compression_ratio: float | None
+    codecs: str  # zarr's codec chain
+    fast_decoder: str | None  # our numcodecs chain, when special-cased
+    read_mode: str
+    read_path: str
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    quality_target: float
+    memory_budget: int | None
+    batch_size: int
+    prefetch_windows: int
+    block_chunks_for_quality: int  # smallest reaching the target (uncapped)
+    block_chunks_memory_cap: int | None  # largest whose resident bound fits the budget
+    block_chunks: int | None  # what to use (None: nothing fits the budget)
+    quality: float | None  # modelled score at block_chunks
+    resident_bound_bytes: int | None  # at block_chunks
+    note: str
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    url: str
+    n_samples: int
+    samples_per_chunk: int  # of the sample grid (LCM of the variables')
+    n_chunks: int
+    sample_nbytes: int
+    variables: tuple[VariableReport, ...]
+    recommendation: Recommendation | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _codec_names(arr: zarr.Array) -> str:
+    meta = arr.metadata
+    if meta.zarr_format == 3:
+        names = []
+        for c in meta.codecs:
+            name = type(c).__name__.replace("Codec", "").lower()
+            inner = getattr(c, "codecs", None)  # sharding: show its inner chain
+            if inner:
+                name += "[" + " -> ".join(type(i).__name__.replace("Codec", "").lower()
+                                          for i in inner) + "]"
+            cname = getattr(c, "cname", None)
+            if cname is not None:
+                name += f"({getattr(cname, 'value', cname)})"
+            names.append(name)
+        return " -> ".join(names)
+    parts = [f.codec_id for f in (meta.filters or ())]
+    parts.append(meta.compressor.codec_id if meta.compressor is not None else "raw")
+    return "v2:" + " -> ".join(parts)
+
+
+def _measure_sizes(arr: zarr.Array, geom: Any, samples: int) -> tuple[list[int], int]:
+    """Sizes in bytes of up to ``samples`` stored objects along the sample axis (first inner
+    chunk of each), evenly spaced; and how many of the asked objects do not exist."""
+    from zarr.core.sync import sync
+
+    store = arr.store_path.store
+    prefix = arr.store_path.path.strip("/")
+    unit = geom.shards or geom.chunks
+    n_along = -(-geom.shape[0] // unit[0])
+    picks = np.unique(np.linspace(0, n_along - 1, min(samples, n_along)).astype(int))
+    sizes, missing = [], 0
+    for i in picks.tolist():
+        key = arr.metadata.encode_chunk_key((i,) + (0,) * (len(geom.shape) - 1))
+        key = f"{prefix}/{key}" if prefix else key
+        try:
+            sizes.append(int(sync(store.getsize(key))))
+        except FileNotFoundError:
+            missing += 1
+    return sizes, missing
+
+
+def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
+                     sample_objects: int = 5) -> VariableReport:
+    reader = StripeReader(arr, geom, source_url)
+    chunk_items = int(np.prod(geom.chunks, dtype=np.int64))
+    decoded_chunk = chunk_items * geom.dtype.itemsize
+    per_stripe = int(np.prod(geom.inner_grid, dtype=np.int64)) if geom.inner_grid else 1
+    sizes, missing = _measure_sizes(arr, geom, sample_objects)
+    per_object = 1
+    if geom.shards:
+        per_object = int(np.prod([s // c for s, c in zip(geom.shards, geom.chunks, strict=True)]))
+    compressed = float(np.mean(sizes)) / per_object if sizes else None
+    return VariableReport(
+        name=geom.name, shape=geom.shape, dtype=str(geom.dtype), dims=geom.dimension_names,
+        chunks=geom.chunks, shards=geom.shards, samples_per_chunk=geom.sample_chunk,
+        sample_chunks=geom.n_sample_chunks, chunks_per_stripe=per_stripe,
+        stored_chunks=geom.n_sample_chunks * per_stripe,
+        decoded_chunk_bytes=decoded_chunk, decoded_stripe_bytes=geom.stripe_nbytes,
+        compressed_chunk_bytes=compressed, measured_objects=len(sizes) + missing,
+        missing_objects=missing,
+        compression_ratio=decoded_chunk / compressed if compressed else None,
+        codecs=_codec_names(arr), fast_decoder=reader.decoder.chain if reader.decoder else None,
+        read_mode=reader.mode, read_path=READ_PATHS.get(reader.mode, reader.mode),
+    )
+
+
+def _largest_fitting(source: Source, budget: int, prefetch_windows: int, batch_size: int,
+                     hi: int) -> int | None:
+    """Largest block_chunks in [1, hi] whose resident bound fits ``budget`` (monotone)."""
+    if _resident_bound(source, 1, prefetch_windows, batch_size) > budget:
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _resident_bound(source, mid, prefetch_windows, batch_size) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def recommend(source: Source, quality: float, memory_budget: int | str | None = None,
+              batch_size: int = 32, prefetch_windows: int = 1) -> Recommendation:
+    """``block_chunks`` for a target shuffle quality, capped by a memory budget."""
+    if not 0 < quality <= 1:
+        raise ValueError(f"quality must be in (0, 1], got {quality!r}")
+    n_chunks, cs = source.grid.n_chunks, source.grid.chunk_size
+    want = recommend_block_chunks(n_chunks, cs, batch_size, quality)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    cap = (_largest_fitting(source, budget, prefetch_windows, batch_size, n_chunks)
+           if budget is not None else None)
+    if budget is not None and cap is None:
+        need = _resident_bound(source, 1, prefetch_windows, batch_size)
+        return Recommendation(quality, budget, batch_size, prefetch_windows, want, None, None,
+                              None, None,
+                              f"even block_chunks=1 needs {need:,} B resident, above the "
+                              f"budget of {budget:,} B: raise the budget or lower "
+                              "prefetch_windows")
+    block = want if cap is None else min(want, cap)
+    q = shuffle_quality(n_chunks, cs, block, batch_size)
+    if q < quality and block < want:
+        note = (f"the budget caps block_chunks at {cap}: quality {q:.3f} < target {quality}")
+    elif q < quality:
+        note = (f"even a window of all {n_chunks} chunks reaches only {q:.3f} (a batch of "
+                f"{batch_size} from chunks of {cs} samples)")
+    else:
+        note = f"reaches the target {quality}"
+    return Recommendation(quality, budget, batch_size, prefetch_windows, want, cap, block, q,
+                          _resident_bound(source, block, prefetch_windows, batch_size), note)
+
+
+def inspect_source(source: Source, *, quality: float | None = 0.9,
+                   memory_budget: int | str | None = None, batch_size: int = 32,
+                   prefetch_windows: int = 1, sample_objects: int = 5) -> StoreReport:
+    """Describe every served variable and recommend ``block_chunks`` (``quality=None``: no
+    recommendation)."""
+    variables = tuple(inspect_variable(a, g, source.url, sample_objects)
+                      for a, g in zip(source.arrays, source.variables, strict=True))
+    rec = (recommend(source, quality, memory_budget, batch_size, prefetch_windows)
+           if quality is not None else None)
+    return StoreReport(url=source.url, n_samples=source.n_samples,
+                       samples_per_chunk=source.grid.chunk_size, n_chunks=source.grid.n_chunks,
+                       sample_nbytes=source.sample_nbytes, variables=variables,
+                       recommendation=rec)
+
+
+def _mb(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def format_report(r: StoreReport) -> str:
+    lines = [f"store {r.url}",
+             f"  {r.n_samples} samples along the sample axis, {_mb(r.sample_nbytes)} per sample "
+             f"(all variables); loader chunks of {r.samples_per_chunk} samples: {r.n_chunks}",
+             ""]
+    for v in r.variables:
+        dims = ", ".join(str(d) for d in v.dims) if v.dims else "-"
+        lines += [
+            f"variable {v.name}: shape {v.shape} {v.dtype} ({dims})",
+            f"  chunks {v.chunks}" + (f", shards {v.shards}" if v.shards else "")
+            + f"; {v.samples_per_chunk} samples per chunk; {v.sample_chunks} chunks along the "
+            f"sample axis x {v.chunks_per_stripe} per stripe = {v.stored_chunks} chunks",
+            f"  bytes per chunk: {_mb(v.decoded_chunk_bytes)} decoded, "
+            f"{_mb(v.compressed_chunk_bytes)} compressed"
+            + (f" (ratio {v.compression_ratio:.2f}" if v.compression_ratio else " (")
+            + f"; measured on {v.measured_objects} stored "
+            + ("shards" if v.shards else "chunks")
+            + (f", {v.missing_objects} never written" if v.missing_objects else "") + ")"
+            + f"; per stripe {_mb(v.decoded_stripe_bytes)} decoded",
+            f"  codecs: {v.codecs}"
+            + (f"; fast decoder: {v.fast_decoder}" if v.fast_decoder else ""),
+            f"  read path: {v.read_mode} ({v.read_path})",
+            "",
+        ]
+    rec = r.recommendation
+    if rec is not None:
+        budget = _mb(rec.memory_budget) if rec.memory_budget is not None else "none"
+        lines.append(f"recommendation (shuffle quality >= {rec.quality_target}, memory budget "
+                     f"{budget}, batch {rec.batch_size}, prefetch_windows "
+                     f"{rec.prefetch_windows}):")
+        if rec.block_chunks is None:
+            lines.append(f"  nothing fits: {rec.note}")
+        else:
+            cap = ("" if rec.block_chunks_memory_cap is None
+                   else f"; the budget allows up to {rec.block_chunks_memory_cap}")
+            lines.append(f"  block_chunks={rec.block_chunks} -> modelled quality "
+                         f"{rec.quality:.3f}, resident bound {_mb(rec.resident_bound_bytes)} "
+                         f"({rec.note}; quality alone asks for "
+                         f"{rec.block_chunks_for_quality}{cap})")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""The insitubatch command: errors in words with exit code 2, and make-demo -> inspect -> bench."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from insitubatch_nodes import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fails(capsys, argv: list[str]) -> str:
+    """Run the CLI expecting a usage error; return its stderr."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "demo.zarr"
+    assert cli.main(["make-demo", str(path), "--size-mb", "3", "--lat", "16", "--lon", "32",
+                     "--time-chunk", "8", "--quiet"]) == 0
+    return path
+
+
+def test_console_script_is_declared():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["insitubatch"] == "insitubatch_nodes.cli:main"
+    assert "matplotlib" in " ".join(meta["project"]["optional-dependencies"]["bench"])
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("insitubatch-nodes ")
+
+
+# -- bad URLs ------------------------------------------------------------------------------
+def test_missing_path(capsys, tmp_path):
+    err = _fails(capsys, ["inspect", str(tmp_path / "nope.zarr")])
+    assert "nope.zarr" in err and "Zarr store not found" in err
+    assert "s3://" in err  # says what is valid
+
+
+def test_unsupported_scheme(capsys):
+    err = _fails(capsys, ["inspect", "ftp://host/data.zarr"])
+    assert "'ftp'" in err and "s3://" in err and "file://" in err
+
+
+def test_not_a_zarr_group(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    err = _fails(capsys, ["bench", str(tmp_path / "empty"), "--no-plots"])
+    assert "no Zarr group" in err and "empty" in err
+
+
+def test_unknown_variable(capsys, demo):
+    err = _fails(capsys, ["inspect", str(demo), "--variables", "t2m", "sst"])
+    assert "'sst'" in err and "t2m" in err and "u10" in err  # names the ones that exist
+
+
+# -- bad options ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,words", [
+    (["inspect", "x", "--quality", "1.5"], ["--quality", "(0, 1]", "1.5"]),
+    (["inspect", "x", "--quality", "high"], ["--quality", "'high'"]),
+    (["inspect", "x", "--memory", "lots"], ["--memory", "'lots'", "4GB"]),
+    (["inspect", "x", "--batch-size", "0"], ["--batch-size", ">= 1", "0"]),
+    (["bench", "x", "--sweep-spc", "1,x"], ["--sweep-spc", "'1,x'", "1,8,24,96"]),
+    (["bench", "x", "--sweep-sample-shape", "64"], ["--sweep-sample-shape", "64x64"]),
+    (["bench", "x", "--naive-workers", "-1"], ["--naive-workers", "0,2"]),
+    (["bench", "x", "--split-fraction", "0"], ["--split-fraction", "(0, 1]"]),
+    (["make-demo", "x", "--size-mb", "-3"], ["--size-mb", "> 0", "-3"]),
+    (["inspect", "x", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'", "make-demo", "inspect", "bench"]),
+    ([], ["required"]),
+])
+def test_bad_options(capsys, argv, words):
+    err = _fails(capsys, argv)
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_make_demo_never_replaces_other_things(capsys, tmp_path, demo):
+    (tmp_path / "notes.txt").write_text("precious")
+    err = _fails(capsys, ["make-demo", str(tmp_path), "--size-mb", "1"])
+    assert "not a Zarr store" in err and (tmp_path / "notes.txt").exists()
+    err = _fails(capsys, ["make-demo", str(demo), "--size-mb", "1"])
+    assert "--force" in err
+
+
+def test_bench_says_how_to_install_its_extra(capsys, demo, monkeypatch):
+    import insitubatch_nodes.bench as bench
+
+    monkeypatch.setattr(bench, "missing_bench_deps", lambda plots=True: ["matplotlib"])
+    err = _fails(capsys, ["bench", str(demo)])
+    assert "insitubatch-nodes[bench]" in err and "matplotlib" in err
+
+
+def test_bench_batch_larger_than_store(capsys, demo):
+    err = _fails(capsys, ["bench", str(demo), "--batch-size", "100000", "--no-plots"])
+    assert "--batch-size 100000" in err
+
+
+# -- end to end ----------------------------------------------------------------------------
+def test_inspect_text_and_json(capsys, demo):
+    assert cli.main(["inspect", str(demo), "--memory", "64MB", "--quality", "0.8"]) == 0
+    text = capsys.readouterr().out
+    for name in ("t2m", "u10", "v10", "msl"):
+        assert f"variable {name}: shape (" in text
+    assert "bytes -> blosc(zstd)" in text and "read path: local" in text
+    assert "block_chunks=" in text
+    assert cli.main(["inspect", str(demo), "--json", "--variables", "t2m"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    (v,) = rep["variables"]
+    assert v["name"] == "t2m" and v["samples_per_chunk"] == 8 and v["chunks"] == [8, 16, 32]
+    assert v["decoded_chunk_bytes"] == 8 * 16 * 32 * 4 and v["compressed_chunk_bytes"] > 0
+    assert rep["recommendation"]["quality_target"] == 0.9
+
+
+def test_bench_end_to_end(capsys, demo, tmp_path):
+    out = tmp_path / "out"
+    assert cli.main(["bench", str(demo), "--out", str(out), "--epochs", "2",
+                     "--naive-samples", "24", "--batch-size", "8", "--block-chunks", "4",
+                     "--resume-after", "2", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "insitubatch loader, steady" in text and "naive DataLoader, 2 workers" in text
+    assert "time to first batch" in text
+    res = json.loads((out / "core.json").read_text())
+    names = [r["name"] for r in res["rows"]]
+    assert any("read floor" in n for n in names) and "zarr arr[:]" in names
+    n = res["split"]["samples"]
+    for ep in res["loader_epochs"]:
+        assert ep["samples"] == n and 0 <= ep["starvation"] <= 1
+        assert ep["bytes_delivered"] == n * res["split"]["sample_nbytes"]
+        assert ep["rss_peak_bytes"] > 0
+    assert res["first_batch"]["first_batch_after_resume_s"] > 0
+    assert (out / "core.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "core.md").read_text().startswith("| path |")
+
+
+def test_bench_sweep_end_to_end(capsys, demo, tmp_path):
+    out = tmp_path / "sweep"
+    assert cli.main(["bench", str(demo), "--sweep", "--out", str(out), "--epochs", "2",
+                     "--sweep-spc", "1,8", "--sweep-samples", "96", "--sweep-sample-shape",
+                     "8x8", "--window-samples", "16", "--sweep-block-chunks", "1,4",
+                     "--sweep-inflight", "2,8", "--batch-size", "8", "--quiet"]) == 0
+    res = json.loads((out / "sweep.json").read_text())
+    assert [p["samples_per_chunk"] for p in res["samples_per_chunk"]] == [1, 8]
+    assert [p["n_chunks"] for p in res["samples_per_chunk"]] == [96, 12]
+    assert [p["block_chunks"] for p in res["block_chunks"]] == [1, 4]
+    assert [p["max_inflight"] for p in res["max_inflight"]] == [2, 8]
+    q = [p["shuffle_quality"] for p in res["block_chunks"]]
+    assert q[0] < q[1] <= 1.0
+    for name in ("samples_per_chunk", "block_chunks", "max_inflight"):
+        assert (out / f"sweep_{name}.png").stat().st_size > 1000
+    assert not (out / "sweep-stores" / "spc1.zarr").exists()  # removed unless --keep-stores

@@ -1,0 +1,121 @@
+"""insitubatch inspect: the report's numbers against what is really in a small store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+from stores import BLOSC, Var
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.inspection import format_report, inspect_source, recommend
+from insitubatch_nodes.loader import _resident_bound
+from insitubatch_nodes.quality import recommend_block_chunks, shuffle_quality
+
+VARS = [
+    # chunked inside a sample: 2 stored chunks per stripe, blosc-zstd
+    Var("a", (120, 10, 12), (8, 5, 12), compressors=BLOSC),
+    # sharded: inner chunks (8, 4), shards (24, 16) -> 3 x 4 = 12 chunks per shard
+    Var("s", (120, 16), (8, 4), shards=(24, 16)),
+]
+
+
+@pytest.fixture
+def store(store_factory):
+    path, data = store_factory(VARS)
+    return path, data
+
+
+def _size(path, *parts) -> int:
+    return path.joinpath(*parts).stat().st_size
+
+
+def test_variables_report_real_sizes(store):
+    path, _ = store
+    source = ib.open_source(path)
+    r = inspect_source(source, quality=None, sample_objects=3)
+    assert (r.n_samples, r.samples_per_chunk, r.n_chunks) == (120, 8, 15)
+    assert r.sample_nbytes == (10 * 12 + 16) * 4
+    a, s = r.variables
+    assert (a.name, a.shape, a.dtype, a.chunks, a.shards) == ("a", (120, 10, 12), "float32",
+                                                              (8, 5, 12), None)
+    assert (a.samples_per_chunk, a.sample_chunks, a.chunks_per_stripe, a.stored_chunks) == (
+        8, 15, 2, 30)
+    assert a.decoded_chunk_bytes == 8 * 5 * 12 * 4
+    assert a.decoded_stripe_bytes == 8 * 10 * 12 * 4
+    # three stored chunks measured, evenly spaced along the sample axis (first inner chunk)
+    picks = [0, 7, 14]
+    want = np.mean([_size(path, "a", "c", str(i), "0", "0") for i in picks])
+    assert a.measured_objects == 3 and a.missing_objects == 0
+    assert a.compressed_chunk_bytes == pytest.approx(want)
+    assert a.compression_ratio == pytest.approx(a.decoded_chunk_bytes / want)
+    assert a.codecs == "bytes -> blosc(zstd)"
+    assert a.fast_decoder == "bytes -> blosc"
+    assert a.read_mode == "local"
+
+    assert s.shards == (24, 16) and s.chunks == (8, 4)
+    assert (s.sample_chunks, s.chunks_per_stripe, s.stored_chunks) == (15, 4, 60)
+    assert s.decoded_chunk_bytes == 8 * 4 * 4
+    shards = [0, 2, 4]  # 5 shards along the sample axis
+    want_s = np.mean([_size(path, "s", "c", str(i), "0") for i in shards]) / 12
+    assert s.compressed_chunk_bytes == pytest.approx(want_s)
+    assert s.codecs.startswith("sharding[")
+    assert s.fast_decoder is None and s.read_mode == "zarr"  # zarr reads what we don't decode
+
+
+def test_missing_chunks_are_counted(tmp_path):
+    g = zarr.open_group(tmp_path / "sparse.zarr", mode="w", zarr_format=3)
+    arr = g.create_array("x", shape=(40, 6), chunks=(4, 6), dtype="float32")
+    arr[:8] = 1.0  # chunks 0 and 1 written; 2..9 never
+    r = inspect_source(ib.open_source(tmp_path / "sparse.zarr"), quality=None,
+                       sample_objects=10)
+    v = r.variables[0]
+    assert (v.measured_objects, v.missing_objects) == (10, 8)
+    assert v.codecs == "bytes -> zstd" and v.read_mode == "local"
+
+
+@pytest.mark.parametrize("quality,batch", [(0.9, 32), (0.5, 8), (0.99, 4), (1.0, 64)])
+def test_recommendation_follows_the_quality_model(store, quality, batch):
+    source = ib.open_source(store[0])
+    rec = recommend(source, quality, None, batch_size=batch)
+    want = recommend_block_chunks(15, 8, batch, quality)
+    assert rec.block_chunks == rec.block_chunks_for_quality == want
+    assert rec.quality == pytest.approx(shuffle_quality(15, 8, want, batch))
+    assert rec.block_chunks_memory_cap is None
+    assert rec.resident_bound_bytes == _resident_bound(source, want, 1, batch)
+
+
+def test_memory_budget_caps_and_the_result_builds(store):
+    source = ib.open_source(store[0])
+    manifest = ib.split_by_chunk(source, fractions=(1.0,))
+    free = recommend(source, 1.0, None, batch_size=32)
+    budget = _resident_bound(source, 4, 1, 32) + 10  # room for 4 chunks, not 5
+    rec = recommend(source, 1.0, budget, batch_size=32)
+    assert rec.block_chunks_memory_cap == 4 and rec.block_chunks == 4 < free.block_chunks
+    assert rec.quality < 1.0 and "caps block_chunks at 4" in rec.note
+    # build_loader checks the same bound: the recommendation fits, one more does not
+    ib.build_loader(source, manifest, "train", block_chunks=4, memory_budget=budget).close()
+    with pytest.raises(ValueError, match="block_chunks=4 fits"):
+        ib.build_loader(source, manifest, "train", block_chunks=5, memory_budget=budget)
+    # string budgets are parsed as build_loader parses them
+    assert recommend(source, 1.0, "1GB", 32).block_chunks == free.block_chunks
+
+
+def test_budget_too_small_for_anything(store):
+    source = ib.open_source(store[0])
+    rec = recommend(source, 0.9, 100, batch_size=32)
+    assert rec.block_chunks is None and "even block_chunks=1" in rec.note
+    assert "nothing fits" in format_report(inspect_source(source, memory_budget=100))
+
+
+def test_bad_quality(store):
+    with pytest.raises(ValueError, match=r"quality must be in \(0, 1\]"):
+        recommend(ib.open_source(store[0]), 1.5)
+
+
+def test_text_report(store):
+    text = format_report(inspect_source(ib.open_source(store[0]), memory_budget="4GB"))
+    assert "variable a: shape (120, 10, 12) float32" in text
+    assert "8 samples per chunk" in text and "shards (24, 16)" in text
+    assert "read path: local" in text and "read path: zarr" in text
+    assert "block_chunks=" in text and "modelled quality" in text
