@@ -28,9 +28,10 @@ from .nodes import (
 from .permute import resolve_rank
 from .plan import max_window_nbytes
 from .quality import shuffle_quality
-from .schedule import UNEVEN_POLICIES, Resumption
+from .schedule import UNEVEN_POLICIES, Resumption, ScheduleContext, n_units
 from .source import Source
 from .split import SplitManifest
+from .windows import SampleWindow
 
 
 class _ExactIterator(LoaderIterator):
@@ -246,6 +247,7 @@ def build_loader(
     retry: RetryPolicy | None = None,
     allow_snapshot_change: bool = False,
     log_every_s: float | None = None,
+    window: SampleWindow | None = None,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -256,6 +258,9 @@ def build_loader(
     ``uneven`` keeps ranks at equal step counts: ``"pad"`` (default: repeats a few samples of
     the rank's own last window), ``"drop"`` (cuts every rank to the smallest share) or
     ``"none"`` (unequal; never with DDP, whose last all-reduce would hang).
+    ``window=SampleWindow(history, lead, stride)`` makes each sample a time window: the batch
+    holds ``name`` (batch, history, ...) inputs and ``"target/name"`` (batch, n_leads, ...)
+    targets, and windows are runs of adjacent chunks so that neighbours are resident.
     ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
     summary (logger ``insitubatch_nodes``, INFO) at most that often.
     """
@@ -266,6 +271,9 @@ def build_loader(
     if split not in manifest.names:
         raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
     manifest.check_source(source, allow_snapshot_change)
+    if window is not None and window.is_single_step:
+        window = None
+    grid = source.grid if window is None else window.grid(source.grid)
     n_chunks = len(manifest.chunk_ids(split))
     if n_chunks == 0:
         raise ValueError(
@@ -275,18 +283,22 @@ def build_loader(
     rank, world_size = resolve_rank(rank, world_size)
     if uneven not in UNEVEN_POLICIES:
         raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {uneven!r}")
-    if world_size > n_chunks:
+    contiguous = window is not None
+    units = n_units(ScheduleContext(manifest.chunk_ids(split), grid, seed, block_chunks, uneven,
+                                    contiguous))
+    if world_size > units:
         raise ValueError(
-            f"world_size={world_size} exceeds the {n_chunks} chunks of split {split!r}: a chunk "
+            f"world_size={world_size} exceeds the {units} "
+            f"{'blocks' if contiguous else 'chunks'} of split {split!r}: a chunk "
             "is served by one rank, so some ranks would get nothing. Use at most "
-            f"{n_chunks} ranks, or a split with more chunks."
+            f"{units} ranks, or a split with more chunks."
         )
     if memory_budget is not None:
         budget = parse_bytes(memory_budget)
-        need = _resident_bound(source, block_chunks, prefetch_windows, batch_size)
+        need = _resident_bound(source, block_chunks, prefetch_windows, batch_size, window)
         if need > budget:
             fits = [b for b in range(1, block_chunks)
-                    if _resident_bound(source, b, prefetch_windows, batch_size) <= budget]
+                    if _resident_bound(source, b, prefetch_windows, batch_size, window) <= budget]
             hint = (f"block_chunks={fits[-1]} fits" if fits else
                     "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
             raise ValueError(
@@ -297,14 +309,18 @@ def build_loader(
 
     ledger = MemoryLedger()
     node: BaseNode = SplitNode(manifest, split)
-    node = ChunkPermuteNode(node, source.grid, seed=seed, rank=rank, world_size=world_size,
+    offsets = None if window is None else window.offsets
+    node = ChunkPermuteNode(node, grid, seed=seed, rank=rank, world_size=world_size,
+                            contiguous=contiguous,
                             block_chunks=block_chunks, uneven=uneven)
-    node = ReadPlanNode(node, source.variables)
+    node = ReadPlanNode(node, source.variables, offsets=offsets)
     node = AsyncFetchNode(node, source, max_inflight=max_inflight,
                           prefetch_windows=prefetch_windows, decode_threads=decode_threads,
                           ledger=ledger, pool=BufferPool(ledger), retry=retry)
-    node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
-    node = GatherNode(node, source.variables, pool=BufferPool())
+    node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last,
+                             offsets=offsets)
+    node = GatherNode(node, source.variables, pool=BufferPool(), window=window,
+                      coords=source.batch_coords())
     node = PinOrCudaNode(node, device=device)
     loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id
@@ -312,17 +328,21 @@ def build_loader(
     loader.ledger = ledger
     loader.shuffle_quality = shuffle_quality(n_chunks, source.grid.chunk_size, block_chunks,
                                              batch_size)
-    loader.resident_bound = _resident_bound(source, block_chunks, prefetch_windows, batch_size)
+    loader.resident_bound = _resident_bound(source, block_chunks, prefetch_windows, batch_size,
+                                            window)
     return loader
 
 
 def _resident_bound(source: Source, block_chunks: int, prefetch_windows: int,
-                    batch_size: int) -> int:
+                    batch_size: int, window: SampleWindow | None = None) -> int:
     """Decoded bytes that can be resident: the window being drawn, the prefetched ones, and
-    the stripes of the previous window that a batch straddling the edge still needs."""
-    window = max_window_nbytes(source.grid, source.variables, block_chunks)
-    straddle = max_window_nbytes(source.grid, source.variables, min(batch_size, block_chunks))
-    return (1 + prefetch_windows) * window + straddle
+    the stripes of the previous window that a batch straddling the edge still needs (each
+    with its halo of neighbouring chunks when samples are time windows)."""
+    halo = 0 if window is None else -(-max(window.before, window.after) // source.grid.chunk_size)
+    window_bytes = max_window_nbytes(source.grid, source.variables, block_chunks + 2 * halo)
+    straddle = max_window_nbytes(source.grid, source.variables,
+                                 min(batch_size, block_chunks) + 2 * halo)
+    return (1 + prefetch_windows) * window_bytes + straddle
 
 
 def _fraction(manifest: SplitManifest, split: str) -> str:

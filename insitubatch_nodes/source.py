@@ -35,6 +35,21 @@ class Source:
     arrays: tuple[zarr.Array, ...] = field(repr=False)
     sample_dim: str | None = None
     snapshot_id: str | None = None  # icechunk snapshot the data was read from
+    # Values of the sample dimension's coordinate (datetime64[ns] or numbers), if it has one.
+    sample_coord: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def coord_name(self) -> str | None:
+        return self.sample_dim if self.sample_coord is not None else None
+
+    def batch_coords(self) -> dict[str, np.ndarray]:
+        """Per-sample values to put in each batch: datetimes as int64 nanoseconds."""
+        if self.sample_coord is None or self.sample_dim is None:
+            return {}
+        values = self.sample_coord
+        if np.issubdtype(values.dtype, np.datetime64):
+            values = values.astype("datetime64[ns]").astype(np.int64)
+        return {self.sample_dim: np.ascontiguousarray(values)}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -86,6 +101,8 @@ def open_source(
     """
     if isinstance(url, zarr.Group):
         return _describe(url, str(url.store_path), variables, sample_dim, None)
+    if type(url).__name__ == "Dataset" and type(url).__module__.startswith("xarray"):
+        return _from_xarray(url, variables, sample_dim, storage_options)
     if isinstance(url, (str, os.PathLike)):
         opened = open_url(url, storage_options)
     else:
@@ -118,6 +135,59 @@ def _open_group(opened: OpenedStore, variables: Sequence[str] | None,
     except Exception as e:
         raise explain(opened, e) from None
     return _describe(group, opened.display, variables, sample_dim, opened.snapshot_id)
+
+
+def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | None,
+                 storage_options: Mapping[str, Any] | None) -> Source:
+    """Serve a Dataset opened from Zarr (``xr.open_zarr``/``engine="zarr"``) from its store,
+    by dimension names; the loader reads the store itself, so the Dataset must be unsliced."""
+    where = ds.encoding.get("source")
+    if not where:
+        raise ValueError(
+            "this xarray.Dataset does not say which Zarr store it came from "
+            "(ds.encoding['source'] is empty); open it with xr.open_zarr(url) or pass the URL "
+            "to open_source(url, sample_dim=...) directly"
+        )
+    if sample_dim is None:
+        first = next(iter(ds.data_vars.values()), None)
+        sample_dim = "time" if "time" in ds.dims else (first.dims[0] if first is not None else None)
+    if sample_dim not in ds.dims:
+        raise ValueError(f"sample_dim {sample_dim!r} is not a dimension of the dataset; "
+                         f"dimensions: {list(ds.dims)}")
+    if variables is None:
+        variables = [n for n, v in ds.data_vars.items() if v.dims[:1] == (sample_dim,)]
+    bad = [n for n in variables if n in ds.data_vars and ds[n].dims[:1] != (sample_dim,)]
+    if bad:
+        raise ValueError(f"variables {bad} do not have {sample_dim!r} as their first dimension")
+    src = _open_group(open_url(where, storage_options), variables, sample_dim)
+    if ds.sizes[sample_dim] != src.n_samples:
+        raise ValueError(
+            f"the dataset has {ds.sizes[sample_dim]} steps along {sample_dim!r} but its store "
+            f"{src.url} has {src.n_samples}: the loader reads whole stores, so pass the "
+            "unsliced dataset and choose periods with split_by_coordinate"
+        )
+    if sample_dim in ds.coords:
+        object.__setattr__(src, "sample_coord", np.asarray(ds[sample_dim].values))
+    return src
+
+
+def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.ndarray | None:
+    """The sample dimension's coordinate array, CF-decoded (e.g. hours since ...)."""
+    if sample_dim is None or sample_dim not in group.array_keys():
+        return None
+    arr = group[sample_dim]
+    if not isinstance(arr, zarr.Array) or arr.shape != (n,):
+        return None
+    values = arr[:]
+    units = arr.attrs.get("units")
+    if isinstance(units, str) and " since " in units:
+        from xarray.coding.times import decode_cf_datetime
+
+        try:
+            values = decode_cf_datetime(values, units, arr.attrs.get("calendar", "standard"))
+        except Exception:
+            return np.asarray(values)
+    return np.asarray(values)
 
 
 def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
@@ -189,5 +259,8 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
         )
     n = geoms[0].shape[0]
     grid = SampleGrid(n_samples=n, chunk_size=common_chunk_size([g.sample_chunk for g in geoms]))
+    if sample_dim is None and geoms[0].dimension_names:
+        sample_dim = geoms[0].dimension_names[0]
     return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
-                  sample_dim=sample_dim, snapshot_id=snapshot_id)
+                  sample_dim=sample_dim, snapshot_id=snapshot_id,
+                  sample_coord=_sample_coordinate(group, sample_dim, n))

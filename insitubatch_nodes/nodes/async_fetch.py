@@ -225,9 +225,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
 
-    def _top_up(self) -> None:
+    def _top_up(self, depth: int) -> None:
+        """Keep ``depth`` undelivered windows submitted (pulling plans from upstream)."""
         lt = self._ensure_loop()
-        while not self._exhausted and len(self._fifo) < self.prefetch_windows + 1:
+        while not self._exhausted and len(self._fifo) < depth:
             try:
                 plan = next(self.source)
             except StopIteration:
@@ -248,7 +249,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._check_process()
         if self._error is not None:
             raise self._error
-        self._top_up()
+        self._top_up(self.prefetch_windows + 1)
         if not self._fifo:
             raise StopIteration
         fut, snap = self._fifo[0]
@@ -263,7 +264,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.stats.wait_s += time.perf_counter() - t0
         self._fifo.popleft()
         self._delivered = snap
-        self._top_up()
+        self._top_up(self.prefetch_windows)  # ahead of the window just delivered
         return win
 
     def windows_pending(self) -> tuple[int, int]:

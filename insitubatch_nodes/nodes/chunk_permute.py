@@ -38,7 +38,7 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
 
     def __init__(self, source: BaseNode[int], grid: SampleGrid, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, block_chunks: int = 16, uneven: str = "pad",
-                 epoch: int = 0) -> None:
+                 contiguous: bool = False, epoch: int = 0) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
@@ -50,6 +50,7 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
         self.world_size = int(world_size)
         self.block_chunks = int(block_chunks)
         self.uneven = uneven
+        self.contiguous = bool(contiguous)
         ScheduleContext(np.empty(0, np.int64), grid, self.seed, self.block_chunks, uneven)
         self.epoch = int(epoch)
         self.history: tuple[Resumption, ...] = ()
@@ -68,7 +69,8 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
         self.source.reset(None)
         ids = np.fromiter(self.source, dtype=np.int64)
         if self._ctx is None or not np.array_equal(self._ctx.chunk_ids, ids):
-            self._ctx = ScheduleContext(ids, self.grid, self.seed, self.block_chunks, self.uneven)
+            self._ctx = ScheduleContext(ids, self.grid, self.seed, self.block_chunks, self.uneven,
+                                        self.contiguous)
         return self._ctx
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
 from ..memory import BufferPool
+from ..windows import SampleWindow
 from .shuffle_buffer import BatchDraw
 
 
@@ -48,10 +49,16 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     """
 
     def __init__(self, source: BaseNode[BatchDraw], variables: Sequence[VariableGeometry],
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, *, window: SampleWindow | None = None,
+                 coords: Mapping[str, np.ndarray] | None = None) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
+        # With a time window, "name" holds the inputs (batch, history, ...) and
+        # "target/name" the targets (batch, n_leads, ...).
+        self.window = None if window is None or window.is_single_step else window
+        # Per-sample coordinates (e.g. "time" as int64 ns), looked up by sample index.
+        self.coords = dict(coords or {})
         self.pool = pool if pool is not None else BufferPool()
         for v in self.variables:
             torch_dtype(v.dtype)  # fail at build time, naming the dtype, not mid-epoch
@@ -75,13 +82,30 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
         nbytes = 0
+        win = self.window
         for var, parts in zip(self.variables, draw.parts, strict=True):
-            out = self.pool.take((n, *var.sample_shape), var.dtype)
+            if win is None:
+                out = self.pool.take((n, *var.sample_shape), var.dtype)
+                for p in parts:
+                    np.take(p.array, p.offsets, axis=0, out=out[p.start : p.stop], mode="clip")
+                batch[var.name] = torch.from_numpy(out)
+                nbytes += out.nbytes
+                continue
+            h = win.history
+            ins = self.pool.take((n, h, *var.sample_shape), var.dtype)
+            outs = (self.pool.take((n, len(win.lead), *var.sample_shape), var.dtype)
+                    if win.lead else None)
             for p in parts:
-                np.take(p.array, p.offsets, axis=0, out=out[p.start : p.stop], mode="clip")
-            batch[var.name] = torch.from_numpy(out)
-            nbytes += out.nbytes
+                dst, col = (ins, p.step) if p.step < h else (outs, p.step - h)
+                np.take(p.array, p.offsets, axis=0, out=dst[p.start : p.stop, col], mode="clip")
+            batch[var.name] = torch.from_numpy(ins)
+            nbytes += ins.nbytes
+            if outs is not None:
+                batch[f"target/{var.name}"] = torch.from_numpy(outs)
+                nbytes += outs.nbytes
         batch["sample_index"] = torch.from_numpy(draw.sample_index.astype(np.int64, copy=False))
+        for name, values in self.coords.items():
+            batch[name] = torch.from_numpy(values[draw.sample_index])
         stats.batches += 1
         stats.samples += n
         stats.nbytes += nbytes

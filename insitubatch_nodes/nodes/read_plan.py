@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
@@ -21,10 +22,13 @@ class ReadPlanNode(BaseNode[ReadPlan]):
     schedule, so nothing else is needed to rebuild them.
     """
 
-    def __init__(self, source: BaseNode[EpochChunk], variables: Sequence[VariableGeometry]) -> None:
+    def __init__(self, source: BaseNode[EpochChunk], variables: Sequence[VariableGeometry],
+                 offsets: Sequence[int] | np.ndarray | None = None) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
+        # Steps each sample reads relative to its index (time windows): reads cover them all.
+        self.offsets = None if offsets is None else np.asarray(offsets, dtype=np.int64)
         self._window = 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -40,7 +44,7 @@ class ReadPlanNode(BaseNode[ReadPlan]):
         item = next(self.source)
         while not item.last:
             item = next(self.source)
-        plan = plan_window(item.window, self.variables, self._window)
+        plan = plan_window(item.window, self.variables, self._window, self.offsets)
         self._window += 1
         return plan
 

@@ -24,6 +24,7 @@ class GatherPart:
     offsets: np.ndarray
     start: int
     stop: int
+    step: int = 0  # which step of a time-window sample (0 without windows)
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +66,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     """
 
     def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
-                 batch_size: int, drop_last: bool = False) -> None:
+                 batch_size: int, drop_last: bool = False,
+                 offsets: Sequence[int] | np.ndarray | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -73,6 +75,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self.variables = tuple(variables)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
+        # Steps each sample reads relative to its index (time windows); [0] for single steps.
+        self.offsets = np.asarray([0] if offsets is None else offsets, dtype=np.int64)
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
@@ -109,9 +113,9 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             self.stats.upstream_s += time.perf_counter() - t0
         self.stats.windows += 1
         remaining = []
+        rows = self._rows(win.plan.draw_order)
         for var in self.variables:
-            stripe = win.plan.draw_order // var.sample_chunk
-            idx, counts = np.unique(stripe, return_counts=True)
+            idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
             remaining.append(dict(zip(idx.tolist(), counts.tolist(), strict=True)))
         res = _Resident(win, snap, offset=0, remaining=tuple(remaining))
         if self._skip:
@@ -125,8 +129,9 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         order = res.window.plan.draw_order
         taken = order[res.offset : res.offset + n]
         res.offset += taken.size
+        rows = self._rows(taken)
         for v, var in enumerate(self.variables):
-            idx, counts = np.unique(taken // var.sample_chunk, return_counts=True)
+            idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
             rem = res.remaining[v]
             arrays = res.window.arrays[v]
             for i, c in zip(idx.tolist(), counts.tolist(), strict=True):
@@ -170,21 +175,29 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             raise StopIteration
         return self._make_draw(pieces, touched)
 
+    def _rows(self, samples: np.ndarray) -> np.ndarray:
+        if self.offsets.size == 1 and self.offsets[0] == 0:
+            return samples
+        return (samples[:, None] + self.offsets[None, :]).ravel()
+
     def _make_draw(self, pieces: list[np.ndarray],
                    touched: list[dict[int, np.ndarray]]) -> BatchDraw:
         samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         parts = []
         for v, var in enumerate(self.variables):
-            stripe = samples // var.sample_chunk
-            cuts = np.flatnonzero(np.diff(stripe)) + 1
-            starts = np.concatenate(([0], cuts)).tolist()
-            stops = np.concatenate((cuts, [samples.size])).tolist()
-            offsets = samples - stripe * var.sample_chunk
             lookup = touched[v]
-            parts.append(tuple(
-                GatherPart(lookup[int(stripe[a])], offsets[a:b], a, b)
-                for a, b in zip(starts, stops, strict=True)
-            ))
+            var_parts = []
+            for step, off in enumerate(self.offsets.tolist()):
+                rows = samples + off  # sorted, so each stripe's rows are one contiguous run
+                stripe = rows // var.sample_chunk
+                cuts = np.flatnonzero(np.diff(stripe)) + 1
+                starts = np.concatenate(([0], cuts)).tolist()
+                stops = np.concatenate((cuts, [rows.size])).tolist()
+                offsets = rows - stripe * var.sample_chunk
+                var_parts.extend(
+                    GatherPart(lookup[int(stripe[a])], offsets[a:b], a, b, step)
+                    for a, b in zip(starts, stops, strict=True))
+            parts.append(tuple(var_parts))
         return BatchDraw(samples, tuple(parts))
 
     def get_state(self) -> dict[str, Any]:
