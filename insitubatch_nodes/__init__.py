@@ -21,7 +21,8 @@ from .nodes import (
 from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
 from .source import Source, open_icechunk, open_source
-from .split import SplitManifest, split_by_chunk
+from .split import SplitManifest, split_by_chunk, split_by_coordinate
+from .windows import SampleWindow
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,5 @@ __all__ = [
     "ShuffleBufferNode", "Source", "SplitManifest", "SplitNode", "VariableGeometry",
     "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
+    "split_by_coordinate", "SampleWindow",
 ]

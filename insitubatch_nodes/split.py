@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from .geometry import SampleGrid
 from .source import Source
+from .windows import SampleWindow
 
 MANIFEST_VERSION = 1
 _DEFAULT_NAMES = ("train", "val", "test")
@@ -38,6 +39,8 @@ class SplitManifest:
     mode: str = "contiguous"
     source_url: str = ""
     snapshot_id: str | None = None  # icechunk snapshot the split was made on
+    gap: int = 0  # steps kept free between consecutive splits (time windows)
+    periods: tuple[tuple[str, str | None, str | None], ...] = ()  # coordinate ranges asked for
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -74,6 +77,8 @@ class SplitManifest:
             "mode": self.mode,
             "source_url": self.source_url,
             "snapshot_id": self.snapshot_id,
+            "gap": self.gap,
+            "periods": [list(p) for p in self.periods],
             "splits": {name: [list(r) for r in ranges] for name, ranges in self.splits},
         }
 
@@ -97,6 +102,8 @@ class SplitManifest:
             mode=str(d.get("mode", "contiguous")),
             source_url=str(d.get("source_url", "")),
             snapshot_id=d.get("snapshot_id"),
+            gap=int(d.get("gap", 0)),
+            periods=tuple((str(n), a, b) for n, a, b in d.get("periods", ())),
         )
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
@@ -197,4 +204,103 @@ def split_by_chunk(
         mode=mode,
         source_url=source.url,
         snapshot_id=source.snapshot_id,
+    )
+
+
+def _as_bound(value: object, coord: np.ndarray, end: bool) -> int:
+    """Index where a period starts (or, for ``end``, the index just after it ends)."""
+    n = coord.size
+    if value is None:
+        return n if end else 0
+    if np.issubdtype(coord.dtype, np.datetime64):
+        t = np.datetime64(value) if not isinstance(value, np.datetime64) else value
+        if end:  # "2015" means through the end of 2015; "2015-06-30" through that day
+            unit = np.datetime_data(t.dtype)[0]
+            t = t + np.timedelta64(1, unit)
+            return int(np.searchsorted(coord, t.astype(coord.dtype), side="left"))
+        return int(np.searchsorted(coord, t.astype(coord.dtype), side="left"))
+    v = float(value)  # numeric coordinate: inclusive bounds
+    return int(np.searchsorted(coord, v, side="right" if end else "left"))
+
+
+def split_by_coordinate(
+    source: Source,
+    periods: Mapping[str, tuple[object, object]],
+    *,
+    gap: int | None = None,
+    window: SampleWindow | None = None,
+) -> SplitManifest:
+    """Splits by ranges of the sample coordinate, e.g. years, snapped to chunk boundaries.
+
+    ``{"train": ("1979", "2015"), "val": ("2016", "2017"), "test": ("2018", None)}``: ends
+    are inclusive periods ("2015" is all of 2015), ``None`` is open. Between consecutive
+    splits at least ``gap`` steps stay unused (default: what ``window`` spans beyond one step,
+    so no target of one split is an input of another); whole chunks are given up for it at
+    the start of the later split. Overlapping periods, or a ``gap`` too small for
+    ``window``, are errors naming the overlap.
+    """
+    coord = source.sample_coord
+    if coord is None:
+        raise ValueError(
+            f"{source.url} has no coordinate for its sample dimension "
+            f"({source.sample_dim!r}); open it with sample_dim='time' (a 'time' array must "
+            "exist), pass an xarray Dataset, or use split_by_chunk"
+        )
+    if not periods:
+        raise ValueError("give at least one period, e.g. {'train': ('1979', '2015')}")
+    need = 0 if window is None else window.span - 1
+    if gap is None:
+        gap = need
+    cs, n = source.grid.chunk_size, source.n_samples
+
+    def label(i: int) -> str:
+        return str(coord[min(max(i, 0), n - 1)])
+
+    bounds = {}
+    for name, rng in periods.items():
+        if not isinstance(rng, (tuple, list)) or len(rng) != 2:
+            raise ValueError(f"period of split {name!r} must be (start, end), got {rng!r}")
+        i0, i1 = _as_bound(rng[0], coord, False), _as_bound(rng[1], coord, True)
+        if i1 <= i0:
+            raise ValueError(f"split {name!r}: period {rng!r} selects no steps of "
+                             f"{source.sample_dim!r} (which runs {label(0)} .. {label(n - 1)})")
+        bounds[name] = (i0, i1)
+    order = sorted(bounds, key=lambda k: bounds[k])
+    for a, b in zip(order, order[1:], strict=False):
+        (_, a1), (b0, b1) = bounds[a], bounds[b]
+        if b0 < a1:
+            raise ValueError(f"splits {a!r} and {b!r} overlap from {label(b0)} to "
+                             f"{label(min(a1, b1) - 1)}; make their periods disjoint")
+        if gap < need and b0 - a1 < need:
+            raise ValueError(
+                f"split {a!r} would leak into {b!r}: targets of {a!r} up to "
+                f"{label(a1 - 1 + window.after)} are inputs of {b!r} from "
+                f"{label(b0 - window.before)} (gap={gap} steps, but the window needs {need}); "
+                "leave gap=None or raise it"
+            )
+
+    def snap(i: int) -> int:
+        return min(source.grid.n_chunks, int(np.floor(i / cs + 0.5)))
+
+    chunks = {k: [snap(i0), snap(i1) if i1 < n else source.grid.n_chunks]
+              for k, (i0, i1) in bounds.items()}
+    for a, b in zip(order, order[1:], strict=False):
+        free = (chunks[b][0] - chunks[a][1]) * cs
+        if free < gap:
+            chunks[b][0] += -(-(gap - free) // cs)
+    empty = [k for k in order if chunks[k][1] <= chunks[k][0]]
+    if empty:
+        raise ValueError(f"splits {empty} have no whole chunk left after snapping to chunks of "
+                         f"{cs} steps and keeping a gap of {gap}; widen their periods")
+    return SplitManifest(
+        n_samples=n,
+        chunk_size=cs,
+        splits=tuple((k, ((chunks[k][0], chunks[k][1]),)) for k in periods),
+        variables=source.names,
+        mode="coordinate",
+        source_url=source.url,
+        snapshot_id=source.snapshot_id,
+        gap=int(gap),
+        periods=tuple((k, None if r[0] is None else str(r[0]), None if r[1] is None else str(r[1]))
+                      for k, r in periods.items()),
     )
