@@ -13,6 +13,7 @@ from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
     GatherNode,
+    NormalizeNode,
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
@@ -22,6 +23,7 @@ from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
 from .source import Source, open_icechunk, open_source
 from .split import SplitManifest, split_by_chunk, split_by_coordinate
+from .stats import Stats, VariableStats, compute_stats
 from .windows import SampleWindow
 
 __version__ = "0.1.0"
@@ -32,5 +34,6 @@ __all__ = [
     "ShuffleBufferNode", "Source", "SplitManifest", "SplitNode", "VariableGeometry",
     "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
-    "split_by_coordinate", "SampleWindow",
+    "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
+    "NormalizeNode",
 ]

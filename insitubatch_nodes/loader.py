@@ -20,6 +20,7 @@ from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
     GatherNode,
+    NormalizeNode,
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
@@ -31,6 +32,7 @@ from .quality import shuffle_quality
 from .schedule import UNEVEN_POLICIES, Resumption, ScheduleContext, n_units
 from .source import Source
 from .split import SplitManifest
+from .stats import Stats
 from .windows import SampleWindow
 
 
@@ -248,6 +250,8 @@ def build_loader(
     allow_snapshot_change: bool = False,
     log_every_s: float | None = None,
     window: SampleWindow | None = None,
+    stats: Stats | None = None,
+    dtype: torch.dtype | None = None,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -261,6 +265,8 @@ def build_loader(
     ``window=SampleWindow(history, lead, stride)`` makes each sample a time window: the batch
     holds ``name`` (batch, history, ...) inputs and ``"target/name"`` (batch, n_leads, ...)
     targets, and windows are runs of adjacent chunks so that neighbours are resident.
+    ``stats`` (from ``compute_stats``) standardises every variable it covers and ``dtype``
+    (e.g. ``torch.bfloat16``) casts them, in a ``NormalizeNode`` before the device copy.
     ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
     summary (logger ``insitubatch_nodes``, INFO) at most that often.
     """
@@ -321,6 +327,9 @@ def build_loader(
                              offsets=offsets)
     node = GatherNode(node, source.variables, pool=BufferPool(), window=window,
                       coords=source.batch_coords())
+    if stats is not None or dtype is not None:
+        node = NormalizeNode(node, stats if stats is not None else Stats("", ()),
+                             source.variables, dtype=dtype)
     node = PinOrCudaNode(node, device=device)
     loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id

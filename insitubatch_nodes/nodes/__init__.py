@@ -3,6 +3,7 @@
 from .async_fetch import AsyncFetchNode, DecodedWindow, FetchStats
 from .chunk_permute import ChunkPermuteNode, EpochChunk
 from .gather import GatherNode
+from .normalize import NormalizeNode
 from .pin_or_cuda import PinOrCudaNode
 from .read_plan import ReadPlanNode
 from .shuffle_buffer import BatchDraw, GatherPart, ShuffleBufferNode
@@ -10,6 +11,6 @@ from .split_node import SplitNode
 
 __all__ = [
     "AsyncFetchNode", "BatchDraw", "ChunkPermuteNode", "DecodedWindow", "EpochChunk",
-    "FetchStats", "GatherNode", "GatherPart", "PinOrCudaNode", "ReadPlanNode",
+    "FetchStats", "GatherNode", "GatherPart", "NormalizeNode", "PinOrCudaNode", "ReadPlanNode",
     "ShuffleBufferNode", "SplitNode",
 ]

@@ -1,0 +1,60 @@
+"""NormalizeNode: standardises batch tensors with split statistics, optionally casting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from ..geometry import VariableGeometry
+from ..stats import Stats
+
+
+class NormalizeNode(BaseNode[dict[str, torch.Tensor]]):
+    """``(x - mean) / std`` for every variable with statistics (inputs and ``target/``
+    tensors alike), then a cast to ``dtype`` (e.g. ``torch.bfloat16``) if asked.
+
+    Statistics kept per channel (a ``level`` dim) broadcast over that axis of the sample.
+    Other keys (``sample_index``, coordinates) pass through untouched. Stateless.
+    """
+
+    def __init__(self, source: BaseNode[dict[str, torch.Tensor]], stats: Stats,
+                 variables: tuple[VariableGeometry, ...], dtype: torch.dtype | None = None,
+                 eps: float = 1e-12) -> None:
+        super().__init__()
+        self.source = source
+        self.dtype = dtype
+        self._params: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for var in variables:
+            try:
+                st = stats[var.name]
+            except KeyError:
+                continue
+            dims = var.dimension_names or ()
+            shape = [1] * (len(var.shape) - 1)
+            for d in st.kept_dims:
+                shape[list(dims).index(d) - 1] = -1
+            mean = torch.as_tensor(np.asarray(st.mean, dtype=np.float32)).reshape(shape)
+            std = torch.as_tensor(np.maximum(np.asarray(st.std, dtype=np.float32), eps))
+            self._params[var.name] = (mean, std.reshape(shape))
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state["source"] if initial_state is not None else None)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        batch = next(self.source)
+        for key, value in list(batch.items()):
+            name = key[len("target/"):] if key.startswith("target/") else key
+            p = self._params.get(name)
+            if p is None:
+                continue
+            x = value if value.dtype == torch.float32 else value.to(torch.float32)
+            x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
+            batch[key] = x if self.dtype is None else x.to(self.dtype)
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict()}

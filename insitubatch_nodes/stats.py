@@ -1,0 +1,121 @@
+"""Normalization statistics streamed over a split, once, chunk by chunk.
+
+Per variable: mean, std, min and max, reduced over every axis except the ones named in
+``keep_dims`` (e.g. ``level`` for per-level channels). Sums are combined per chunk with
+Chan's parallel formula in float64, so the result matches numpy on the whole split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .source import Source
+from .split import SplitManifest
+
+
+@dataclass(frozen=True, eq=False)
+class VariableStats:
+    """Statistics of one variable; arrays have the shape of the kept dims (or are scalars)."""
+
+    name: str
+    kept_dims: tuple[str, ...]
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    count: int
+
+    def to_dict(self) -> dict:
+        return {"kept_dims": list(self.kept_dims), "count": self.count,
+                **{k: np.asarray(getattr(self, k)).tolist() for k in ("mean", "std", "min", "max")}}
+
+    @classmethod
+    def from_dict(cls, name: str, d: Mapping) -> VariableStats:
+        return cls(name, tuple(d["kept_dims"]), *(np.asarray(d[k], dtype=np.float64)
+                                                  for k in ("mean", "std", "min", "max")),
+                   count=int(d["count"]))
+
+
+@dataclass(frozen=True, eq=False)
+class Stats:
+    """Statistics of several variables over one split; JSON-serialisable."""
+
+    split: str
+    variables: tuple[VariableStats, ...]
+
+    def __getitem__(self, name: str) -> VariableStats:
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise KeyError(f"no statistics for {name!r}; have {[v.name for v in self.variables]}")
+
+    def to_dict(self) -> dict:
+        return {"split": self.split, "variables": {v.name: v.to_dict() for v in self.variables}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Stats:
+        return cls(d["split"], tuple(VariableStats.from_dict(n, v)
+                                     for n, v in d["variables"].items()))
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Stats:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def compute_stats(source: Source, manifest: SplitManifest, split: str = "train", *,
+                  variables: Sequence[str] | None = None, keep_dims: Sequence[str] = (),
+                  progress: bool = True) -> Stats:
+    """Stream ``split`` once and return mean/std/min/max per variable (and kept dim)."""
+    manifest.check_source(source)
+    names = list(variables) if variables is not None else list(source.names)
+    ids = manifest.chunk_ids(split)
+    if ids.size == 0:
+        raise ValueError(f"split {split!r} has no chunks to compute statistics over")
+    plans = []
+    for name in names:
+        g = source.variable(name)
+        dims = g.dimension_names or tuple(f"dim_{i}" for i in range(len(g.shape)))
+        kept = tuple(i for i, d in enumerate(dims) if i > 0 and d in keep_dims)
+        axes = tuple(i for i in range(len(g.shape)) if i not in kept)
+        plans.append((name, source.arrays[source.names.index(name)], kept, axes,
+                      tuple(dims[i] for i in kept)))
+    acc = {name: None for name in names}
+    it = ids.tolist()
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc=f"statistics of {split!r}", unit="chunk", file=sys.stderr)
+    cs = source.grid.chunk_size
+    for c in it:
+        a, b = c * cs, min((c + 1) * cs, source.n_samples)
+        for name, arr, _, axes, _ in plans:
+            x = np.asarray(arr[a:b], dtype=np.float64)
+            n = int(np.prod([x.shape[i] for i in axes]))
+            m = x.mean(axis=axes)
+            m2 = ((x - np.expand_dims(m, axes)) ** 2).sum(axis=axes)
+            lo, hi = x.min(axis=axes), x.max(axis=axes)
+            prev = acc[name]
+            if prev is None:
+                acc[name] = [n, m, m2, lo, hi]
+                continue
+            n0, m0, s0, lo0, hi0 = prev
+            tot = n0 + n
+            delta = m - m0
+            acc[name] = [tot, m0 + delta * n / tot, s0 + m2 + delta ** 2 * n0 * n / tot,
+                         np.minimum(lo0, lo), np.maximum(hi0, hi)]
+    out = []
+    for name, _, _, _, kept_names in plans:
+        n, m, m2, lo, hi = acc[name]
+        out.append(VariableStats(name, kept_names, np.asarray(m), np.sqrt(np.asarray(m2) / n),
+                                 np.asarray(lo), np.asarray(hi), int(n)))
+    return Stats(split, tuple(out))

@@ -1,0 +1,193 @@
+"""Time-window samples: right steps across chunk edges, exactly once, exact resume, reads."""
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+from stores import BLOSC
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.windows import SampleWindow
+
+
+@pytest.fixture(scope="module")
+def weather(tmp_path_factory):
+    """Two variables chunked differently in time, a CF time coordinate, a level dim."""
+    path = tmp_path_factory.mktemp("win") / "w.zarr"
+    g = zarr.open_group(path, mode="w")
+    n = 203
+    rng = np.random.default_rng(0)
+    a = g.create_array("t2m", shape=(n, 5, 6), chunks=(4, 5, 6), dtype="float32",
+                       compressors=BLOSC, dimension_names=("time", "lat", "lon"))
+    b = g.create_array("z", shape=(n, 3, 5, 6), chunks=(8, 3, 5, 6), dtype="float32",
+                       dimension_names=("time", "level", "lat", "lon"))
+    t = g.create_array("time", shape=(n,), dtype="int64", dimension_names=("time",),
+                       attributes={"units": "hours since 1979-01-01", "calendar": "standard"})
+    lev = g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))
+    data = {"t2m": (rng.standard_normal((n, 5, 6)) + np.arange(n)[:, None, None]).astype("f4"),
+            "z": (rng.standard_normal((n, 3, 5, 6)) * 10 + 500).astype("float32")}
+    a[:] = data["t2m"]
+    b[:] = data["z"]
+    t[:] = np.arange(n) * 24 * 30  # about monthly, so periods of years are easy
+    lev[:] = [500, 850, 1000]
+    return ib.open_source(path, sample_dim="time"), data
+
+
+def epoch(loader):
+    return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+
+
+WINDOWS = [SampleWindow(2, (1,)), SampleWindow(3, (1, 5), 2), SampleWindow(1, (7,)),
+           SampleWindow(4, ())]
+
+
+@pytest.mark.parametrize("win", WINDOWS, ids=str)
+@pytest.mark.parametrize("block", [1, 3])
+def test_windows_hold_the_right_steps_exactly_once(weather, win, block):
+    src, data = weather
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=7, block_chunks=block, window=win)
+    batches = epoch(loader)
+    anchors = np.concatenate([b["sample_index"] for b in batches])
+    assert sorted(anchors.tolist()) == list(range(win.before, 203 - win.after))
+    for b in batches:
+        a = b["sample_index"]
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[a[:, None] + win.input_offsets])
+            if win.lead:
+                np.testing.assert_array_equal(b[f"target/{name}"],
+                                              arr[a[:, None] + win.target_offsets])
+        assert b["t2m"].shape[1] == win.history
+        assert "target/t2m" in b or not win.lead
+
+
+def test_each_chunk_read_once_plus_window_halos(weather):
+    src, _ = weather
+    win = SampleWindow(2, (1, 3))
+    m = ib.split_by_chunk(src, (1.0,))
+    block = 4
+    loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=block, window=win)
+    for _ in range(2):
+        epoch(loader)
+        st = loader.stats()
+    n_windows = -(-m.grid.n_chunks // block)
+    # Per variable: every stripe once, plus at most one halo stripe on each side of a window.
+    stripes = sum(v.n_sample_chunks for v in src.variables)
+    assert stripes <= st.stripes_fetched / 2 <= stripes + 2 * n_windows * len(src.variables)
+    assert st.bytes_fetched / 2 <= sum(v.n_sample_chunks * v.stripe_nbytes
+                                       for v in src.variables) * (1 + 2 / block) + 1
+
+
+@pytest.mark.parametrize("k", [0, 5, 13])
+def test_resume_with_windows_is_exact(weather, k):
+    src, _ = weather
+    kw = dict(batch_size=6, block_chunks=2, window=SampleWindow(2, (1, 4)), seed=3)
+    m = ib.split_by_chunk(src, (1.0,))
+    ref = ib.build_loader(src, m, "train", **kw)
+    full, nxt = epoch(ref), epoch(ref)
+    run = ib.build_loader(src, m, "train", **kw)
+    it = iter(run)
+    for _ in range(k):
+        next(it)
+    fresh = ib.build_loader(src, m, "train", **kw)
+    fresh.load_state_dict(json.loads(json.dumps(run.state_dict())))
+    for got, want in ((epoch(fresh), full[k:]), (epoch(fresh), nxt)):
+        assert len(got) == len(want)
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(x["sample_index"], y["sample_index"])
+            np.testing.assert_array_equal(x["target/z"], y["target/z"])
+
+
+def test_batches_carry_the_time_coordinate(weather):
+    src, _ = weather
+    m = ib.split_by_chunk(src, (1.0,))
+    b = next(iter(ib.build_loader(src, m, "train", batch_size=5,
+                                  window=SampleWindow(2, (1,)))))
+    want = (np.datetime64("1979-01-01", "ns")
+            + b["sample_index"].numpy() * np.timedelta64(24 * 30, "h")).astype(np.int64)
+    np.testing.assert_array_equal(b["time"].numpy(), want)
+
+
+def test_window_validation():
+    with pytest.raises(ValueError, match="history"):
+        SampleWindow(0)
+    with pytest.raises(ValueError, match="leads"):
+        SampleWindow(2, (0, 1))
+    assert SampleWindow(2, 6).lead == (6,)
+    assert SampleWindow(3, (1, 6), 2).span == 4 + 12 + 1
+
+
+def test_coordinate_splits_with_gap_and_leak_errors(weather):
+    src, _ = weather
+    win = SampleWindow(2, (1, 3))
+    periods = {"train": ("1979", "1990"), "val": ("1991", "1993"), "test": ("1994", None)}
+    m = ib.split_by_coordinate(src, periods, window=win)
+    assert m.mode == "coordinate" and m.gap == win.span - 1
+    coord = src.sample_coord
+    ranges = {k: m.ranges(k)[0] for k in m.names}
+    for (a, b) in zip(m.names, m.names[1:], strict=False):
+        assert ranges[b][0] * 4 - ranges[a][1] * 4 >= win.span - 1  # nothing shared
+    first_val = coord[ranges["val"][0] * m.chunk_size]
+    assert np.datetime64("1991-01-01") <= first_val < np.datetime64("1991-08-01")
+    assert ib.SplitManifest.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(ValueError, match="overlap from 1990"):
+        ib.split_by_coordinate(src, {"train": ("1979", "1991"), "val": ("1990", "1993")})
+    with pytest.raises(ValueError, match="would leak into 'val'"):
+        ib.split_by_coordinate(src, {"train": ("1979", "1990"), "val": ("1991", "1993")},
+                               window=win, gap=0)
+    with pytest.raises(ValueError, match="selects no steps"):
+        ib.split_by_coordinate(src, {"train": ("2100", None)})
+
+
+def test_coordinate_split_needs_a_coordinate(tmp_path):
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    g.create_array("x", shape=(20, 2), chunks=(4, 2), dtype="f4")
+    src = ib.open_source(tmp_path / "s.zarr")
+    with pytest.raises(ValueError, match="no coordinate"):
+        ib.split_by_coordinate(src, {"train": ("1979", None)})
+
+
+def test_stats_match_numpy_and_normalize(weather):
+    src, data = weather
+    m = ib.split_by_chunk(src, (0.75, 0.25))
+    st = ib.compute_stats(src, m, "train", keep_dims=("level",), progress=False)
+    rows = m.grid.samples_of(m.chunk_ids("train"))
+    t = data["t2m"][rows].astype(np.float64)
+    np.testing.assert_allclose(st["t2m"].mean, t.mean(), rtol=1e-10)
+    np.testing.assert_allclose(st["t2m"].std, t.std(), rtol=1e-10)
+    assert st["t2m"].min == t.min() and st["t2m"].max == t.max()
+    z = data["z"][rows].astype(np.float64)
+    assert st["z"].kept_dims == ("level",) and st["z"].mean.shape == (3,)
+    np.testing.assert_allclose(st["z"].mean, z.mean(axis=(0, 2, 3)), rtol=1e-10)
+    np.testing.assert_allclose(st["z"].std, z.std(axis=(0, 2, 3)), rtol=1e-10)
+    again = ib.Stats.from_dict(json.loads(json.dumps(st.to_dict())))
+    np.testing.assert_array_equal(again["z"].std, st["z"].std)
+
+    import torch
+
+    loader = ib.build_loader(src, m, "train", batch_size=300, stats=st, dtype=torch.bfloat16,
+                             window=SampleWindow(2, (1,)))
+    (b,) = list(loader)
+    assert b["t2m"].dtype == torch.bfloat16 and b["target/z"].dtype == torch.bfloat16
+    zb = b["z"].float().numpy()
+    assert np.all(np.abs(zb.mean(axis=(0, 1, 3, 4))) < 0.1)  # per level, about 0 and 1
+    assert np.all(np.abs(zb.std(axis=(0, 1, 3, 4)) - 1) < 0.1)
+    assert b["sample_index"].dtype == torch.int64  # untouched
+
+
+def test_xarray_dataset_in(weather, tmp_path):
+    import warnings
+
+    import xarray as xr
+
+    src, _ = weather
+    path = src.url.removeprefix("file://")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = xr.open_zarr(path, consolidated=False)
+    from_ds = ib.open_source(ds, variables=["t2m"])
+    assert from_ds.names == ("t2m",) and from_ds.sample_dim == "time"
+    np.testing.assert_array_equal(from_ds.sample_coord, ds.time.values)
+    with pytest.raises(ValueError, match="unsliced"):
+        ib.open_source(ds.isel(time=slice(0, 10)))
