@@ -6,6 +6,7 @@ import json
 import re
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from .nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
+from .nodes.channels import StackChannelsNode, resolve_channels
 from .permute import resolve_rank
 from .plan import max_window_nbytes
 from .quality import shuffle_quality
@@ -252,6 +254,7 @@ def build_loader(
     window: SampleWindow | None = None,
     stats: Stats | None = None,
     dtype: torch.dtype | None = None,
+    channels: Sequence[str | tuple[str, Any]] | None = None,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -267,6 +270,8 @@ def build_loader(
     targets, and windows are runs of adjacent chunks so that neighbours are resident.
     ``stats`` (from ``compute_stats``) standardises every variable it covers and ``dtype``
     (e.g. ``torch.bfloat16``) casts them, in a ``NormalizeNode`` before the device copy.
+    ``channels=["t2m", ("z", 500)]`` stacks variables and chosen levels into ``"channels"``
+    (and ``"target/channels"``), in that order, on the axis before the spatial ones.
     ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
     summary (logger ``insitubatch_nodes``, INFO) at most that often.
     """
@@ -330,6 +335,8 @@ def build_loader(
     if stats is not None or dtype is not None:
         node = NormalizeNode(node, stats if stats is not None else Stats("", ()),
                              source.variables, dtype=dtype)
+    if channels:
+        node = StackChannelsNode(node, resolve_channels(source, channels))
     node = PinOrCudaNode(node, device=device)
     loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id

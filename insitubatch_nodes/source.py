@@ -37,6 +37,14 @@ class Source:
     snapshot_id: str | None = None  # icechunk snapshot the data was read from
     # Values of the sample dimension's coordinate (datetime64[ns] or numbers), if it has one.
     sample_coord: np.ndarray | None = field(default=None, repr=False)
+    group: zarr.Group | None = field(default=None, repr=False)
+
+    def coordinate(self, dim: str) -> np.ndarray:
+        """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables."""
+        if self.group is None or dim not in self.group.array_keys():
+            have = sorted(self.group.array_keys()) if self.group is not None else []
+            raise KeyError(f"no coordinate array {dim!r} in {self.url}; arrays: {have}")
+        return np.asarray(self.group[dim][:])
 
     @property
     def coord_name(self) -> str | None:
@@ -263,4 +271,4 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
         sample_dim = geoms[0].dimension_names[0]
     return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
                   sample_dim=sample_dim, snapshot_id=snapshot_id,
-                  sample_coord=_sample_coordinate(group, sample_dim, n))
+                  sample_coord=_sample_coordinate(group, sample_dim, n), group=group)

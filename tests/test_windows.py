@@ -191,3 +191,26 @@ def test_xarray_dataset_in(weather, tmp_path):
     np.testing.assert_array_equal(from_ds.sample_coord, ds.time.values)
     with pytest.raises(ValueError, match="unsliced"):
         ib.open_source(ds.isel(time=slice(0, 10)))
+
+
+def test_channels_stack_levels_in_the_given_order(weather):
+    src, data = weather
+    m = ib.split_by_chunk(src, (1.0,))
+    win = SampleWindow(2, (1,))
+    loader = ib.build_loader(src, m, "train", batch_size=9, window=win,
+                             channels=[("z", 850), "t2m", ("z", 500)])
+    b = next(iter(loader))
+    a = b["sample_index"].numpy()
+    x, y = b["channels"].numpy(), b["target/channels"].numpy()
+    assert x.shape == (9, 2, 3, 5, 6) and y.shape == (9, 1, 3, 5, 6)
+    steps = a[:, None] + win.input_offsets
+    np.testing.assert_array_equal(x[:, :, 0], data["z"][steps][:, :, 1])  # level 850
+    np.testing.assert_array_equal(x[:, :, 1], data["t2m"][steps])
+    np.testing.assert_array_equal(x[:, :, 2], data["z"][steps][:, :, 0])  # level 500
+    assert "z" not in b and "t2m" not in b
+    plain = next(iter(ib.build_loader(src, m, "train", batch_size=4, channels=["t2m"])))
+    assert plain["channels"].shape == (4, 1, 5, 6)
+    with pytest.raises(KeyError, match=r"level=700.*\[500, 850, 1000\]"):
+        ib.build_loader(src, m, "train", channels=[("z", 700)])
+    with pytest.raises(ValueError, match="give \\(name, level\\)"):
+        ib.build_loader(src, m, "train", channels=["z"])

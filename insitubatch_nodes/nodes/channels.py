@@ -1,0 +1,96 @@
+"""StackChannelsNode: picks levels of variables and stacks them into one channel tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from ..source import Source
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One channel: a variable, and (for a variable with a level axis) which level."""
+
+    variable: str
+    axis: int | None = None  # axis of the level in the *sample* shape
+    index: int | None = None
+    label: str = ""
+
+
+def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) -> list[Channel]:
+    """``["t2m", ("z", 500), ("t", 850)]`` -> channels, looking levels up by coordinate value
+    (the variable's second dimension, e.g. ``level``). The order given is the channel order."""
+    out = []
+    shapes = set()
+    for item in channels:
+        name, level = (item, None) if isinstance(item, str) else (item[0], item[1])
+        var = source.variable(name)
+        if level is None:
+            if len(var.sample_shape) > 2 and var.sample_shape[0] > 1:
+                raise ValueError(f"variable {name!r} has a level axis "
+                                 f"{var.dimension_names}: give (name, level)")
+            out.append(Channel(name, label=name))
+            shapes.add(var.sample_shape[-2:])
+            continue
+        if not var.dimension_names or len(var.shape) < 3:
+            raise ValueError(f"variable {name!r} has no level dimension to pick {level!r} from")
+        dim = var.dimension_names[1]
+        values = source.coordinate(dim)
+        hits = np.flatnonzero(values == level)
+        if hits.size != 1:
+            raise KeyError(f"{dim}={level!r} is not a level of {name!r}; levels: "
+                           f"{values.tolist()}")
+        out.append(Channel(name, 0, int(hits[0]), f"{name}@{level}"))
+        shapes.add(var.sample_shape[1:][-2:])
+    if len(shapes) > 1:
+        raise ValueError(f"channels must share their spatial shape, got {sorted(shapes)}")
+    return out
+
+
+class StackChannelsNode(BaseNode[dict[str, torch.Tensor]]):
+    """Adds ``key`` (and ``"target/" + key``) holding the channels stacked, in the order given,
+    on the axis just before the spatial ones: ``(batch, C, y, x)``, or with time windows
+    ``(batch, steps, C, y, x)``. The per-variable tensors are dropped unless ``keep``."""
+
+    def __init__(self, source: BaseNode[dict[str, torch.Tensor]], channels: Sequence[Channel],
+                 key: str = "channels", keep: bool = False) -> None:
+        super().__init__()
+        self.source = source
+        self.channels = tuple(channels)
+        self.key = key
+        self.keep = keep
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state["source"] if initial_state is not None else None)
+
+    def _stack(self, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
+        parts = []
+        for ch in self.channels:
+            t = batch.get(prefix + ch.variable)
+            if t is None:
+                return None
+            if ch.index is None:
+                parts.append(t)
+            else:  # the level axis sits 2 dims before the spatial ones' end
+                parts.append(t.select(t.dim() - 3, ch.index))
+        return torch.stack(parts, dim=parts[0].dim() - 2)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        batch = next(self.source)
+        used = {prefix + ch.variable for ch in self.channels for prefix in ("", "target/")}
+        stacked = {p + self.key: x for p in ("", "target/")
+                   if (x := self._stack(batch, p)) is not None}
+        if not self.keep:
+            batch = {k: v for k, v in batch.items() if k not in used}
+        batch.update(stacked)
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict()}
