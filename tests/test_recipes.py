@@ -23,3 +23,16 @@ def test_train_resume_recipe(tmp_path):
     assert second.returncode == 0, second.stderr
     # 90% of 12 chunks of 8 = 80 samples = 3 batches of 32 per epoch; 2 epochs = 6 steps.
     assert "resumed at step 2" in second.stdout and "done: 6 steps" in second.stdout
+
+
+def test_forecast_recipe(tmp_path):
+    store = make_demo_store(tmp_path / "f.zarr", DemoSpec(n_times=645, n_lat=16, n_lon=32,
+                                                          time_chunk=12), progress=False)
+    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "forecast.py"), "--store",
+                          str(store), "--epochs", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("epoch")]
+    assert len(lines) == 2 and "val loss" in lines[0]
+    losses = [float(ln.split("train loss ")[1].split()[0]) for ln in lines]
+    assert losses[1] < losses[0]  # it learns
