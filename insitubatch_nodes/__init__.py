@@ -19,6 +19,8 @@ from .nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
+from .nodes.patches import PatchNode
+from .nodes.static import StaticFieldsNode, open_static
 from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
 from .source import Source, open_icechunk, open_source
@@ -35,5 +37,5 @@ __all__ = [
     "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
     "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
-    "NormalizeNode",
+    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static",
 ]

@@ -6,7 +6,7 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from .nodes import (
     SplitNode,
 )
 from .nodes.channels import StackChannelsNode, resolve_channels
+from .nodes.patches import PatchNode, patch_origins
+from .nodes.static import StaticFieldsNode
 from .permute import resolve_rank
 from .plan import max_window_nbytes
 from .quality import shuffle_quality
@@ -255,6 +257,9 @@ def build_loader(
     stats: Stats | None = None,
     dtype: torch.dtype | None = None,
     channels: Sequence[str | tuple[str, Any]] | None = None,
+    static: Mapping[str, Any] | None = None,
+    patch_size: Sequence[int] | None = None,
+    patch_stride: Sequence[int] | None = None,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -272,6 +277,9 @@ def build_loader(
     (e.g. ``torch.bfloat16``) casts them, in a ``NormalizeNode`` before the device copy.
     ``channels=["t2m", ("z", 500)]`` stacks variables and chosen levels into ``"channels"``
     (and ``"target/channels"``), in that order, on the axis before the spatial ones.
+    ``static={"lsm": array}`` (see ``open_static``) adds fields without a sample axis to every
+    batch as ``"static/lsm"``; ``patch_size=(64, 64)`` (``patch_stride``) cuts every sample
+    into spatial patches, each (sample, patch) pair once, with ``"patch"`` their corners.
     ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
     summary (logger ``insitubatch_nodes``, INFO) at most that often.
     """
@@ -335,8 +343,14 @@ def build_loader(
     if stats is not None or dtype is not None:
         node = NormalizeNode(node, stats if stats is not None else Stats("", ()),
                              source.variables, dtype=dtype)
+    if static:
+        node = StaticFieldsNode(node, static)
     if channels:
         node = StackChannelsNode(node, resolve_channels(source, channels))
+    if patch_size is not None:
+        spatial = source.variables[0].sample_shape[-len(patch_size):]
+        patch_origins(spatial, patch_size, patch_stride)  # refuse a bad size now, not mid-epoch
+        node = PatchNode(node, patch_size, patch_stride)
     node = PinOrCudaNode(node, device=device)
     loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id

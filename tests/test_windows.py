@@ -214,3 +214,35 @@ def test_channels_stack_levels_in_the_given_order(weather):
         ib.build_loader(src, m, "train", channels=[("z", 700)])
     with pytest.raises(ValueError, match="give \\(name, level\\)"):
         ib.build_loader(src, m, "train", channels=["z"])
+
+
+def test_patches_cover_each_sample_patch_pair_once(weather):
+    src, data = weather
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=8, patch_size=(2, 3))
+    pairs = []
+    for b in loader:
+        a, corner = b["sample_index"].numpy(), b["patch"].numpy()
+        assert b["t2m"].shape[1:] == (2, 3) and b["z"].shape[1:] == (3, 2, 3)
+        for i in range(len(a)):
+            y, x = corner[i]
+            np.testing.assert_array_equal(b["t2m"][i].numpy(), data["t2m"][a[i], y:y + 2, x:x + 3])
+            pairs.append((int(a[i]), int(y), int(x)))
+    # 5x6 grid, 2x3 patches: rows 0,2 (row 4 would not fit) x cols 0,3 = 4 patches per sample
+    assert len(pairs) == len(set(pairs)) == 203 * 4
+    with pytest.raises(ValueError, match="does not fit"):
+        ib.build_loader(src, m, "train", patch_size=(9, 9))
+
+
+def test_static_fields_from_a_second_store(weather, tmp_path):
+    src, _ = weather
+    g = zarr.open_group(tmp_path / "static.zarr", mode="w")
+    g.create_array("lsm", shape=(5, 6), dtype="float32")[:] = np.eye(5, 6, dtype="float32")
+    fields = ib.open_static(tmp_path / "static.zarr", ["lsm"])
+    with pytest.raises(KeyError, match=r"\['oro'\].*\['lsm'\]"):
+        ib.open_static(tmp_path / "static.zarr", ["oro"])
+    m = ib.split_by_chunk(src, (1.0,))
+    b = next(iter(ib.build_loader(src, m, "train", batch_size=4, static=fields,
+                                  patch_size=(5, 3))))
+    assert b["static/lsm"].shape == (8, 5, 3)  # broadcast, then patched like the data
+    np.testing.assert_array_equal(b["static/lsm"][1].numpy(), np.eye(5, 6)[:, 3:6])

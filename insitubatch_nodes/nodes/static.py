@@ -1,0 +1,57 @@
+"""StaticFieldsNode: fields without a sample axis (land-sea mask, orography), in every batch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from ..storage import explain, open_url
+
+
+def open_static(url: str | os.PathLike[str], variables: Sequence[str], *,
+                storage_options: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Read whole static arrays from a (second) Zarr store, once: they are small and shared
+    by every sample, so they are held in memory instead of being planned like data chunks."""
+    import zarr
+
+    opened = open_url(url, storage_options)
+    try:
+        group = zarr.open_group(opened.store, mode="r")
+    except Exception as e:
+        raise explain(opened, e) from None
+    have = sorted(group.array_keys())
+    missing = [v for v in variables if v not in have]
+    if missing:
+        raise KeyError(f"unknown static variable(s) {missing} in {opened.display}; "
+                       f"arrays there: {have}")
+    return {v: np.asarray(group[v][:]) for v in variables}
+
+
+class StaticFieldsNode(BaseNode[dict[str, torch.Tensor]]):
+    """Adds ``"static/<name>"`` to each batch: the field broadcast to ``(batch, *shape)``
+    as an expanded view (no copy per batch). Stateless."""
+
+    def __init__(self, source: BaseNode[dict[str, torch.Tensor]],
+                 fields: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        super().__init__()
+        self.source = source
+        self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in fields.items()}
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state["source"] if initial_state is not None else None)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        batch = next(self.source)
+        n = len(batch["sample_index"])
+        for name, t in self.fields.items():
+            batch[f"static/{name}"] = t.expand(n, *t.shape)
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict()}
