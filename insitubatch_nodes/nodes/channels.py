@@ -11,6 +11,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..source import Source
+from .transform import TransformNode
 
 
 @dataclass(frozen=True)
@@ -53,22 +54,18 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
     return out
 
 
-class StackChannelsNode(BaseNode[dict[str, torch.Tensor]]):
+class StackChannelsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``key`` (and ``"target/" + key``) holding the channels stacked, in the order given,
     on the axis just before the spatial ones: ``(batch, C, y, x)``, or with time windows
     ``(batch, steps, C, y, x)``. The per-variable tensors are dropped unless ``keep``."""
 
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]], channels: Sequence[Channel],
                  key: str = "channels", keep: bool = False) -> None:
-        super().__init__()
-        self.source = source
+        super().__init__(source)
         self.channels = tuple(channels)
         self.key = key
         self.keep = keep
 
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def _stack(self, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
         parts = []
@@ -91,6 +88,3 @@ class StackChannelsNode(BaseNode[dict[str, torch.Tensor]]):
             batch = {k: v for k, v in batch.items() if k not in used}
         batch.update(stacked)
         return batch
-
-    def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
 from ..stats import Stats
+from .transform import TransformNode
 
 
-class NormalizeNode(BaseNode[dict[str, torch.Tensor]]):
+class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
     """``(x - mean) / std`` for every variable with statistics (inputs and ``target/``
     tensors alike), then a cast to ``dtype`` (e.g. ``torch.bfloat16``) if asked.
 
@@ -23,8 +22,7 @@ class NormalizeNode(BaseNode[dict[str, torch.Tensor]]):
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]], stats: Stats,
                  variables: tuple[VariableGeometry, ...], dtype: torch.dtype | None = None,
                  eps: float = 1e-12) -> None:
-        super().__init__()
-        self.source = source
+        super().__init__(source)
         self.dtype = dtype
         self._params: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for var in variables:
@@ -40,9 +38,6 @@ class NormalizeNode(BaseNode[dict[str, torch.Tensor]]):
             std = torch.as_tensor(np.maximum(np.asarray(st.std, dtype=np.float32), eps))
             self._params[var.name] = (mean, std.reshape(shape))
 
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
@@ -55,6 +50,3 @@ class NormalizeNode(BaseNode[dict[str, torch.Tensor]]):
             x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
             batch[key] = x if self.dtype is None else x.to(self.dtype)
         return batch
-
-    def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}

@@ -8,11 +8,12 @@ samples); exactly-once holds over (sample, patch) pairs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode
+
+from .transform import TransformNode
 
 
 def patch_origins(shape: Sequence[int], size: Sequence[int],
@@ -31,7 +32,7 @@ def patch_origins(shape: Sequence[int], size: Sequence[int],
     return np.stack([m.ravel() for m in mesh], axis=1).astype(np.int64)
 
 
-class PatchNode(BaseNode[dict[str, torch.Tensor]]):
+class PatchNode(TransformNode[dict[str, torch.Tensor]]):
     """Turns a batch of B samples into B*P patches of ``size`` over the last ``len(size)``
     dims of every spatial tensor; adds ``"patch"`` (the patch's top-left corner) and repeats
     per-sample tensors (``sample_index``, coordinates). Stateless."""
@@ -39,16 +40,12 @@ class PatchNode(BaseNode[dict[str, torch.Tensor]]):
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]], size: Sequence[int],
                  stride: Sequence[int] | None = None, spatial_shape: Sequence[int] | None = None,
                  ) -> None:
-        super().__init__()
-        self.source = source
+        super().__init__(source)
         self.size = tuple(int(s) for s in size)
         self.stride = None if stride is None else tuple(int(s) for s in stride)
         self._origins = (None if spatial_shape is None
                          else patch_origins(spatial_shape, self.size, self.stride))
 
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
@@ -71,6 +68,3 @@ class PatchNode(BaseNode[dict[str, torch.Tensor]]):
                 out[key] = t.repeat_interleave(p, dim=0) if t.dim() and t.shape[0] == n else t
         out["patch"] = torch.from_numpy(np.tile(origins, (n, 1)))
         return out
-
-    def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}

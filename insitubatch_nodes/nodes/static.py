@@ -11,6 +11,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..storage import explain, open_url
+from .transform import TransformNode
 
 
 def open_static(url: str | os.PathLike[str], variables: Sequence[str], *,
@@ -32,19 +33,15 @@ def open_static(url: str | os.PathLike[str], variables: Sequence[str], *,
     return {v: np.asarray(group[v][:]) for v in variables}
 
 
-class StaticFieldsNode(BaseNode[dict[str, torch.Tensor]]):
+class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``"static/<name>"`` to each batch: the field broadcast to ``(batch, *shape)``
     as an expanded view (no copy per batch). Stateless."""
 
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]],
                  fields: Mapping[str, np.ndarray | torch.Tensor]) -> None:
-        super().__init__()
-        self.source = source
+        super().__init__(source)
         self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in fields.items()}
 
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
@@ -52,6 +49,3 @@ class StaticFieldsNode(BaseNode[dict[str, torch.Tensor]]):
         for name, t in self.fields.items():
             batch[f"static/{name}"] = t.expand(n, *t.shape)
         return batch
-
-    def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}
