@@ -260,6 +260,7 @@ def build_loader(
     static: Mapping[str, Any] | None = None,
     patch_size: Sequence[int] | None = None,
     patch_stride: Sequence[int] | None = None,
+    ring_size: int = 3,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -280,6 +281,7 @@ def build_loader(
     ``static={"lsm": array}`` (see ``open_static``) adds fields without a sample axis to every
     batch as ``"static/lsm"``; ``patch_size=(64, 64)`` (``patch_stride``) cuts every sample
     into spatial patches, each (sample, patch) pair once, with ``"patch"`` their corners.
+    ``ring_size`` is the number of reused pinned host buffers on the CUDA path.
     ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
     summary (logger ``insitubatch_nodes``, INFO) at most that often.
     """
@@ -351,7 +353,7 @@ def build_loader(
         spatial = source.variables[0].sample_shape[-len(patch_size):]
         patch_origins(spatial, patch_size, patch_stride)  # refuse a bad size now, not mid-epoch
         node = PatchNode(node, patch_size, patch_stride)
-    node = PinOrCudaNode(node, device=device)
+    node = PinOrCudaNode(node, device=device, ring_size=ring_size)
     loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id
     loader.allow_snapshot_change = allow_snapshot_change
