@@ -92,3 +92,22 @@ def test_corrupt_chunk_raises_codec_error(tmp_path):
     src = ib.open_source(tmp_path / "s.zarr")
     with pytest.raises(Exception):  # noqa: B017 - the codec's own error type
         read_all(src)
+
+
+def test_truncated_blosc_frame_is_an_error_not_stale_data():
+    """Blosc trusts its header's size: a short body must be refused before decoding."""
+    import numcodecs
+
+    from insitubatch_nodes.io.decode import ChunkDecoder
+
+    x = np.arange(4000, dtype="f4")
+    frame = numcodecs.Blosc(cname="zstd").encode(x)
+    dec = ChunkDecoder((numcodecs.Blosc(),), False, "bytes -> blosc")
+    out = np.empty_like(x)
+    dec.decode_into(frame, out)
+    np.testing.assert_array_equal(out, x)
+    for cut in (10, len(frame) // 2, len(frame) - 1):
+        with pytest.raises(ValueError, match="blosc frame"):
+            dec.decode_into(frame[:cut], out)
+    with pytest.raises(ValueError, match="expected 8"):
+        dec.decode_into(numcodecs.Blosc().encode(np.arange(2, dtype="f4")), np.empty(2, "f8"))

@@ -8,6 +8,7 @@ returns ``None`` and is read through zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
+import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class ChunkDecoder:
             last = i == len(self.codecs) - 1
             if last:
                 if isinstance(codec, numcodecs.Blosc):
+                    _check_blosc_frame(buf, out.nbytes)
                     numcodecs.blosc.decompress(buf, out)
                 else:
                     codec.decode(buf, out=out)  # numcodecs fills a given ``out``
@@ -44,6 +46,19 @@ class ChunkDecoder:
             _copy_bytes(buf, out)
         if self.byteswap:
             out.byteswap(inplace=True)
+
+
+def _check_blosc_frame(buf: object, expected: int) -> None:
+    """Blosc 1 trusts the compressed size in its header and reads that many bytes whatever
+    the buffer holds: a truncated body then "decodes" into stale memory without an error
+    (seen in the fault tests). Check the header against the buffer first."""
+    view = memoryview(buf).cast("B")
+    if view.nbytes < 16:
+        raise ValueError(f"blosc frame of {view.nbytes} bytes is shorter than its header")
+    nbytes, cbytes = struct.unpack_from("<I", view, 4)[0], struct.unpack_from("<I", view, 12)[0]
+    if cbytes != view.nbytes or nbytes != expected:
+        raise ValueError(f"blosc frame is damaged: {view.nbytes} bytes received, header says "
+                         f"{cbytes} compressed / {nbytes} decoded (expected {expected})")
 
 
 def _copy_bytes(src: object, out: np.ndarray) -> None:
