@@ -246,3 +246,28 @@ def test_static_fields_from_a_second_store(weather, tmp_path):
                                   patch_size=(5, 3))))
     assert b["static/lsm"].shape == (8, 5, 3)  # broadcast, then patched like the data
     np.testing.assert_array_equal(b["static/lsm"][1].numpy(), np.eye(5, 6)[:, 3:6])
+
+
+def test_windows_across_ranks_and_elastic_resume(weather):
+    src, _ = weather
+    win = SampleWindow(2, (1, 2))
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=5, block_chunks=3, window=win, uneven="none")
+    want = list(range(win.before, 203 - win.after))
+    loaders = [ib.build_loader(src, m, "train", rank=r, world_size=2, **kw) for r in range(2)]
+    seen, states = [], []
+    for ld in loaders:
+        it = iter(ld)
+        for _ in range(4):
+            seen += next(it)["sample_index"].tolist()
+        states.append(ld.state_dict())
+    merged = ib.merge_rank_states(states)
+    rest = []
+    for r in range(3):
+        ld = ib.build_loader(src, m, "train", rank=r, world_size=3, **kw)
+        ld.load_state_dict(merged)
+        rest += [s for b in ld for s in b["sample_index"].tolist()]
+    assert sorted(seen + rest) == want
+    padded = [ib.build_loader(src, m, "train", rank=r, world_size=2, batch_size=5,
+                              block_chunks=3, window=win) for r in range(2)]
+    assert len({sum(1 for _ in ld) for ld in padded}) == 1  # equal steps with windows too
