@@ -1,95 +1,128 @@
-"""What the always-on metrics cost: the loader now vs the package at a revision without them.
+"""What the always-on metrics cost: the loader with them vs the package at a revision without.
 
 Run on demand from the repository root (stores as written by ``insitubatch make-demo`` or
-``benchmarks.bench_core``)::
+``insitubatch bench --sweep --keep-stores``)::
 
-    .venv/bin/python -m benchmarks.metrics_overhead --store bench-out/bench.zarr \
-        --store bench-out/spc1.zarr --baseline-rev 2ea12e0
+    .venv/bin/python -m benchmarks.metrics_overhead --store bench-out/era5-c8.zarr \
+        --store bench-out/sweep/sweep-stores/spc1.zarr --baseline-rev 2ea12e0 --current-rev 3146b56
 
-The baseline package is extracted with ``git archive`` into a temporary folder. Each round
-runs the baseline and the current package in fresh processes, alternating which goes first,
-on the same store with a warm page cache; each process does one warm-up epoch and then
-``--epochs`` timed ones and reports its best. The overhead is 1 - (median current rate /
-median baseline rate) over the rounds; the spread of each side is printed too, since the
-difference is smaller than this VM's run-to-run noise.
+Both versions of the package are extracted (``git archive``) under different names
+(``ib_baseline``, ``ib_current``; the package imports itself only relatively) and loaded into
+**one** process, each with its own loader on the same store. Epochs then alternate between
+the two (ABBA...), so both see the same process state, page cache and VM speed; the overhead
+is 1 - the median over rounds of (baseline epoch time / current epoch time). Run-to-run noise
+on a shared 2-core VM is tens of percent, which is why the ratio is paired epoch by epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
-WORKER = r"""
-import json, sys, time
-sys.path.insert(0, sys.argv[1])
-import insitubatch_nodes as ib
-assert ib.__file__.startswith(sys.argv[1]), ib.__file__
-src = ib.open_source(sys.argv[2])
-m = ib.split_by_chunk(src, fractions=(1.0,), seed=0)
-kw = json.loads(sys.argv[4])
-best = None
-with ib.build_loader(src, m, "train", **kw) as loader:
-    for e in range(1 + int(sys.argv[3])):
-        t0 = time.perf_counter()
-        n = 0
-        for b in loader:
-            n += len(b["sample_index"])
-        dt = time.perf_counter() - t0
-        if e and (best is None or dt < best):
-            best = dt
-print(json.dumps({"samples_per_s": n / best, "file": ib.__file__}))
-"""
+
+def _extract(repo: Path, rev: str | None, dest: Path, name: str) -> None:
+    """The package as of ``rev`` (``None``: the working tree) as ``dest/name``."""
+    dest.mkdir(parents=True)
+    if rev is None:
+        shutil.copytree(repo / "insitubatch_nodes", dest / name)
+        return
+    archive = subprocess.run(["git", "archive", rev, "insitubatch_nodes"], cwd=repo,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    (dest / "insitubatch_nodes").rename(dest / name)
 
 
-def run_one(pkg_root: str, store: str, epochs: int, kw: dict) -> float:
-    out = subprocess.run([sys.executable, "-c", WORKER, pkg_root, store, str(epochs),
-                          json.dumps(kw)], check=True, capture_output=True, text=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"])
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _epoch(loader) -> tuple[float, float, int]:
+    """(wall s, process CPU s, samples) of one epoch; only this loader is running."""
+    c0, t0 = _cpu(), time.perf_counter()
+    n = 0
+    for b in loader:
+        n += len(b["sample_index"])
+    return time.perf_counter() - t0, _cpu() - c0, n
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", action="append", required=True)
     p.add_argument("--baseline-rev", required=True, help="a git revision without the metrics")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--current-rev", default=None,
+                   help="the revision with them (default: the working tree), so that other "
+                        "changes between the two do not count")
+    p.add_argument("--rounds", type=int, default=20, help="epochs per version, alternating")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--block-chunks", type=int, default=16)
+    p.add_argument("--current-first", action="store_true",
+                   help="build the current loader first (checks for an order bias)")
     p.add_argument("--out", type=Path, default=Path("bench-out/metrics_overhead.json"))
     args = p.parse_args(argv)
     repo = Path(__file__).resolve().parents[1]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", args.baseline_rev, "insitubatch_nodes"],
-                                 cwd=repo, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        roots = {"baseline": tmp, "current": str(repo)}
+        _extract(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
+        _extract(repo, args.current_rev, Path(tmp) / "c", "ib_current")
+        sys.path[:0] = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
+        mods = {"baseline": importlib.import_module("ib_baseline"),
+                "current": importlib.import_module("ib_current")}
+        for name, mod in mods.items():  # an A/A run (same revision twice) calibrates noise
+            print(f"{name}: {'with' if hasattr(mod.InSituLoader, 'stats') else 'without'} "
+                  "metrics")
         for store in args.store:
-            kw = {"batch_size": args.batch_size, "block_chunks": args.block_chunks}
-            rates: dict[str, list[float]] = {"baseline": [], "current": []}
+            loaders = {}
+            names = ["current", "baseline"] if args.current_first else ["baseline", "current"]
+            for name in names:
+                ib = mods[name]
+                src = ib.open_source(store)
+                m = ib.split_by_chunk(src, fractions=(1.0,), seed=0)
+                loaders[name] = ib.build_loader(src, m, "train", batch_size=args.batch_size,
+                                                block_chunks=args.block_chunks)
+            for loader in loaders.values():  # warm-up: threads, pools, buffers
+                _epoch(loader)
+                _epoch(loader)
+            times: dict[str, list[float]] = {"baseline": [], "current": []}
+            cpu: dict[str, list[float]] = {"baseline": [], "current": []}
+            n = 0
             for r in range(args.rounds):
                 order = ["baseline", "current"] if r % 2 == 0 else ["current", "baseline"]
                 for name in order:
-                    rates[name].append(run_one(roots[name], store, args.epochs, kw))
-                print(f"{store} round {r + 1}: " + ", ".join(
-                    f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
-            med = {k: float(np.median(v)) for k, v in rates.items()}
-            overhead = 1 - med["current"] / med["baseline"]
-            spread = {k: float((max(v) - min(v)) / np.median(v)) for k, v in rates.items()}
+                    dt, dc, n = _epoch(loaders[name])
+                    times[name].append(dt)
+                    cpu[name].append(dc)
+            for loader in loaders.values():
+                loader.close()
+            res: dict = {"samples": n, "times": times, "cpu": cpu}
+            for kind, vals in (("wall", times), ("cpu", cpu)):
+                ratios = np.array(vals["baseline"]) / np.array(vals["current"])
+                q1, q3 = np.percentile(1 - ratios, [25, 75])
+                res[kind] = {"overhead": 1 - float(np.median(ratios)),
+                             "iqr": [float(q1), float(q3)]}
+            med = {k: n / float(np.median(v)) for k, v in times.items()}
+            res["median_rate"] = med
+            def pct(kind: str, r: dict = res) -> str:
+                lo, hi = r[kind]["iqr"]
+                return f"{100 * r[kind]['overhead']:+.1f}% (IQR {100 * lo:+.1f}..{100 * hi:+.1f}%)"
+
             print(f"{store}: median samples/s baseline {med['baseline']:,.0f}, current "
-                  f"{med['current']:,.0f} -> overhead {100 * overhead:+.1f}% (spread of runs: "
-                  f"baseline {100 * spread['baseline']:.0f}%, current "
-                  f"{100 * spread['current']:.0f}%)")
-            results[store] = {"rates": rates, "median": med, "overhead": overhead,
-                              "spread": spread}
+                  f"{med['current']:,.0f}; paired overhead, wall {pct('wall')}, CPU {pct('cpu')} "
+                  f"over {args.rounds} pairs", flush=True)
+            results[store] = res
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"baseline_rev": args.baseline_rev, "results": results},
+    args.out.write_text(json.dumps({"baseline_rev": args.baseline_rev,
+                                    "current_rev": args.current_rev, "results": results},
                                    indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

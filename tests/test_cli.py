@@ -139,6 +139,8 @@ def test_bench_end_to_end(capsys, demo, tmp_path):
         assert ep["bytes_delivered"] == n * res["split"]["sample_nbytes"]
         assert ep["rss_peak_bytes"] > 0
     assert res["first_batch"]["first_batch_after_resume_s"] > 0
+    probe = res["memory"]["probe"]  # the loader alone in a fresh process
+    assert probe["peak_rss_bytes"] > probe["import_rss_bytes"] > 0
     assert (out / "core.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "core.md").read_text().startswith("| path |")
 

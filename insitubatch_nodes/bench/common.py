@@ -62,14 +62,16 @@ class RssSampler:
     """Polls RSS on a thread: ``ru_maxrss`` is a lifetime peak, useless once an earlier step
     (store writing, zarr ``arr[:]``) has set it higher than the step being measured.
 
-    With ``children=True`` the RSS of child processes (DataLoader workers) is added; it counts
-    pages they share with the parent after ``fork``, so it over-states their cost.
+    With ``children=True`` (DataLoader workers) it sums the *proportional* set size (PSS) of
+    the process and its children instead: RSS would count every page a forked worker shares
+    with its parent once per process.
     """
 
-    def __init__(self, interval_s: float = 0.005, children: bool = False) -> None:
+    def __init__(self, interval_s: float | None = None, children: bool = False) -> None:
         import psutil
 
-        self.interval_s = interval_s
+        # Walking child processes costs CPU the workers need: poll them less often.
+        self.interval_s = interval_s or (0.025 if children else 0.01)
         self.children = children
         self._proc = psutil.Process()
         self._stop = threading.Event()
@@ -78,14 +80,15 @@ class RssSampler:
         self.peak = 0
 
     def _rss(self) -> int:
-        rss = self._proc.memory_info().rss
-        if self.children:
-            import psutil
+        if not self.children:
+            return self._proc.memory_info().rss
+        import psutil
 
-            for c in self._proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    rss += c.memory_info().rss
-        return rss
+        total = self._proc.memory_full_info().pss
+        for c in self._proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += c.memory_full_info().pss
+        return total
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -104,6 +107,34 @@ class RssSampler:
     @property
     def growth(self) -> int:
         return self.peak - self.baseline
+
+
+class OtherLoad:
+    """CPU the rest of the machine used while we measured (other processes), in cores.
+
+    A benchmark on a shared 2-core VM is only as good as its quietest run: this makes a busy
+    machine visible in the results instead of silently slowing one path down.
+    """
+
+    def __init__(self) -> None:
+        self.t0 = self.busy0 = self.own0 = 0.0
+        self.cores: float | None = None
+
+    @staticmethod
+    def _busy() -> float:
+        import psutil
+
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0)
+
+    def __enter__(self) -> OtherLoad:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), float(usage()[0])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self.t0
+        other = (self._busy() - self.busy0) - (float(usage()[0]) - self.own0)
+        self.cores = max(0.0, other / wall) if wall > 0 else 0.0
 
 
 def consume(batches: Iterable[Any], total: int, desc: str, key: str | None,

@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from insitubatch_nodes.io.reader import StripeReader
 from insitubatch_nodes.metrics import LoaderStats
 
 from .common import (
+    OtherLoad,
     RssSampler,
     Run,
     consume,
@@ -302,7 +304,7 @@ def time_loader(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
         for epoch in range(1, cfg.epochs + 1):
             paired = [f.run_pass() for f in floors]
             loader.ledger.reset_peak()
-            with RssSampler() as rss:
+            with RssSampler() as rss, OtherLoad() as other:
                 samples, secs, first, used = consume(loader, n_batches, f"loader epoch {epoch}",
                                                      key, cfg.progress)
             stats = loader.stats()
@@ -315,6 +317,7 @@ def time_loader(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
                        "paired_gather_floor_s": paired[1] if len(paired) > 1 else None,
                        "decode_threads": fetch.decode_threads,
                        "shuffle_quality": loader.shuffle_quality,
+                       "other_load_cores": other.cores,
                        **_stats_extra(stats, before)}))
             before = stats
     return runs
@@ -391,13 +394,13 @@ def time_naive(source: ib.Source, url: str, indices: np.ndarray, batch_size: int
     dl = tud.DataLoader(subset, batch_size=batch_size, shuffle=True, num_workers=workers,
                         multiprocessing_context=ctx, generator=torch.Generator().manual_seed(0))
     n_batches = -(-len(indices) // batch_size)
-    with RssSampler(children=True) as rss:
+    with RssSampler(children=True) as rss, OtherLoad() as other:
         samples, secs, first, used = consume(dl, n_batches, f"naive {workers} workers",
                                              source.names[0], progress)
     return Run(f"naive DataLoader, {workers} workers", samples, secs, source.sample_nbytes,
                first, float(used[0]), rss.peak, rss.growth,
                extra={**usage_extra(used), "subset_samples": len(indices),
-                      "start_method": ctx})
+                      "start_method": ctx, "other_load_cores": other.cores})
 
 
 # -- report -------------------------------------------------------------------------------
@@ -428,30 +431,38 @@ def _row(run: Run, floor: Run, naive2: Run | None, gfloor: Run | None) -> dict[s
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'path':<46} {'samples/s':>9} {'GB/s':>5} {'x floor':>7} {'x f+copy':>8} "
-            f"{'x naive2w':>9} {'1st batch':>9} {'RSS MB':>7} {'+RSS MB':>7} {'cores':>5}")
+            f"{'x naive2w':>9} {'1st batch':>9} {'+RSS MB':>7} {'cores':>5} {'others':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        rss = None if r["rss_peak_bytes"] is None else r["rss_peak_bytes"] / 1e6
         grow = None if r["rss_growth_bytes"] is None else r["rss_growth_bytes"] / 1e6
         lines.append(
             f"{r['name'][:46]:<46} {r['samples_per_s']:>9,.0f} {r['gb_per_s']:>5.2f} "
             f"{r['ratio_to_floor']:>7.2f} {fmt(r['ratio_to_gather_floor'], '.2f'):>8} "
             f"{fmt(r['ratio_to_naive_2w'], '.1f'):>9} {fmt(r['first_batch_s'], '.3f'):>9} "
-            f"{fmt(rss, ',.0f'):>7} {fmt(grow, ',.0f'):>7} {fmt(r['cpu_cores'], '.2f'):>5}")
+            f"{fmt(grow, ',.0f'):>7} {fmt(r['cpu_cores'], '.2f'):>5} "
+            f"{fmt(r.get('other_load_cores'), '.2f'):>6}")
     return "\n".join(lines)
 
 
 def format_markdown(result: dict[str, Any]) -> str:
     """The table as Markdown, for the README."""
     lines = ["| path | samples/s | GB/s | × floor | × floor+copy | × naive 2w | 1st batch s "
-             "| peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| RSS growth MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        rss = "-" if r["rss_peak_bytes"] is None else f"{r['rss_peak_bytes'] / 1e6:,.0f}"
+        rss = "-" if r["rss_growth_bytes"] is None else f"{r['rss_growth_bytes'] / 1e6:,.0f}"
         lines.append(
             f"| {r['name']} | {r['samples_per_s']:,.0f} | {r['gb_per_s']:.2f} | "
             f"{r['ratio_to_floor']:.2f} | {fmt(r['ratio_to_gather_floor'], '.2f')} | "
             f"{fmt(r['ratio_to_naive_2w'], '.1f')} | {fmt(r['first_batch_s'], '.3f')} | {rss} |")
     return "\n".join(lines)
+
+
+def probe_loader_rss(cfg: CoreConfig, variables: Sequence[str]) -> dict[str, Any]:
+    """Peak RSS of the loader alone, in a fresh process (``rss_probe``)."""
+    kw = {**cfg.loader_kwargs(), "variables": list(variables)}
+    out = subprocess.run([sys.executable, "-m", "insitubatch_nodes.bench.rss_probe", cfg.url,
+                          json.dumps(kw), "2"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _naive_target(chunk_size: int) -> float | None:
@@ -461,6 +472,7 @@ def _naive_target(chunk_size: int) -> float | None:
 def run_core(cfg: CoreConfig) -> dict[str, Any]:
     """Run every path on ``cfg.url``; print the table, write JSON (and PNG plots)."""
     t_start = time.perf_counter()
+    whole = OtherLoad().__enter__()
     machine = machine_info()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     source = ib.open_source(cfg.url, variables=cfg.variables)
@@ -499,6 +511,7 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     gfloor = (floors[1].result("read floor + one gather copy", n_split, nbytes_s)
               if len(floors) > 1 else None)
     ttfb = time_first_batch(source, manifest, cfg)
+    probe = probe_loader_rss(cfg, source.names)
 
     rng = np.random.default_rng(cfg.seed)
     pool = grid.samples_of(chunk_ids)
@@ -518,7 +531,7 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     r_floor = steady.samples_per_s / floor.samples_per_s
     r_naive = steady.samples_per_s / naive2.samples_per_s if naive2 else None
     r_gfloor = steady.samples_per_s / gfloor.samples_per_s if gfloor else None
-    rss_peak = max(r.rss_peak or 0 for r in loader_runs)
+    rss_peak = probe["peak_rss_bytes"]
     bound = loader_runs[0].extra["resident_bound_bytes"]
     inflight_bytes = cfg.max_inflight * max(v.stripe_nbytes for v in source.variables)
     naive_target = _naive_target(grid.chunk_size)
@@ -536,6 +549,8 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
         "steady_paired_ratio_to_gather_floor": paired_g,
         "first_batch": ttfb,
         "memory": {"loader_rss_peak_bytes": rss_peak, "resident_bound_bytes": bound,
+                   "probe": probe,
+                   "in_process_rss_peak_bytes": max(r.rss_peak or 0 for r in loader_runs),
                    "inflight_bytes_bound": inflight_bytes,
                    "rss_target_bytes": bound + RSS_SLACK,
                    "rss_within_target": rss_peak <= bound + RSS_SLACK},
@@ -568,10 +583,11 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
           f"(state after {ttfb['resume_after_batches']} batches, "
           f"{ttfb['state_json_bytes']} B of JSON) {ttfb['first_batch_after_resume_s']:.3f} s")
     ledger = max(r.extra["ledger_peak_bytes"] for r in loader_runs)
-    print(f"loader memory: peak RSS {rss_peak / 1e6:,.0f} MB (target <= resident bound "
-          f"{bound / 1e6:,.0f} MB + 400 MB = {(bound + RSS_SLACK) / 1e6:,.0f} MB: "
-          f"{'OK' if rss_peak <= bound + RSS_SLACK else 'ABOVE'}); ledger peak "
-          f"{ledger / 1e6:,.0f} MB")
+    print(f"loader memory, alone in a fresh process (2 epochs): peak RSS {rss_peak / 1e6:,.0f} "
+          f"MB, of which {probe['import_rss_bytes'] / 1e6:,.0f} MB is python + imports (target "
+          f"<= resident bound {bound / 1e6:,.0f} MB + 400 MB = {(bound + RSS_SLACK) / 1e6:,.0f} "
+          f"MB: {'OK' if rss_peak <= bound + RSS_SLACK else 'ABOVE'}); decoded resident peak "
+          f"{ledger / 1e6:,.0f} MB (ledger)")
     st = steady.extra
     print(f"loader metrics, steady epoch: starvation {100 * st['starvation']:.0f}% (no model: "
           f"the loop only waits) | consumer s: fetch {st['consumer_wait_fetch_s']:.3f} "
@@ -579,8 +595,13 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
           f"gather {st['consumer_gather_s']:.3f} deliver {st['consumer_deliver_s']:.3f} | "
           f"fetcher stripe-s: store {st['fetch_store_s']:.2f} decode {st['fetch_decode_s']:.2f}")
     total = time.perf_counter() - t_start
+    whole.__exit__()
     result["total_seconds"] = total
-    print(f"total benchmark time {total:.1f} s")
+    result["other_load_cores"] = whole.cores
+    print(f"total benchmark time {total:.1f} s; other processes used {whole.cores:.2f} cores "
+          "on average meanwhile"
+          + (" -- the machine was busy, numbers are pessimistic; rerun when it is quiet"
+             if whole.cores > 0.25 else ""))
     write_outputs(result, cfg)
     return result
 

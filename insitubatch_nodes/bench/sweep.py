@@ -28,7 +28,7 @@ import numpy as np
 
 import insitubatch_nodes as ib
 
-from .common import RssSampler, consume, local_path, machine_info, warm_page_cache
+from .common import OtherLoad, RssSampler, consume, local_path, machine_info, warm_page_cache
 from .core import StripeFloor, make_store
 
 SPLIT = "train"
@@ -218,6 +218,7 @@ def format_sweep(result: dict[str, Any]) -> str:
 def run_sweep(cfg: SweepConfig) -> dict[str, Any]:
     """Run the three sweeps, print their tables, write ``sweep.json`` and PNG plots."""
     t0 = time.perf_counter()
+    other = OtherLoad().__enter__()
     machine = machine_info()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     source = ib.open_source(cfg.url, variables=cfg.variables)
@@ -241,9 +242,13 @@ def run_sweep(cfg: SweepConfig) -> dict[str, Any]:
         result["max_inflight"] = sweep_knob(cfg, source, manifest, "max_inflight",
                                             cfg.max_inflight_values)
     result["total_seconds"] = time.perf_counter() - t0
+    other.__exit__()
+    result["other_load_cores"] = other.cores
     print()
     print(format_sweep(result))
-    print(f"\ntotal sweep time {result['total_seconds']:.1f} s")
+    print(f"\ntotal sweep time {result['total_seconds']:.1f} s; other processes used "
+          f"{other.cores:.2f} cores on average meanwhile"
+          + (" -- the machine was busy; rerun when it is quiet" if other.cores > 0.25 else ""))
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     path = cfg.out_dir / "sweep.json"
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
