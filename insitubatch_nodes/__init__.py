@@ -9,6 +9,7 @@ from .geometry import SampleGrid, VariableGeometry
 from .io.retry import RetryPolicy
 from .loader import InSituLoader, build_loader, parse_bytes
 from .memory import MemoryLedger
+from .metrics import LoaderStats
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -37,5 +38,5 @@ __all__ = [
     "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
     "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
-    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static",
+    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
 ]

@@ -88,7 +88,8 @@ class LoaderStats:
     ``epoch_*`` and ``starvation`` cover the current epoch (or the last one, once it ended);
     every other counter is cumulative since the loader was built. Byte counts are decoded
     bytes: ``bytes_fetched`` of the stripes read, ``bytes_delivered`` of the variables'
-    tensors in the batches handed out (``sample_index`` excluded).
+    tensors in the batches handed out (inputs and targets; ``sample_index`` and coordinates
+    excluded).
     """
 
     epoch: int
@@ -138,16 +139,23 @@ class LoaderStats:
         occ = "-" if self.window_occupancy is None else f"{100 * self.window_occupancy:.0f}%"
         return (
             f"epoch {self.epoch}: {self.epoch_batches} batches, {self.epoch_samples} samples in "
-            f"{self.epoch_wall_s:.1f} s, starvation {100 * self.starvation:.1f}% | fetched "
-            f"{self.bytes_fetched / 1e9:.2f} GB ({self.stripes_fetched} stripes, "
-            f"{self.retries} retries), delivered {self.bytes_delivered / 1e9:.2f} GB | in flight "
+            f"{self.epoch_wall_s:.2f} s, starvation {100 * self.starvation:.1f}% | fetched "
+            f"{_size(self.bytes_fetched)} ({self.stripes_fetched} stripes, "
+            f"{self.retries} retries), delivered {_size(self.bytes_delivered)} | in flight "
             f"{self.stripes_in_flight} stripes, {self.windows_ready}/{self.windows_in_flight} "
-            f"windows ready, resident {self.resident_bytes / 1e6:.0f} MB ({occ} of bound) | "
+            f"windows ready, resident {_size(self.resident_bytes)} ({occ} of bound) | "
             f"consumer s: fetch {self.wait_fetch_s:.2f} schedule {self.schedule_s:.2f} shuffle "
             f"{self.shuffle_s:.2f} gather {self.gather_s:.2f} deliver {self.deliver_s:.2f} | "
             f"fetcher stripe-s: store {self.store_s:.2f} decode {self.decode_s:.2f} pool-queue "
             f"{self.pool_wait_s:.2f} slot-queue {self.slot_wait_s:.2f}"
         )
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _first(nodes: list, kind: type) -> Any:

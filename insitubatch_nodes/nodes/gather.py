@@ -32,7 +32,7 @@ class GatherStats:
 
     batches: int = 0
     samples: int = 0
-    nbytes: int = 0  # bytes of the variables' tensors (sample_index excluded)
+    nbytes: int = 0  # bytes of the variables' tensors (not sample_index, not coordinates)
     next_s: float = 0.0
     upstream_s: float = 0.0
 
