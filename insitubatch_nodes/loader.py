@@ -381,6 +381,12 @@ def _resident_bound(source: Source, block_chunks: int, prefetch_windows: int,
     with its halo of neighbouring chunks when samples are time windows)."""
     halo = 0 if window is None else -(-max(window.before, window.after) // source.grid.chunk_size)
     window_bytes = max_window_nbytes(source.grid, source.variables, block_chunks + 2 * halo)
+    window_samples = block_chunks * source.grid.chunk_size
+    if batch_size > window_samples:
+        # A batch spans whole windows: all of them (and the one it starts in) stay resident
+        # until the batch is gathered, besides the prefetched ones.
+        spans = -(-batch_size // window_samples) + 1
+        return (spans + prefetch_windows) * window_bytes
     straddle = max_window_nbytes(source.grid, source.variables,
                                  min(batch_size, block_chunks) + 2 * halo)
     return (1 + prefetch_windows) * window_bytes + straddle

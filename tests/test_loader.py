@@ -262,17 +262,20 @@ def test_resume_refetches_at_most_one_window(medium):
 
 # -- memory ------------------------------------------------------------------------------
 
-def test_resident_memory_stays_within_bound(store_dir):
-    src, _ = make(store_dir, [Var("x", (600, 32, 32), (8, 32, 32), compressors=BLOSC)])
+@pytest.mark.parametrize(("batch", "block"), [(8, 4), (32, 1), (32, 2), (20, 3)])
+def test_resident_memory_stays_within_bound(store_dir, batch, block):
+    src, _ = make(store_dir, [Var("x", (600, 32, 32), (8, 32, 32), compressors=BLOSC),
+                              Var("y", (600, 16), (4, 16), dtype="int16")])
     m = ib.split_by_chunk(src, (1.0,))
-    window = 4 * 8 * 32 * 32 * 4
-    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, prefetch_windows=1)
+    window = block * (8 * 32 * 32 * 4 + 8 * 16 * 2)
+    loader = ib.build_loader(src, m, "train", batch_size=batch, block_chunks=block,
+                             prefetch_windows=1)
     for _ in range(2):
         for _ in loader:
             assert loader.ledger.resident <= loader.resident_bound
     assert 0 < loader.ledger.peak <= loader.resident_bound
-    # The bound is about three windows, independent of the epoch's 19 windows.
-    assert loader.resident_bound <= 3 * window
+    # The bound is a few windows, independent of the epoch's length.
+    assert loader.resident_bound <= (3 + -(-batch // (8 * block))) * window
 
 
 def test_memory_budget_is_checked(medium):
