@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,10 +40,9 @@ from typing import Any
 
 import numpy as np
 import psutil
-import zarr
-import zarr.codecs as zc
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.bench.core import make_store as _make_store
 from insitubatch_nodes.testing.s3server import start_moto
 
 VAR = "t2m"
@@ -65,32 +63,9 @@ proxy.stop()
 
 
 # -- store --------------------------------------------------------------------------------
-def _field(t0: int, t1: int, n_lat: int, n_lon: int, rng: np.random.Generator) -> np.ndarray:
-    """t2m-like: smooth synoptic waves with daily and seasonal cycles plus small noise, so
-    blosc-zstd compresses it roughly as it compresses real reanalysis (cf. ``demo._fields``)."""
-    hours = (np.arange(t0, t1, dtype=np.float32) * 6.0)[:, None, None]
-    rlat = np.deg2rad(np.linspace(-90, 90, n_lat, dtype=np.float32))[None, :, None]
-    rlon = np.deg2rad(np.linspace(0, 360, n_lon, endpoint=False, dtype=np.float32))[None, None, :]
-    season = np.sin(2 * np.pi * hours / (24 * 365.25))
-    wave = np.sin(3 * rlon - 2 * np.pi * hours / 120.0) * np.cos(rlat) ** 2
-    base = 288 - 35 * np.abs(np.sin(rlat)) + 10 * season * np.sin(rlat) + 4 * wave
-    base = base + 2 * np.cos(rlon - 2 * np.pi * hours / 24.0) * np.cos(rlat)
-    noise = rng.standard_normal((t1 - t0, n_lat, n_lon), dtype=np.float32) * 0.5
-    return (base + noise).astype(np.float32)
-
-
 def make_store(path: Path, shape: tuple[int, int, int], time_chunk: int, seed: int = 0) -> int:
-    """Write the store chunk by chunk; returns its size on disk (bytes)."""
-    if path.exists():
-        shutil.rmtree(path)
-    g = zarr.open_group(path, mode="w", zarr_format=3)
-    arr = g.create_array(VAR, shape=shape, chunks=(time_chunk, *shape[1:]), dtype="float32",
-                         compressors=zc.BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"),
-                         dimension_names=("time", "lat", "lon"))
-    rng = np.random.default_rng(seed)
-    for t0 in range(0, shape[0], time_chunk):
-        t1 = min(t0 + time_chunk, shape[0])
-        arr[t0:t1] = _field(t0, t1, shape[1], shape[2], rng)
+    """The benchmark store of ``insitubatch bench``; returns its size on disk (bytes)."""
+    _make_store(path, shape, time_chunk, seed, progress=False)
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 

@@ -17,45 +17,26 @@ EXIT_USAGE = 2
 
 
 # -- option types (argparse turns ArgumentTypeError into "argument --x: ..." and exit 2) ----
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+def _bounded(kind: type, low: float, low_ok: bool, high: float | None, what: str):
+    """An argparse type: ``kind(text)`` within bounds, else a message naming the value."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if (value != value or value < low or (value == low and not low_ok)
+                or (high is not None and value > high)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number in (0, 1], e.g. 0.9, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], e.g. 0.9, got {value}")
-    return value
+_positive_int = _bounded(int, 1, True, None, "a whole number >= 1")
+_nonneg_int = _bounded(int, 0, True, None, "a whole number >= 0")
+_positive_float = _bounded(float, 0, False, None, "a number > 0")
+_fraction = _bounded(float, 0, False, 1, "a number in (0, 1], e.g. 0.9")
 
 
 def _byte_size(text: str) -> int:
