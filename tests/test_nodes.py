@@ -216,3 +216,24 @@ def test_one_loop_thread_for_the_nodes_lifetime(setup):
         list(fetch)
     assert fetch._lt.thread is first and first.is_alive()
     fetch.close()
+
+
+def test_grouped_local_reads_fall_back_to_single_reads_on_error(tmp_path):
+    """Small stripes are read several per pool task; a bad one is still named exactly."""
+    path = tmp_path / "many.zarr"
+    data = write_store(path, [Var("x", (160, 3), (2, 3), compressors=BLOSC)])
+    (path / "x" / "c" / "37" / "0").write_bytes(b"garbage, not blosc")
+    src = ib.open_source(path)
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
+                             block_chunks=40, retry=ib.RetryPolicy(attempts=2, base_delay=0))
+    fetch, planner = loader.node(ib.AsyncFetchNode), loader.node(ReadPlanNode)
+    planner.reset(None)
+    assert any(len(idxs) > 1 for _, idxs in fetch._jobs(next(planner)))
+    seen = []
+    with pytest.raises(Exception) as info:  # noqa: B017 - the codec's own error type
+        for b in loader:
+            seen.append(b)
+            np.testing.assert_array_equal(b["x"].numpy(), data["x"][b["sample_index"].numpy()])
+    notes = "\n".join(info.value.__notes__)
+    assert "x/c/37/0" in notes and ("gave up after" in notes or "not retried" in notes)
+    loader.close()

@@ -181,6 +181,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._delivered = copy.deepcopy(self.source.state_dict())
 
     # -- fetching ---------------------------------------------------------------------
+    async def _single(self, v: int, idx: int) -> list[np.ndarray]:
+        return [await self._read_one(v, idx)]
+
     async def _read_one(self, v: int, idx: int) -> np.ndarray:
         assert self._sem is not None and self._lt is not None
         reader = self.readers[v]
@@ -207,20 +210,59 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             stats.bytes_decoded += buf.nbytes
         return buf
 
+    async def _read_group(self, v: int, idxs: list[int]) -> list[np.ndarray]:
+        """Several stripes of a local store in one pool task (see ``read_group``)."""
+        assert self._sem is not None and self._lt is not None
+        reader = self.readers[v]
+        stats = self.stats
+        t0 = time.perf_counter()
+        async with self._sem:  # one slot: the group reads its stripes one after another
+            stats.slot_wait_s += time.perf_counter() - t0
+            stats.in_flight += 1
+            stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            try:
+                bufs = [self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
+                        for _ in idxs]
+                attempts = await reader.read_group(idxs, bufs, self._lt.loop, self._lt.pool,
+                                                   self.retry)
+            finally:
+                stats.in_flight -= 1
+            stats.retries += attempts - len(idxs)
+            stats.stripes += len(idxs)
+            stats.bytes_decoded += sum(b.nbytes for b in bufs)
+        return bufs
+
+    def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
+        """Stripe reads to run, as (variable, stripes) groups: local stores group small
+        stripes so a window costs a few pool hand-offs, not one per stripe."""
+        jobs = []
+        for v, reads in enumerate(plan.reads):
+            reader = self.readers[v]
+            if reader.mode == "local" and len(reads) > 2 * self.decode_threads:
+                # Enough groups to keep every decode thread busy, at most ~4 MB each.
+                by_size = max(1, (4 << 20) // max(1, reader.geom.stripe_nbytes))
+                size = max(1, min(by_size, -(-len(reads) // (2 * self.decode_threads))))
+                jobs += [(v, list(reads[i:i + size])) for i in range(0, len(reads), size)]
+            else:
+                jobs += [(v, [idx]) for idx in reads]
+        return jobs
+
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
-        jobs = [(v, idx) for v, reads in enumerate(plan.reads) for idx in reads]
-        tasks = [asyncio.ensure_future(self._read_one(v, idx)) for v, idx in jobs]
+        jobs = self._jobs(plan)
+        tasks = [asyncio.ensure_future(self._read_group(v, idxs) if len(idxs) > 1
+                                       else self._single(v, idxs[0])) for v, idxs in jobs]
         try:
-            bufs = await asyncio.gather(*tasks)
+            results = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
             raise
         arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in plan.reads)
-        for (v, idx), buf in zip(jobs, bufs, strict=True):
-            arrays[v][idx] = buf
+        for (v, idxs), bufs in zip(jobs, results, strict=True):
+            for idx, buf in zip(idxs, bufs, strict=True):
+                arrays[v][idx] = buf
         self.stats.windows += 1
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
