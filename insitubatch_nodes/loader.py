@@ -46,6 +46,13 @@ class _ExactIterator(LoaderIterator):
     """torchdata 0.11's iterator counts the item it pre-fetches after a restore twice
     (upstream issue 1453); count each delivered item once."""
 
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        ring = self.loader._recent_states
+        if ring is not None:
+            # States are keyed by batches delivered *this epoch*: never answer from another.
+            ring.clear()
+
     def next(self):  # noqa: D102
         if self._cached_item is not None:
             item = self._cached_item

@@ -325,3 +325,19 @@ def test_no_threads_leak(medium):
     gc.collect()
     leaked = [t for t in threading.enumerate() if t.ident not in before]
     assert not leaked, leaked
+
+
+def test_state_dict_at_answers_only_for_the_current_epoch(medium):
+    src, _, m = medium
+    loader = ib.build_loader(src, m, "train", batch_size=16, keep_states=4)
+    epoch(loader)
+    it = iter(loader)
+    next(it)
+    next(it)
+    assert loader.state_dict_at(2) == loader.state_dict()
+    with pytest.raises(ValueError, match="kept: \\[1, 2\\]"):
+        loader.state_dict_at(5)  # batch 5 of the *previous* epoch must not be returned
+    fresh = ib.build_loader(src, m, "train", batch_size=16)
+    fresh.load_state_dict(loader.state_dict_at(1))
+    nxt = next(iter(fresh))
+    assert nxt["sample_index"].tolist() != []
