@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 from .geometry import SampleGrid, VariableGeometry
-from .permute import DRAW_STREAM, epoch_chunk_order
+from .permute import DRAW_STREAM, epoch_chunk_order, rank_share
 from .plan import ReadPlan
 
 Uneven = Literal["pad", "drop", "none"]
@@ -159,7 +159,7 @@ def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list
     order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
     out = []
     for r in range(world_size):
-        share = order[r::world_size]
+        share = rank_share(order, r, world_size)
         b = ctx.block_chunks
         out.append([WindowSpec(ctx, epoch, (0, r, world_size, i), share[i * b:(i + 1) * b])
                     for i in range(-(-share.size // b))])
