@@ -97,20 +97,25 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
                                       self.history)
         sizes = [w.chunk_ids.size for w in self.schedule.windows]
         self._starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        self._total = int(self._starts[-1])
+        self._cursor: tuple[int, list[int]] | None = None  # (window, its chunk ids)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def next(self) -> EpochChunk:
         self._started = True
-        if self._pos >= self._starts[-1]:
+        if self._pos >= self._total:
             raise StopIteration
-        w = int(np.searchsorted(self._starts, self._pos, side="right")) - 1
-        spec = self.schedule.windows[w]
+        cur = self._cursor
+        if cur is None or self._pos >= int(self._starts[cur[0] + 1]):
+            # Entering a window (or restoring mid-schedule): look it up once, not per chunk.
+            w = int(np.searchsorted(self._starts, self._pos, side="right")) - 1
+            cur = self._cursor = (w, self.schedule.windows[w].chunk_ids.tolist())
+        w, ids = cur
         j = self._pos - int(self._starts[w])
         self._pos += 1
-        return EpochChunk(self.epoch, int(spec.chunk_ids[j]), spec,
-                          last=j == spec.chunk_ids.size - 1)
+        return EpochChunk(self.epoch, ids[j], self.schedule.windows[w], last=j == len(ids) - 1)
 
     def get_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self._pos,
