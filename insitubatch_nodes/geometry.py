@@ -95,9 +95,6 @@ class SampleGrid:
         start = chunk_id * self.chunk_size
         return start, min(start + self.chunk_size, self.n_samples)
 
-    def chunk_len(self, chunk_id: int) -> int:
-        start, stop = self.chunk_range(chunk_id)
-        return stop - start
 
     def _bounds(self, chunk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         starts = np.maximum(chunk_ids * self.chunk_size, self.first)

@@ -35,7 +35,7 @@ from .nodes.static import StaticFieldsNode
 from .permute import resolve_rank
 from .plan import max_window_nbytes
 from .quality import shuffle_quality
-from .schedule import UNEVEN_POLICIES, Resumption, ScheduleContext, n_units
+from .schedule import Resumption, ScheduleContext, n_units
 from .source import Source
 from .split import SplitManifest
 from .stats import Stats
@@ -318,8 +318,6 @@ def build_loader(
         remote = any(not isinstance(a.store_path.store, zarr.storage.LocalStore)
                      for a in source.arrays)
         prefetch_windows = 2 if remote else 1
-    if uneven not in UNEVEN_POLICIES:
-        raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {uneven!r}")
     contiguous = window is not None
     units = n_units(ScheduleContext(manifest.chunk_ids(split), grid, seed, block_chunks, uneven,
                                     contiguous))
@@ -354,8 +352,7 @@ def build_loader(
     node = AsyncFetchNode(node, source, max_inflight=max_inflight,
                           prefetch_windows=prefetch_windows, decode_threads=decode_threads,
                           ledger=ledger, pool=BufferPool(ledger), retry=retry)
-    node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last,
-                             offsets=offsets)
+    node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
     node = GatherNode(node, source.variables, pool=BufferPool(), window=window,
                       coords=source.batch_coords())
     if stats is not None or dtype is not None:

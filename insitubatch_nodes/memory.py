@@ -74,8 +74,3 @@ class BufferPool:
     def _give_back(self, key: tuple, base: np.ndarray) -> None:
         with self._lock:
             self._free.setdefault(key, []).append(base)
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(b.nbytes for lst in self._free.values() for b in lst)

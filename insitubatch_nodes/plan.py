@@ -8,7 +8,7 @@ scheduled windows by ``schedule.plan_window``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,8 +20,10 @@ class ReadPlan:
     """One window: which chunks, in what order samples are drawn, and what to read.
 
     ``reads[v]`` holds the sample-axis chunk indices of variable ``v`` to fetch (each read
-    covers every inner chunk of that stripe). ``draw_order`` lists the window's global
-    sample indices in the order the shuffle buffer hands them out.
+    covers every inner chunk of that stripe) and ``uses[v]`` how many rows the window's draws
+    take from each, which is when the shuffle buffer may let the stripe go. ``draw_order``
+    lists the window's global sample indices in the order the shuffle buffer hands them out;
+    each sample reads the steps ``sample + offsets`` (``[0]`` unless samples are windows).
     """
 
     epoch: int
@@ -30,6 +32,14 @@ class ReadPlan:
     draw_order: np.ndarray
     reads: tuple[tuple[int, ...], ...]
     nbytes: int
+    uses: tuple[tuple[int, ...], ...] = ()
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    def rows(self, samples: np.ndarray) -> np.ndarray:
+        """Every row (step) the given samples read, flattened."""
+        if self.offsets.size == 1 and self.offsets[0] == 0:
+            return samples
+        return (samples[:, None] + self.offsets[None, :]).ravel()
 
     @property
     def n_samples(self) -> int:

@@ -120,10 +120,6 @@ class RankSchedule:
     target: int  # samples it yields after equal-steps adjustment
     counts: tuple[int, ...]  # every rank's real samples, for reports and errors
 
-    @property
-    def n_padded(self) -> int:
-        return max(0, self.target - self.own_samples)
-
 
 def contiguous_blocks(ctx: ScheduleContext) -> list[np.ndarray]:
     """The split's runs of adjacent chunks, cut into blocks of ``block_chunks``."""
@@ -140,20 +136,23 @@ def n_units(ctx: ScheduleContext) -> int:
     return len(contiguous_blocks(ctx)) if ctx.contiguous else int(np.asarray(ctx.chunk_ids).size)
 
 
+def _permuted_blocks(ctx: ScheduleContext, epoch: int) -> list[np.ndarray]:
+    """Contiguous mode: the split's blocks in this epoch's order."""
+    blocks = contiguous_blocks(ctx)
+    return [blocks[i] for i in epoch_chunk_order(np.arange(len(blocks)), ctx.seed, epoch)]
+
+
 def _global_order(ctx: ScheduleContext, epoch: int) -> np.ndarray:
     """The epoch's chunk order, the same for every world size (blocks kept whole)."""
     if not ctx.contiguous:
         return epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
-    blocks = contiguous_blocks(ctx)
-    perm = epoch_chunk_order(np.arange(len(blocks)), ctx.seed, epoch)
-    return np.concatenate([blocks[i] for i in perm]) if blocks else np.empty(0, np.int64)
+    blocks = _permuted_blocks(ctx, epoch)
+    return np.concatenate(blocks) if blocks else np.empty(0, np.int64)
 
 
 def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list[WindowSpec]]:
     if ctx.contiguous:
-        blocks = contiguous_blocks(ctx)
-        perm = epoch_chunk_order(np.arange(len(blocks)), ctx.seed, epoch)
-        dealt = [blocks[i] for i in perm]
+        dealt = _permuted_blocks(ctx, epoch)
         return [[WindowSpec(ctx, epoch, (0, r, world_size, i), blk)
                  for i, blk in enumerate(dealt[r::world_size])] for r in range(world_size)]
     order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
@@ -240,11 +239,6 @@ def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
             total += n
         wins = kept
     elif target > own:
-        if not wins:
-            raise ValueError(
-                f"rank {rank} of {world_size} has no samples to pad from in epoch {epoch} "
-                f"(samples per rank: {list(counts)}); use fewer ranks, or uneven='drop'"
-            )
         nonempty = [i for i, w in enumerate(wins) if w.n_base]
         if not nonempty:
             raise ValueError(
@@ -268,9 +262,13 @@ def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window:
     """The read plan of one window: its final draw order and the stripes those draws need
     (all steps of each sample's time window, when ``offsets`` are given)."""
     draws = spec.final_draws()
-    rows = draws if offsets is None else (draws[:, None] + offsets[None, :]).ravel()
-    reads = tuple(tuple(int(i) for i in np.unique(rows // v.sample_chunk)) for v in variables)
-    nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
-    return ReadPlan(epoch=spec.epoch, window=window,
+    steps = np.zeros(1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
+    plan = ReadPlan(epoch=spec.epoch, window=window,
                     chunk_ids=tuple(int(c) for c in spec.chunk_ids), draw_order=draws,
-                    reads=reads, nbytes=nbytes)
+                    reads=(), nbytes=0, offsets=steps)
+    rows = plan.rows(draws)
+    counted = [np.unique(rows // v.sample_chunk, return_counts=True) for v in variables]
+    reads = tuple(tuple(idx.tolist()) for idx, _ in counted)
+    uses = tuple(tuple(n.tolist()) for _, n in counted)
+    nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
+    return replace(plan, reads=reads, uses=uses, nbytes=nbytes)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,10 +45,6 @@ class Source:
             have = sorted(self.group.array_keys()) if self.group is not None else []
             raise KeyError(f"no coordinate array {dim!r} in {self.url}; arrays: {have}")
         return np.asarray(self.group[dim][:])
-
-    @property
-    def coord_name(self) -> str | None:
-        return self.sample_dim if self.sample_coord is not None else None
 
     def batch_coords(self) -> dict[str, np.ndarray]:
         """Per-sample values to put in each batch: datetimes as int64 nanoseconds."""
@@ -175,7 +171,7 @@ def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | Non
             "unsliced dataset and choose periods with split_by_coordinate"
         )
     if sample_dim in ds.coords:
-        object.__setattr__(src, "sample_coord", np.asarray(ds[sample_dim].values))
+        src = replace(src, sample_coord=np.asarray(ds[sample_dim].values))
     return src
 
 

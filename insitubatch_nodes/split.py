@@ -213,11 +213,9 @@ def _as_bound(value: object, coord: np.ndarray, end: bool) -> int:
     if value is None:
         return n if end else 0
     if np.issubdtype(coord.dtype, np.datetime64):
-        t = np.datetime64(value) if not isinstance(value, np.datetime64) else value
+        t = np.datetime64(value)
         if end:  # "2015" means through the end of 2015; "2015-06-30" through that day
-            unit = np.datetime_data(t.dtype)[0]
-            t = t + np.timedelta64(1, unit)
-            return int(np.searchsorted(coord, t.astype(coord.dtype), side="left"))
+            t = t + np.timedelta64(1, np.datetime_data(t.dtype)[0])
         return int(np.searchsorted(coord, t.astype(coord.dtype), side="left"))
     v = float(value)  # numeric coordinate: inclusive bounds
     return int(np.searchsorted(coord, v, side="right" if end else "left"))

@@ -19,7 +19,7 @@ def test_last_chunk_is_short():
     grid = SampleGrid(101, 8)
     assert grid.n_chunks == 13
     assert grid.chunk_range(12) == (96, 101)
-    assert grid.chunk_len(12) == 5
+    assert grid.n_samples_of(np.array([12])) == 5
 
 
 @pytest.mark.parametrize(("chunks", "want"), [([8], 8), ([8, 4], 8), ([8, 12], 24), ([7, 64], 64)])

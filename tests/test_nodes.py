@@ -82,7 +82,7 @@ def run_epochs(node, n_epochs):
 @pytest.mark.parametrize("stage", STAGES)
 def test_node_resume_protocol(setup, stage):
     src, m, _ = setup
-    ref = run_epochs(build(src, m, stage), 2)
+    ref = run_epochs(build(src, m, stage), 3)
     assert ref[0] and ref[1]
     if stage != "split":
         assert ref[0] != ref[1]  # a new epoch is a new order
@@ -99,9 +99,8 @@ def test_node_resume_protocol(setup, stage):
             fresh = build(src, m, stage)
             fresh.reset(state)
             assert [key(x) for x in fresh] == ref[ep][k:], (stage, ep, k)
-            if stage != "split":
-                fresh.reset(None)  # the epoch after a restored one is the next epoch
-                assert [key(x) for x in fresh] == ref[1] if ep == 0 else True
+            fresh.reset(None)  # the epoch after a restored one is the next epoch
+            assert [key(x) for x in fresh] == ref[ep + 1], (stage, ep, k, "next epoch")
 
 
 def test_permute_node_deals_rank_shares(setup):

@@ -19,7 +19,7 @@ def test_geometry_of_every_variable(store_factory):
     assert a.dimension_names == ("time", "y", "x")
     assert src.variable("b").dtype == np.dtype("int16") and src.variable("b").sample_shape == ()
     assert src.variable("c").shards == (8, 4) and src.variable("c").chunks == (4, 4)
-    assert src.grid.chunk_size == 40 or src.grid.chunk_size == 10  # lcm(8,10,4)=40 > 4*10: max
+    assert src.grid.chunk_size == 40  # lcm(8, 10, 4) = 40 <= 4 * 10: the LCM grid is used
     assert src.n_samples == 50
 
 

@@ -181,10 +181,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._delivered = copy.deepcopy(self.source.state_dict())
 
     # -- fetching ---------------------------------------------------------------------
-    async def _single(self, v: int, idx: int) -> list[np.ndarray]:
-        return [await self._read_one(v, idx)]
-
-    async def _read_one(self, v: int, idx: int) -> np.ndarray:
+    async def _read(self, v: int, idxs: list[int]) -> list[np.ndarray]:
+        """Read stripes ``idxs`` of variable ``v``: one stripe, or several of a local store
+        in one pool task (``read_group``). Either way one ``max_inflight`` slot: a group
+        reads its stripes one after another. Errors carry the reader's note (array, chunk
+        key, attempts)."""
         assert self._sem is not None and self._lt is not None
         reader = self.readers[v]
         stats = self.stats
@@ -192,39 +193,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         async with self._sem:
             stats.slot_wait_s += time.perf_counter() - t0
             stats.in_flight += 1
-            if stats.in_flight > stats.peak_in_flight:
-                stats.peak_in_flight = stats.in_flight
-            try:
-                buf = self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
-                try:
-                    attempts = await reader.read(idx, buf, self._lt.loop, self._lt.pool,
-                                                 self.retry)
-                except Exception as e:
-                    if not any("insitubatch:" in n for n in getattr(e, "__notes__", ())):
-                        e.add_note(f"insitubatch: while reading {reader.describe(idx)}")
-                    raise
-            finally:
-                stats.in_flight -= 1
-            stats.retries += attempts - 1
-            stats.stripes += 1
-            stats.bytes_decoded += buf.nbytes
-        return buf
-
-    async def _read_group(self, v: int, idxs: list[int]) -> list[np.ndarray]:
-        """Several stripes of a local store in one pool task (see ``read_group``)."""
-        assert self._sem is not None and self._lt is not None
-        reader = self.readers[v]
-        stats = self.stats
-        t0 = time.perf_counter()
-        async with self._sem:  # one slot: the group reads its stripes one after another
-            stats.slot_wait_s += time.perf_counter() - t0
-            stats.in_flight += 1
             stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
             try:
                 bufs = [self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
                         for _ in idxs]
-                attempts = await reader.read_group(idxs, bufs, self._lt.loop, self._lt.pool,
-                                                   self.retry)
+                lt = self._lt
+                attempts = await (
+                    reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
+                    else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
             finally:
                 stats.in_flight -= 1
             stats.retries += attempts - len(idxs)
@@ -251,8 +227,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
         jobs = self._jobs(plan)
-        tasks = [asyncio.ensure_future(self._read_group(v, idxs) if len(idxs) > 1
-                                       else self._single(v, idxs[0])) for v, idxs in jobs]
+        tasks = [asyncio.ensure_future(self._read(v, idxs)) for v, idxs in jobs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:

@@ -15,16 +15,19 @@ from ..schedule import RankSchedule, Resumption, ScheduleContext, WindowSpec, ra
 
 @dataclass(frozen=True)
 class EpochChunk:
-    """A chunk id with the epoch and the window it was scheduled into.
+    """A chunk id with the window it was scheduled into (which knows its epoch).
 
     ``last`` marks the window's last chunk, so the planner knows when a window is complete
     without reading ahead.
     """
 
-    epoch: int
     chunk: int
     window: WindowSpec
     last: bool
+
+    @property
+    def epoch(self) -> int:
+        return self.window.epoch
 
 
 class ChunkPermuteNode(BaseNode[EpochChunk]):
@@ -115,7 +118,7 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
         w, ids = cur
         j = self._pos - int(self._starts[w])
         self._pos += 1
-        return EpochChunk(self.epoch, ids[j], self.schedule.windows[w], last=j == len(ids) - 1)
+        return EpochChunk(ids[j], self.schedule.windows[w], last=j == len(ids) - 1)
 
     def get_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self._pos,

@@ -66,8 +66,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     """
 
     def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
-                 batch_size: int, drop_last: bool = False,
-                 offsets: Sequence[int] | np.ndarray | None = None) -> None:
+                 batch_size: int, drop_last: bool = False) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -75,8 +74,6 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self.variables = tuple(variables)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
-        # Steps each sample reads relative to its index (time windows); [0] for single steps.
-        self.offsets = np.asarray([0] if offsets is None else offsets, dtype=np.int64)
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
@@ -112,12 +109,10 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         finally:
             self.stats.upstream_s += time.perf_counter() - t0
         self.stats.windows += 1
-        remaining = []
-        rows = self._rows(win.plan.draw_order)
-        for var in self.variables:
-            idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
-            remaining.append(dict(zip(idx.tolist(), counts.tolist(), strict=True)))
-        res = _Resident(win, snap, offset=0, remaining=tuple(remaining))
+        # The plan counted each stripe's uses over every step of every draw.
+        remaining = tuple(dict(zip(r, u, strict=True))
+                          for r, u in zip(win.plan.reads, win.plan.uses, strict=True))
+        res = _Resident(win, snap, offset=0, remaining=remaining)
         if self._skip:
             self._draw(res, self._skip)  # restoring mid-window: evict what was already drawn
             self._skip = 0
@@ -129,7 +124,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         order = res.window.plan.draw_order
         taken = order[res.offset : res.offset + n]
         res.offset += taken.size
-        rows = self._rows(taken)
+        rows = res.window.plan.rows(taken)
         for v, var in enumerate(self.variables):
             idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
             rem = res.remaining[v]
@@ -165,6 +160,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                     break
                 self._resident.append(res)
             head = self._resident[0]
+            steps = head.window.plan.offsets  # the same for every window of a loader
             taken = self._draw(head, need, touched)
             pieces.append(taken)
             need -= taken.size
@@ -173,21 +169,16 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         if need == self.batch_size or (need and self.drop_last):
             self._resident.clear()
             raise StopIteration
-        return self._make_draw(pieces, touched)
+        return self._make_draw(pieces, touched, steps)
 
-    def _rows(self, samples: np.ndarray) -> np.ndarray:
-        if self.offsets.size == 1 and self.offsets[0] == 0:
-            return samples
-        return (samples[:, None] + self.offsets[None, :]).ravel()
-
-    def _make_draw(self, pieces: list[np.ndarray],
-                   touched: list[dict[int, np.ndarray]]) -> BatchDraw:
+    def _make_draw(self, pieces: list[np.ndarray], touched: list[dict[int, np.ndarray]],
+                   steps: np.ndarray) -> BatchDraw:
         samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         parts = []
         for v, var in enumerate(self.variables):
             lookup = touched[v]
             var_parts = []
-            for step, off in enumerate(self.offsets.tolist()):
+            for step, off in enumerate(steps.tolist()):
                 rows = samples + off  # sorted, so each stripe's rows are one contiguous run
                 stripe = rows // var.sample_chunk
                 cuts = np.flatnonzero(np.diff(stripe)) + 1
