@@ -39,6 +39,13 @@ _positive_float = _bounded(float, 0, False, None, "a number > 0")
 _fraction = _bounded(float, 0, False, 1, "a number in (0, 1], e.g. 0.9")
 
 
+def _store_args(parser: argparse.ArgumentParser, url_help: str) -> None:
+    """The store URL and the variables to read, as every store command takes them."""
+    parser.add_argument("url", metavar="URL", help=url_help)
+    parser.add_argument("--variables", nargs="+", metavar="NAME",
+                        help="variables to read (default: every non-coordinate array)")
+
+
 def _byte_size(text: str) -> int:
     from .loader import parse_bytes
 
@@ -122,15 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(decoded, and compressed as measured on the store), codecs, "
                                    "the loader's read path, and a block_chunks recommendation "
                                    "for a target shuffle quality within a memory budget.")
-    i.add_argument("url", metavar="URL", help="local path, file://, s3://, gs://, az://, http(s)://")
-    i.add_argument("--variables", nargs="+", metavar="NAME",
-                   help="variables to serve (default: every non-coordinate array)")
+    _store_args(i, "local path, file://, s3://, gs://, az://, http(s)://")
     i.add_argument("--quality", type=_fraction, default=0.9,
                    help="target shuffle quality in (0, 1] (1.0 = a global shuffle; default 0.9)")
     i.add_argument("--memory", type=_byte_size, default=None, metavar="BYTES",
                    help="memory budget for resident decoded data, e.g. 4GB (default: none)")
     i.add_argument("--batch-size", type=_positive_int, default=32)
-    i.add_argument("--prefetch-windows", type=_nonneg_int, default=1)
+    i.add_argument("--prefetch-windows", type=_nonneg_int, default=None,
+                   help="windows fetched ahead (default: the loader's, 1 local / 2 remote)")
     i.add_argument("--sample-objects", type=_positive_int, default=5,
                    help="stored chunks per variable whose compressed size is measured")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -143,9 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and PNG plots to --out. With --sweep: throughput, shuffle "
                                    "quality and peak memory against samples per chunk, "
                                    "block_chunks and max_inflight. Needs the 'bench' extra.")
-    b.add_argument("url", metavar="URL", help="the store to benchmark on")
-    b.add_argument("--variables", nargs="+", metavar="NAME",
-                   help="variables to read (default: every non-coordinate array)")
+    _store_args(b, "the store to benchmark on")
     b.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR",
                    help="output folder for JSON, Markdown and PNG (default bench-out)")
     b.add_argument("--batch-size", type=_positive_int, default=32)

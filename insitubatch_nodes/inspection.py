@@ -18,13 +18,18 @@ import numpy as np
 import zarr
 
 from .io.reader import StripeReader
-from .loader import _resident_bound, parse_bytes
+from .loader import (
+    _resident_bound,
+    default_prefetch_windows,
+    largest_block_chunks,
+    parse_bytes,
+)
 from .quality import recommend_block_chunks, shuffle_quality
 from .source import Source
 
 READ_PATHS = {
-    "local": "local file read + numcodecs decode straight into the window, one pool task "
-             "per stripe",
+    "local": "local file read + numcodecs decode straight into the window, small stripes "
+             "grouped a few per pool task",
     "object": "obstore get_async on the event loop, numcodecs decode on the pool",
     "zarr-store": "zarr async store.get, numcodecs decode on the pool",
     "zarr": "zarr async getitem per stripe (codec chain not special-cased), one copy into "
@@ -104,20 +109,19 @@ def _codec_names(arr: zarr.Array) -> str:
     return "v2:" + " -> ".join(parts)
 
 
-def _measure_sizes(arr: zarr.Array, geom: Any, samples: int) -> tuple[list[int], int]:
+def _measure_sizes(reader: StripeReader, samples: int) -> tuple[list[int], int]:
     """Sizes in bytes of up to ``samples`` stored objects along the sample axis (first inner
     chunk of each), evenly spaced; and how many of the asked objects do not exist."""
     from zarr.core.sync import sync
 
-    store = arr.store_path.store
-    prefix = arr.store_path.path.strip("/")
+    geom = reader.geom
+    store = reader.arr.store_path.store
     unit = geom.shards or geom.chunks
     n_along = -(-geom.shape[0] // unit[0])
     picks = np.unique(np.linspace(0, n_along - 1, min(samples, n_along)).astype(int))
     sizes, missing = [], 0
     for i in picks.tolist():
-        key = arr.metadata.encode_chunk_key((i,) + (0,) * (len(geom.shape) - 1))
-        key = f"{prefix}/{key}" if prefix else key
+        key = reader.chunk_key((i,) + (0,) * (len(geom.shape) - 1))
         try:
             sizes.append(int(sync(store.getsize(key))))
         except FileNotFoundError:
@@ -131,7 +135,7 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
     chunk_items = int(np.prod(geom.chunks, dtype=np.int64))
     decoded_chunk = chunk_items * geom.dtype.itemsize
     per_stripe = int(np.prod(geom.inner_grid, dtype=np.int64)) if geom.inner_grid else 1
-    sizes, missing = _measure_sizes(arr, geom, sample_objects)
+    sizes, missing = _measure_sizes(reader, sample_objects)
     per_object = 1
     if geom.shards:
         per_object = int(np.prod([s // c for s, c in zip(geom.shards, geom.chunks, strict=True)]))
@@ -150,30 +154,18 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
     )
 
 
-def _largest_fitting(source: Source, budget: int, prefetch_windows: int, batch_size: int,
-                     hi: int) -> int | None:
-    """Largest block_chunks in [1, hi] whose resident bound fits ``budget`` (monotone)."""
-    if _resident_bound(source, 1, prefetch_windows, batch_size) > budget:
-        return None
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _resident_bound(source, mid, prefetch_windows, batch_size) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def recommend(source: Source, quality: float, memory_budget: int | str | None = None,
-              batch_size: int = 32, prefetch_windows: int = 1) -> Recommendation:
-    """``block_chunks`` for a target shuffle quality, capped by a memory budget."""
+              batch_size: int = 32, prefetch_windows: int | None = None) -> Recommendation:
+    """``block_chunks`` for a target shuffle quality, capped by a memory budget (with the
+    loader's own default ``prefetch_windows`` for this store unless given)."""
     if not 0 < quality <= 1:
         raise ValueError(f"quality must be in (0, 1], got {quality!r}")
+    if prefetch_windows is None:
+        prefetch_windows = default_prefetch_windows(source)
     n_chunks, cs = source.grid.n_chunks, source.grid.chunk_size
     want = recommend_block_chunks(n_chunks, cs, batch_size, quality)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    cap = (_largest_fitting(source, budget, prefetch_windows, batch_size, n_chunks)
+    cap = (largest_block_chunks(source, budget, prefetch_windows, batch_size, n_chunks)
            if budget is not None else None)
     if budget is not None and cap is None:
         need = _resident_bound(source, 1, prefetch_windows, batch_size)
@@ -197,7 +189,7 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
 
 def inspect_source(source: Source, *, quality: float | None = 0.9,
                    memory_budget: int | str | None = None, batch_size: int = 32,
-                   prefetch_windows: int = 1, sample_objects: int = 5) -> StoreReport:
+                   prefetch_windows: int | None = None, sample_objects: int = 5) -> StoreReport:
     """Describe every served variable and recommend ``block_chunks`` (``quality=None``: no
     recommendation)."""
     variables = tuple(inspect_variable(a, g, source.url, sample_objects)

@@ -18,7 +18,7 @@ from torchdata.nodes.loader import LoaderIterator
 from .distributed import ELASTIC_KEY, SNAPSHOT_KEY
 from .io.retry import RetryPolicy
 from .memory import BufferPool, MemoryLedger
-from .metrics import ConsumerMeter, LoaderStats, collect_stats, maybe_log
+from .metrics import ConsumerMeter, LoaderStats, collect_stats, first_node, maybe_log
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -31,6 +31,7 @@ from .nodes import (
 )
 from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode, patch_origins
+from .nodes.pin_or_cuda import DEFAULT_RING_SIZE
 from .nodes.static import StaticFieldsNode
 from .permute import resolve_rank
 from .plan import max_window_nbytes
@@ -127,10 +128,7 @@ class InSituLoader(Loader):
 
     # -- metrics ----------------------------------------------------------------------
     def _stats_gather(self) -> GatherNode | None:
-        for n in self._nodes():
-            if isinstance(n, GatherNode):
-                return n
-        return None
+        return first_node(self._nodes(), GatherNode)
 
     def stats(self) -> LoaderStats:
         """A snapshot of the per-stage counters (``metrics.LoaderStats``), at any time."""
@@ -269,7 +267,7 @@ def build_loader(
     static: Mapping[str, Any] | None = None,
     patch_size: Sequence[int] | None = None,
     patch_stride: Sequence[int] | None = None,
-    ring_size: int = 3,
+    ring_size: int = DEFAULT_RING_SIZE,
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -315,9 +313,7 @@ def build_loader(
         )
     rank, world_size = resolve_rank(rank, world_size)
     if prefetch_windows is None:
-        remote = any(not isinstance(a.store_path.store, zarr.storage.LocalStore)
-                     for a in source.arrays)
-        prefetch_windows = 2 if remote else 1
+        prefetch_windows = default_prefetch_windows(source)
     contiguous = window is not None
     units = n_units(ScheduleContext(manifest.chunk_ids(split), grid, seed, block_chunks, uneven,
                                     contiguous))
@@ -332,9 +328,9 @@ def build_loader(
         budget = parse_bytes(memory_budget)
         need = _resident_bound(source, block_chunks, prefetch_windows, batch_size, window)
         if need > budget:
-            fits = [b for b in range(1, block_chunks)
-                    if _resident_bound(source, b, prefetch_windows, batch_size, window) <= budget]
-            hint = (f"block_chunks={fits[-1]} fits" if fits else
+            fits = largest_block_chunks(source, budget, prefetch_windows, batch_size,
+                                        block_chunks - 1, window)
+            hint = (f"block_chunks={fits} fits" if fits else
                     "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
             raise ValueError(
                 f"memory_budget={memory_budget!r} ({budget:,} B) is below the {need:,} B that "
@@ -376,6 +372,23 @@ def build_loader(
     loader.resident_bound = _resident_bound(source, block_chunks, prefetch_windows, batch_size,
                                             window)
     return loader
+
+
+def default_prefetch_windows(source: Source) -> int:
+    """1 window ahead on local disks; 2 on object stores, where a window edge would otherwise
+    expose a round trip (README "Latency")."""
+    remote = any(not isinstance(a.store_path.store, zarr.storage.LocalStore)
+                 for a in source.arrays)
+    return 2 if remote else 1
+
+
+def largest_block_chunks(source: Source, budget: int, prefetch_windows: int, batch_size: int,
+                         hi: int, window: SampleWindow | None = None) -> int | None:
+    """Largest ``block_chunks`` in ``[1, hi]`` whose resident bound fits ``budget``. A scan,
+    not a bisection: the bound is not monotone where batches span several windows."""
+    fits = [b for b in range(1, hi + 1)
+            if _resident_bound(source, b, prefetch_windows, batch_size, window) <= budget]
+    return fits[-1] if fits else None
 
 
 def _resident_bound(source: Source, block_chunks: int, prefetch_windows: int,

@@ -56,13 +56,13 @@ class ConsumerMeter:
     ``InSituLoader`` owns one; its iterator adds to it around every pull from the graph.
     """
 
-    __slots__ = ("epoch_start", "epoch_end", "epoch_wait_s", "total_wait_s", "gather_mark",
+    __slots__ = ("epoch_start", "epoch_end", "wait_mark", "total_wait_s", "gather_mark",
                  "next_log", "log_every_s", "logger", "level")
 
     def __init__(self) -> None:
         self.epoch_start: float | None = None
         self.epoch_end: float | None = None
-        self.epoch_wait_s = 0.0
+        self.wait_mark = 0.0  # total_wait_s when the epoch started
         self.total_wait_s = 0.0
         self.gather_mark = (0, 0)  # GatherNode (batches, samples) when the epoch started
         self.next_log: float | None = None
@@ -73,11 +73,14 @@ class ConsumerMeter:
     def start_epoch(self, now: float, gather_mark: tuple[int, int]) -> None:
         self.epoch_start = now
         self.epoch_end = None
-        self.epoch_wait_s = 0.0
+        self.wait_mark = self.total_wait_s
         self.gather_mark = gather_mark
 
+    @property
+    def epoch_wait_s(self) -> float:
+        return self.total_wait_s - self.wait_mark
+
     def waited(self, seconds: float) -> None:
-        self.epoch_wait_s += seconds
         self.total_wait_s += seconds
 
 
@@ -158,7 +161,7 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _first(nodes: list, kind: type) -> Any:
+def first_node(nodes: list, kind: type) -> Any:
     for n in nodes:
         if isinstance(n, kind):
             return n
@@ -172,10 +175,10 @@ def collect_stats(loader: InSituLoader, now: float | None = None) -> LoaderStats
     now = time.perf_counter() if now is None else now
     nodes = loader._nodes()
     meter: ConsumerMeter = loader._meter
-    fetch = _first(nodes, AsyncFetchNode)
-    shuffle = _first(nodes, ShuffleBufferNode)
-    gather = _first(nodes, GatherNode)
-    permute = _first(nodes, ChunkPermuteNode)
+    fetch = first_node(nodes, AsyncFetchNode)
+    shuffle = first_node(nodes, ShuffleBufferNode)
+    gather = first_node(nodes, GatherNode)
+    permute = first_node(nodes, ChunkPermuteNode)
 
     g_batches = gather.stats.batches if gather else 0
     g_samples = gather.stats.samples if gather else 0
@@ -186,9 +189,7 @@ def collect_stats(loader: InSituLoader, now: float | None = None) -> LoaderStats
     fs = fetch.stats if fetch else None
     in_flight, ready = fetch.windows_pending() if fetch else (0, 0)
     res_windows, res_stripes = shuffle.resident_counts() if shuffle else (0, 0)
-    ledger = getattr(loader, "ledger", None)
-    if ledger is None and fetch is not None:
-        ledger = fetch.ledger
+    ledger = fetch.ledger if fetch is not None else None
     resident = ledger.resident if ledger is not None else 0
     peak = ledger.peak if ledger is not None else 0
     bound = getattr(loader, "resident_bound", None)

@@ -74,10 +74,6 @@ class HostRing(Generic[B]):
         self.allocations = 0  # buffers allocated (first use of a slot, or growth)
         self.bytes_allocated = 0
 
-    @property
-    def next_slot(self) -> int:
-        return self._next
-
     def busy(self, slot: int) -> bool:
         """True while the copy last issued out of ``slot`` may still be reading it."""
         s = self._slots[slot]

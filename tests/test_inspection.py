@@ -74,11 +74,12 @@ def test_missing_chunks_are_counted(tmp_path):
     assert v.codecs == "bytes -> zstd" and v.read_mode == "local"
 
 
-@pytest.mark.parametrize("quality,batch", [(0.9, 32), (0.5, 8), (0.99, 4), (1.0, 64)])
-def test_recommendation_follows_the_quality_model(store, quality, batch):
+@pytest.mark.parametrize("quality,batch,want", [(0.9, 32, 14), (0.5, 8, 4), (0.99, 4, 14),
+                                                (1.0, 64, 15)])
+def test_recommendation_follows_the_quality_model(store, quality, batch, want):
     source = ib.open_source(store[0])
     rec = recommend(source, quality, None, batch_size=batch)
-    want = recommend_block_chunks(15, 8, batch, quality)
+    assert want == recommend_block_chunks(15, 8, batch, quality)
     assert rec.block_chunks == rec.block_chunks_for_quality == want
     assert rec.quality == pytest.approx(shuffle_quality(15, 8, want, batch))
     assert rec.block_chunks_memory_cap is None
@@ -99,6 +100,25 @@ def test_memory_budget_caps_and_the_result_builds(store):
         ib.build_loader(source, manifest, "train", block_chunks=5, memory_budget=budget)
     # string budgets are parsed as build_loader parses them
     assert recommend(source, 1.0, "1GB", 32).block_chunks == free.block_chunks
+
+
+def test_cap_is_the_largest_that_builds_when_batches_span_windows(tmp_path):
+    """With one-sample chunks and batches larger than a window the bound is not monotone in
+    block_chunks: the cap must still be the largest value build_loader accepts."""
+    from stores import write_store
+
+    write_store(tmp_path / "g.zarr", [Var("x", (200, 4), (1, 4))])
+    source = ib.open_source(tmp_path / "g.zarr")
+    manifest = ib.split_by_chunk(source, fractions=(1.0,))
+    budget = _resident_bound(source, 15, 1, 100)
+    rec = recommend(source, 1.0, budget, batch_size=100, prefetch_windows=1)
+    cap = rec.block_chunks_memory_cap
+    assert cap >= 15
+    ib.build_loader(source, manifest, "train", batch_size=100, block_chunks=cap,
+                    prefetch_windows=1, memory_budget=budget).close()
+    with pytest.raises(ValueError, match=f"block_chunks={cap} fits"):
+        ib.build_loader(source, manifest, "train", batch_size=100, block_chunks=cap + 1,
+                        prefetch_windows=1, memory_budget=budget)
 
 
 def test_budget_too_small_for_anything(store):

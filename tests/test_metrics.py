@@ -76,19 +76,19 @@ def test_starvation_and_stage_times(source):
         it = iter(loader)
         next(it)
         mid = loader.stats()
-        assert mid.epoch_batches == 1 and 0.0 <= mid.starvation <= 1.0
+        assert mid.epoch_batches == 1 and mid.starvation > 0.0  # it waited for window 1
         assert mid.resident_windows == 1 and mid.resident_stripes > 0
         assert mid.resident_bound_bytes == loader.resident_bound
         assert 0 < mid.window_occupancy <= 1.0
         for _ in it:
             time.sleep(0.01)  # a slow training step: the loader keeps ahead
         s = loader.stats()
-    assert 0.0 <= s.starvation <= 1.0
     assert s.epoch_wait_s <= s.epoch_wall_s
     assert s.starvation < 0.5  # ~150 ms of sleep against a few ms of waiting
-    # The exclusive consumer times add up to the time spent inside next().
-    parts = s.wait_fetch_s + s.schedule_s + s.shuffle_s + s.gather_s + s.deliver_s
-    assert parts == pytest.approx(s.epoch_wait_s, rel=0.05, abs=2e-3)
+    # The stages are measured, not just a remainder: on CPU the device stage is a
+    # pass-through, so what is left after the measured stages is small.
+    assert s.gather_s > 0 and s.shuffle_s > 0 and s.schedule_s > 0
+    assert s.deliver_s < 0.2 * s.epoch_wait_s + 2e-3
     assert s.store_s > 0 and s.decode_s > 0
     # The epoch ended: its wall clock is frozen.
     time.sleep(0.02)

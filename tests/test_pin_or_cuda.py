@@ -188,13 +188,14 @@ def assert_same(a, b):
 @pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
 def test_cpu_path_is_a_zero_copy_pass_through(device):
     items = [batch(5, s) for s in range(3)]
+    originals = [dict(item) for item in items]  # the tensors, before the node sees them
     node = PinOrCudaNode(ListNode(items), device=device)
     node.reset(None)
-    for item in items:
+    for item, orig in zip(items, originals, strict=True):
         got = next(node)
-        assert got is item
-        for k in item:
-            assert got[k] is item[k] and got[k].data_ptr() == item[k].data_ptr()
+        assert got is item  # the same dict ...
+        for k, t in orig.items():  # ... still holding the very same tensors: no copy
+            assert got[k] is t and got[k].data_ptr() == t.data_ptr()
     with pytest.raises(StopIteration):
         next(node)
     assert node.ring is None

@@ -101,7 +101,6 @@ class StripeFloor:
         self.local = all(r.mode == "local" for r in self.readers)
         self.jobs = _split_jobs(source, chunk_ids)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="floor")
-        self.threads = threads
         self.max_inflight = max_inflight
         n_bufs = 2 * threads if self.local else max_inflight + threads
         self._free: list[queue.SimpleQueue[np.ndarray]] = []

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,9 @@ class SweepConfig:
     epochs: int = 3
     seed: int = 0
     out_dir: Path = Path("bench-out")
-    work_dir: Path | None = None  # where the samples-per-chunk stores go (default out_dir)
     keep_stores: bool = False
     plots: bool = True
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _trim() -> None:
@@ -112,7 +110,7 @@ def _epochs(loader: ib.InSituLoader, n_batches: int, epochs: int, desc: str,
 def sweep_samples_per_chunk(cfg: SweepConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from tqdm import tqdm
 
-    work = (cfg.work_dir or cfg.out_dir) / "sweep-stores"
+    work = cfg.out_dir / "sweep-stores"
     work.mkdir(parents=True, exist_ok=True)
     shape = (cfg.spc_samples, *cfg.spc_sample_shape)
     points = []
