@@ -72,12 +72,13 @@ class _Cycle(BaseNode):
 
 
 def make_batches(batch_mb: float, count: int) -> list[dict[str, torch.Tensor]]:
-    """Pageable batches shaped like the demo's: four (B, 121, 240) float32 fields."""
-    sample = 121 * 240 * 4
+    """Pageable batches shaped like the demo's: four (B, lat, lon) float32 fields."""
+    lat, lon = DemoSpec.n_lat, DemoSpec.n_lon
+    sample = lat * lon * 4
     b = max(1, int(batch_mb * 1e6 / (sample * len(VARIABLES))))
     out = []
     for i in range(count):
-        batch = {v: torch.full((b, 121, 240), float(i + j), dtype=torch.float32)
+        batch = {v: torch.full((b, lat, lon), float(i + j), dtype=torch.float32)
                  for j, v in enumerate(VARIABLES)}
         batch["sample_index"] = torch.arange(i * b, (i + 1) * b, dtype=torch.int64)
         out.append(batch)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import numpy as np
 import psutil
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.bench.common import OtherLoad, machine_info
 from insitubatch_nodes.bench.core import make_store as _make_store
 from insitubatch_nodes.testing.s3server import start_moto
 
@@ -97,10 +97,7 @@ class ProxyProcess:
                 self.process.wait()
 
 
-def _busy() -> float:
-    """CPU seconds the whole machine has spent busy so far."""
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+_busy = OtherLoad._busy  # CPU seconds the whole machine has spent busy so far
 
 
 def _cpu(proc: psutil.Process | None) -> float:
@@ -345,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+        "machine": machine_info(),
         "store": {"shape": args.shape, "time_chunk": args.time_chunk, "chunks": chunks,
                   "decoded_bytes": decoded, "stored_bytes": stored, "disk_bytes": disk},
         "loader": {"batch_size": args.batch_size, "block_chunks": args.block_chunks,
