@@ -16,6 +16,7 @@ from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
 from .distributed import ELASTIC_KEY, SNAPSHOT_KEY
+from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .io.retry import RetryPolicy
 from .memory import BufferPool, MemoryLedger
 from .metrics import ConsumerMeter, LoaderStats, collect_stats, first_node, maybe_log
@@ -31,7 +32,7 @@ from .nodes import (
 )
 from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode, patch_origins
-from .nodes.pin_or_cuda import DEFAULT_RING_SIZE
+from .nodes.pin_or_cuda import DEFAULT_RING_SIZE, resolve_device
 from .nodes.static import StaticFieldsNode
 from .permute import resolve_rank
 from .plan import max_window_nbytes
@@ -268,6 +269,7 @@ def build_loader(
     patch_size: Sequence[int] | None = None,
     patch_stride: Sequence[int] | None = None,
     ring_size: int = DEFAULT_RING_SIZE,
+    decode: str | FrameDecoder = "cpu",
 ) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
@@ -289,6 +291,9 @@ def build_loader(
     batch as ``"static/lsm"``; ``patch_size=(64, 64)`` (``patch_stride``) cuts every sample
     into spatial patches, each (sample, patch) pair once, with ``"patch"`` their corners.
     ``ring_size`` is the number of reused pinned host buffers on the CUDA path.
+    ``decode="gpu"`` (with ``device="cuda"``, extra ``gpu``) decodes each window's zstd / LZ4 /
+    gzip / uncompressed chunks in one nvCOMP batch on the GPU and gathers batches there;
+    other chains (blosc, sharding, filters) stay on the CPU, logged once per variable.
     ``prefetch_windows`` (windows fetched ahead of the one being drawn) defaults to 1 for
     local stores and 2 for object stores, where a window boundary would otherwise expose the
     request latency (measured: 0.73x vs 0.91x of the no-latency throughput at +50 ms).
@@ -338,6 +343,7 @@ def build_loader(
                 f"resident; {hint}"
             )
 
+    frame_decoder = resolve_decode(decode, device)
     ledger = MemoryLedger()
     node: BaseNode = SplitNode(manifest, split)
     offsets = None if window is None else window.offsets
@@ -347,7 +353,8 @@ def build_loader(
     node = ReadPlanNode(node, source.variables, offsets=offsets)
     node = AsyncFetchNode(node, source, max_inflight=max_inflight,
                           prefetch_windows=prefetch_windows, decode_threads=decode_threads,
-                          ledger=ledger, pool=BufferPool(ledger), retry=retry)
+                          ledger=ledger, pool=BufferPool(ledger), retry=retry,
+                          device_decode=frame_decoder)
     node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
     node = GatherNode(node, source.variables, pool=BufferPool(), window=window,
                       coords=source.batch_coords())
@@ -372,6 +379,25 @@ def build_loader(
     loader.resident_bound = _resident_bound(source, block_chunks, prefetch_windows, batch_size,
                                             window)
     return loader
+
+
+def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
+                   ) -> FrameDecoder | None:
+    """``"cpu"`` -> None; ``"gpu"`` -> nvCOMP on ``device`` (which must be CUDA); a
+    ``FrameDecoder`` object is used as given (tests pass ``HostFrameDecoder``)."""
+    if not isinstance(decode, str):
+        if not hasattr(decode, "decode") or not hasattr(decode, "device"):
+            raise TypeError(f"decode must be 'cpu', 'gpu' or a FrameDecoder, got {decode!r}")
+        return decode
+    if decode == "cpu":
+        return None
+    if decode != "gpu":
+        raise ValueError(f"decode must be 'cpu' or 'gpu', got {decode!r}")
+    dev = resolve_device(device)
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"decode='gpu' needs device='cuda' (got device={device!r}): the "
+                         "batches are decoded and gathered on that GPU")
+    return NvcompFrameDecoder(dev)
 
 
 def default_prefetch_windows(source: Source) -> int:

@@ -13,8 +13,10 @@ import asyncio
 import itertools
 import random
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import zarr
@@ -25,6 +27,19 @@ from ..geometry import VariableGeometry
 from ..metrics import ReadTimes
 from .decode import ChunkDecoder, decoder_for
 from .retry import NO_RETRY, RetryPolicy, classify
+
+T = TypeVar("T")
+Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
+FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
+
+
+def _checked(check: FrameCheck, data: bytes | memoryview | None, key: str) -> None:
+    if data is None:
+        return
+    try:
+        check(data)
+    except ValueError as e:
+        raise ValueError(f"chunk {key!r}: {e}") from None
 
 
 class StripeReader:
@@ -53,9 +68,10 @@ class StripeReader:
         self._store = store
         fill = arr.metadata.fill_value
         self.fill_value = np.asarray(fill if fill is not None else 0).astype(geom.dtype)
-        self._inner = list(itertools.product(*(range(n) for n in geom.inner_grid)))
+        self.inner = list(itertools.product(*(range(n) for n in geom.inner_grid)))
         # Decode straight into the stripe buffer when one stored chunk is exactly a stripe.
         self.direct = geom.chunks[1:] == geom.shape[1:]
+        self.chunk_nbytes = int(np.prod(geom.chunks, dtype=np.int64)) * geom.dtype.itemsize
 
     # -- keys and regions -------------------------------------------------------------
     def chunk_key(self, coords: tuple[int, ...]) -> str:
@@ -68,7 +84,7 @@ class StripeReader:
         return (f"variable {self.geom.name!r} of {self.source_url}, sample-axis chunk {index} "
                 f"(first key {self.chunk_key(coords)!r})")
 
-    def _region(self, inner: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    def region(self, inner: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
         """Where an inner chunk lands in the stripe buffer, and which part of it is valid."""
         dst, src = [slice(None)], [slice(None)]
         for c, n, size in zip(inner, self.geom.chunks[1:], self.geom.shape[1:], strict=True):
@@ -81,7 +97,7 @@ class StripeReader:
     def _place(self, data: bytes | memoryview | None, inner: tuple[int, ...],
                out: np.ndarray) -> None:
         if data is None:  # a chunk never written reads as the fill value, as in zarr
-            dst, _ = self._region(inner)
+            dst, _ = self.region(inner)
             out[dst] = self.fill_value
             return
         assert self.decoder is not None
@@ -90,7 +106,7 @@ class StripeReader:
             return
         tmp = np.empty(self.geom.chunks, dtype=self.geom.dtype)
         self.decoder.decode_into(data, tmp)
-        dst, src = self._region(inner)
+        dst, src = self.region(inner)
         out[dst] = tmp[src]
 
     # -- local: fetch and decode in one pool task -------------------------------------
@@ -110,7 +126,7 @@ class StripeReader:
         """
         t0 = time.perf_counter()
         store = 0.0
-        for inner in self._inner:
+        for inner in self.inner:
             key = self.chunk_key((index, *inner))
             t1 = time.perf_counter()
             data = self._read_file(key)
@@ -165,13 +181,19 @@ class StripeReader:
         The error that ends the retries keeps its type and gets a note naming the array,
         the chunk key, the store (without credentials) and the number of attempts.
         """
+        _, attempts = await self._retrying(
+            index, retry, lambda: self._read_once(index, out, loop, pool))
+        return attempts
+
+    async def _retrying(self, index: int, retry: RetryPolicy,
+                        once: Callable[[], Awaitable[T]]) -> tuple[T, int]:
+        """``once()`` until it succeeds or the policy gives up: (result, attempts)."""
         rng = random.Random()
         attempt = decode_failures = 0
         while True:
             attempt += 1
             try:
-                await self._read_once(index, out, loop, pool)
-                return attempt
+                return await once(), attempt
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -185,6 +207,58 @@ class StripeReader:
                     e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
                     raise
                 await asyncio.sleep(retry.delay(attempt, rng))
+
+    # -- compressed frames, for decoding on the device ------------------------------------
+    async def read_frames(self, indices: list[int], check: FrameCheck,
+                          loop: asyncio.AbstractEventLoop, pool: Executor,
+                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
+        """The stored (compressed) chunks of stripes ``indices``, one list per stripe in
+        inner-chunk order (``None``: never written), each checked by ``check(frame, key)``.
+
+        A local store reads the group in one pool task; a failure there falls back to one
+        stripe at a time, each with its own retries and error note. Returns (frames,
+        attempts)."""
+        if self.mode == "local" and len(indices) > 1:
+            try:
+                return await loop.run_in_executor(
+                    pool, self._frames_local_many, indices, check), len(indices)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass
+        out, attempts = [], 0
+        for index in indices:
+            frames, n = await self._retrying(
+                index, retry, lambda i=index: self._frames_once(i, check, loop, pool))
+            out.append(frames)
+            attempts += n
+        return out, attempts
+
+    async def _frames_once(self, index: int, check: FrameCheck,
+                           loop: asyncio.AbstractEventLoop, pool: Executor) -> Frames:
+        if self.mode == "local":
+            return await loop.run_in_executor(pool, self._frames_local, index, check)
+        keys = [self.chunk_key((index, *inner)) for inner in self.inner]
+        t0 = time.perf_counter()
+        datas = await asyncio.gather(*(self._get_async(k) for k in keys))
+        self.times.add(time.perf_counter() - t0, 0.0)
+        for key, data in zip(keys, datas, strict=True):
+            _checked(check, data, key)
+        return datas
+
+    def _frames_local(self, index: int, check: FrameCheck) -> Frames:
+        t0 = time.perf_counter()
+        out = []
+        for inner in self.inner:
+            key = self.chunk_key((index, *inner))
+            data = self._read_file(key)
+            _checked(check, data, key)
+            out.append(data)
+        self.times.add(time.perf_counter() - t0, 0.0)
+        return out
+
+    def _frames_local_many(self, indices: list[int], check: FrameCheck) -> list[Frames]:
+        return [self._frames_local(i, check) for i in indices]
 
     async def _read_once(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
                          pool: Executor) -> None:
@@ -203,7 +277,7 @@ class StripeReader:
             await loop.run_in_executor(pool, self._copy_rows, out, rows, data,
                                        time.perf_counter())
         else:
-            keys = [(inner, self.chunk_key((index, *inner))) for inner in self._inner]
+            keys = [(inner, self.chunk_key((index, *inner))) for inner in self.inner]
             t0 = time.perf_counter()
             datas = await asyncio.gather(*(self._get_async(k) for _, k in keys))
             self.times.add(time.perf_counter() - t0, 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import logging
 import os
 import threading
 import time
@@ -15,8 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from torchdata.nodes import BaseNode
 
+from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
+from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..memory import BufferPool, MemoryLedger
@@ -25,14 +29,16 @@ from ..plan import ReadPlan
 from ..source import Source
 
 _thread_ids = itertools.count()
+log = logging.getLogger("insitubatch_nodes")
 
 
 @dataclass(frozen=True, eq=False)
 class DecodedWindow:
-    """A window's plan and its decoded stripes: ``arrays[v][stripe index] -> buffer``."""
+    """A window's plan and its decoded stripes: ``arrays[v][stripe index] -> buffer``, a
+    numpy array (CPU decode) or a device tensor (``decode="gpu"``)."""
 
     plan: ReadPlan
-    arrays: tuple[dict[int, np.ndarray], ...]
+    arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...]
 
 
 @dataclass
@@ -60,11 +66,14 @@ class FetchStats:
 class _LoopThread:
     """The event loop, its thread and the decode pool; stopped by ``stop`` or by GC."""
 
-    def __init__(self, decode_threads: int) -> None:
+    def __init__(self, decode_threads: int, device_thread: bool = False) -> None:
         n = next(_thread_ids)
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self.pool = ThreadPoolExecutor(decode_threads, thread_name_prefix=f"insitubatch-decode-{n}")
+        # One thread issues all device work, so one stream and one staging buffer suffice.
+        self.device_pool = (ThreadPoolExecutor(1, thread_name_prefix=f"insitubatch-device-{n}")
+                            if device_thread else None)
         self.thread = threading.Thread(target=self._run, name=f"insitubatch-fetch-{n}",
                                        daemon=True)
         self.thread.start()
@@ -89,6 +98,8 @@ class _LoopThread:
             if threading.current_thread() is not self.thread:
                 self.thread.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.device_pool is not None:
+            self.device_pool.shutdown(wait=True, cancel_futures=True)
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
@@ -98,12 +109,18 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     thread pool (numcodecs releases the GIL). Windows are delivered in plan order, and the
     node's state is the upstream state as of the last window delivered, so in-flight work
     is simply refetched on resume.
+
+    With ``device_decode`` (a ``FrameDecoder``), variables whose codec chain the device can
+    decode are fetched compressed and decoded per window on the device (``WindowDecoder``,
+    on one device thread); the others stay on the CPU path, with one log line each saying
+    why. Plans, order and state do not change, so neither do resume and exactly-once.
     """
 
     def __init__(self, source: BaseNode[ReadPlan], src: Source, *, max_inflight: int = 32,
                  prefetch_windows: int = 1, decode_threads: int | None = None,
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None,
+                 device_decode: FrameDecoder | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -123,6 +140,18 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                              for a, g in zip(src.arrays, src.variables, strict=True))
         for r in self.readers:
             r.times = self.stats.read
+        self.window_decoder: WindowDecoder | None = None
+        if device_decode is not None:
+            chains: dict[int, DeviceChain] = {}
+            for v, (reader, arr) in enumerate(zip(self.readers, src.arrays, strict=True)):
+                chain = device_chain_for(arr)
+                if isinstance(chain, HostOnly):
+                    log.warning("insitubatch: variable %r decodes on the CPU, not on %s: %s "
+                                "(codec chain %s)", reader.geom.name, device_decode.device,
+                                chain.reason, chain.chain)
+                else:
+                    chains[v] = chain
+            self.window_decoder = WindowDecoder(device_decode, self.readers, chains)
         self._lt: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
@@ -153,7 +182,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._check_process()
         if self._lt is None:
             self._pid = os.getpid()
-            self._lt = _LoopThread(self.decode_threads)
+            self._lt = _LoopThread(self.decode_threads, self.window_decoder is not None)
             self._finalizer = weakref.finalize(self, _LoopThread.stop, self._lt)
         return self._lt
 
@@ -208,6 +237,29 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             stats.bytes_decoded += sum(b.nbytes for b in bufs)
         return bufs
 
+    async def _read_frames(self, v: int, idxs: list[int]) -> list:
+        """``_read`` for a variable decoded on the device: its stored chunks, checked."""
+        assert self._sem is not None and self._lt is not None and self.window_decoder
+        reader = self.readers[v]
+        chain = self.window_decoder.chains[v]
+        nbytes = reader.chunk_nbytes
+        stats = self.stats
+        t0 = time.perf_counter()
+        async with self._sem:
+            stats.slot_wait_s += time.perf_counter() - t0
+            stats.in_flight += 1
+            stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            try:
+                lt = self._lt
+                frames, attempts = await reader.read_frames(
+                    idxs, lambda f: chain.check(f, nbytes), lt.loop, lt.pool, self.retry)
+            finally:
+                stats.in_flight -= 1
+            stats.retries += attempts - len(idxs)
+            stats.stripes += len(idxs)
+            stats.bytes_decoded += len(idxs) * reader.geom.stripe_nbytes
+        return frames
+
     def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
         """Stripe reads to run, as (variable, stripes) groups: local stores group small
         stripes so a window costs a few pool hand-offs, not one per stripe."""
@@ -227,17 +279,35 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
         jobs = self._jobs(plan)
-        tasks = [asyncio.ensure_future(self._read(v, idxs)) for v, idxs in jobs]
+        wd = self.window_decoder
+        on_device = wd.chains if wd is not None else {}
+        tasks = [asyncio.ensure_future(self._read_frames(v, idxs) if v in on_device
+                                       else self._read(v, idxs)) for v, idxs in jobs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
             raise
-        arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in plan.reads)
+        arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...] = tuple({} for _ in plan.reads)
+        stripes: list[StripeFrames] = []
         for (v, idxs), bufs in zip(jobs, results, strict=True):
             for idx, buf in zip(idxs, bufs, strict=True):
-                arrays[v][idx] = buf
+                if v in on_device:
+                    stripes.append(StripeFrames(v, idx, buf))
+                else:
+                    arrays[v][idx] = buf
+        if stripes:
+            assert wd is not None and self._lt is not None and self._lt.device_pool is not None
+            try:
+                tensors = await self._lt.loop.run_in_executor(self._lt.device_pool, wd.decode,
+                                                              stripes)
+            except Exception as e:
+                e.add_note(f"insitubatch: decoding {len(stripes)} stripes of the window of "
+                           f"chunks {list(plan.chunk_ids)[:8]} on {wd.device} failed")
+                raise
+            for st, t in zip(stripes, tensors, strict=True):
+                arrays[st.var][st.index] = t
         self.stats.windows += 1
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
@@ -281,6 +351,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.stats.wait_s += time.perf_counter() - t0
         self._fifo.popleft()
         self._delivered = snap
+        if self.window_decoder is not None:
+            self.window_decoder.hand_over([t for a in win.arrays for t in a.values()
+                                           if isinstance(t, torch.Tensor)])
         self._top_up(self.prefetch_windows)  # ahead of the window just delivered
         return win
 

@@ -14,7 +14,7 @@ from torchdata.nodes import BaseNode
 from ..geometry import VariableGeometry
 from ..memory import BufferPool
 from ..windows import SampleWindow
-from .shuffle_buffer import BatchDraw
+from .shuffle_buffer import BatchDraw, GatherPart
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -84,6 +84,9 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         nbytes = 0
         win = self.window
         for var, parts in zip(self.variables, draw.parts, strict=True):
+            if parts and isinstance(parts[0].array, torch.Tensor):
+                nbytes += self._gather_tensors(var, parts, n, batch)
+                continue
             if win is None:
                 out = self.pool.take((n, *var.sample_shape), var.dtype)
                 for p in parts:
@@ -111,6 +114,40 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         stats.nbytes += nbytes
         stats.next_s += time.perf_counter() - t0
         return batch
+
+    def _gather_tensors(self, var: VariableGeometry, parts: Sequence[GatherPart], n: int,
+                        batch: dict[str, torch.Tensor]) -> int:
+        """The gather for stripes decoded on a device: the batch is made there, by
+        ``index_select``, with every part's offsets sent in one copy."""
+        first = parts[0].array
+        dev, dtype = first.device, first.dtype
+        offsets = np.concatenate([p.offsets for p in parts]).astype(np.int64, copy=False)
+        index = torch.from_numpy(offsets).to(dev)
+        win = self.window
+        pos = 0
+        if win is None:
+            out = torch.empty((n, *var.sample_shape), dtype=dtype, device=dev)
+            for p in parts:
+                k = p.stop - p.start
+                torch.index_select(p.array, 0, index[pos : pos + k], out=out[p.start : p.stop])
+                pos += k
+            batch[var.name] = out
+            return out.numel() * out.element_size()
+        h = win.history
+        ins = torch.empty((n, h, *var.sample_shape), dtype=dtype, device=dev)
+        outs = (torch.empty((n, len(win.lead), *var.sample_shape), dtype=dtype, device=dev)
+                if win.lead else None)
+        for p in parts:
+            k = p.stop - p.start
+            dst, col = (ins, p.step) if p.step < h else (outs, p.step - h)
+            assert dst is not None
+            dst[p.start : p.stop, col] = p.array.index_select(0, index[pos : pos + k])
+            pos += k
+        batch[var.name] = ins
+        if outs is None:
+            return ins.numel() * ins.element_size()
+        batch[f"target/{var.name}"] = outs
+        return (ins.numel() + outs.numel()) * ins.element_size()
 
     def get_state(self) -> dict[str, Any]:
         return {"source": self.source.state_dict()}

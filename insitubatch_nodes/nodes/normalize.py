@@ -46,6 +46,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             p = self._params.get(name)
             if p is None:
                 continue
+            if p[0].device != value.device:  # batches decoded on a GPU: move once, keep
+                p = self._params[name] = (p[0].to(value.device), p[1].to(value.device))
             x = value if value.dtype == torch.float32 else value.to(torch.float32)
             x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
             batch[key] = x if self.dtype is None else x.to(self.dtype)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
@@ -18,9 +19,10 @@ from .async_fetch import DecodedWindow
 
 @dataclass(frozen=True, eq=False)
 class GatherPart:
-    """Rows ``[start, stop)`` of a batch come from ``array`` at ``offsets`` (sample axis)."""
+    """Rows ``[start, stop)`` of a batch come from ``array`` at ``offsets`` (sample axis);
+    ``array`` is a numpy stripe, or a device tensor when the window was decoded there."""
 
-    array: np.ndarray
+    array: np.ndarray | torch.Tensor
     offsets: np.ndarray
     start: int
     stop: int

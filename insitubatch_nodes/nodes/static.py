@@ -46,6 +46,11 @@ class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
         n = len(batch["sample_index"])
+        # Batches decoded on a GPU get the fields there (moved once), not n host copies.
+        device = next((v.device for v in batch.values()
+                       if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
         for name, t in self.fields.items():
+            if device is not None and t.device != device:
+                t = self.fields[name] = t.to(device)
             batch[f"static/{name}"] = t.expand(n, *t.shape)
         return batch
