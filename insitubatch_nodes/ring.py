@@ -93,12 +93,13 @@ class HostRing(Generic[B]):
     def buffers(self, slot: int) -> dict[str, B]:
         return dict(self._slots[slot].buffers)
 
-    def acquire(self, nbytes: Mapping[str, int]) -> Lease[B]:
+    def acquire(self, nbytes: Mapping[str, int], keep_others: bool = False) -> Lease[B]:
         """Take the next slot for a batch needing ``nbytes[key]`` bytes per key.
 
         Waits for the slot's previous copy if it is still in flight; reuses each key's
         buffer when it is large enough, else allocates one. Keys the batch does not have are
-        dropped from the slot.
+        dropped from the slot, unless ``keep_others`` (a batch whose keys are not known yet
+        and are added one by one with ``grow``).
         """
         idx = self._next
         slot = self._slots[idx]
@@ -115,18 +116,11 @@ class HostRing(Generic[B]):
                 self.waits += 1
             slot.event = None
         allocated = []
-        for key in [k for k in slot.buffers if k not in nbytes]:
-            del slot.buffers[key], slot.capacity[key]
+        if not keep_others:
+            for key in [k for k in slot.buffers if k not in nbytes]:
+                del slot.buffers[key], slot.capacity[key]
         for key, n in nbytes.items():
-            n = int(n)
-            if n < 0:
-                raise ValueError(f"negative size {n} for key {key!r}")
-            if key not in slot.buffers or slot.capacity[key] < n:
-                slot.buffers.pop(key, None)  # drop the old buffer before making the new one
-                slot.buffers[key] = self._allocate(n)
-                slot.capacity[key] = n
-                self.allocations += 1
-                self.bytes_allocated += n
+            if self._ensure(slot, key, n):
                 allocated.append(key)
         slot.leased = True
         slot.generation += 1
@@ -135,6 +129,28 @@ class HostRing(Generic[B]):
         return Lease(slot=idx, generation=slot.generation, buffers=dict(slot.buffers),
                      nbytes={k: int(v) for k, v in nbytes.items()}, waited=waited,
                      allocated=tuple(allocated))
+
+    def grow(self, lease: Lease[B], key: str, nbytes: int) -> B:
+        """The leased slot's buffer for ``key``, (re)allocated if smaller than ``nbytes``."""
+        slot = self._check(lease)
+        if self._ensure(slot, key, nbytes):
+            lease.allocated = (*lease.allocated, key)
+        lease.buffers[key] = slot.buffers[key]
+        lease.nbytes[key] = int(nbytes)
+        return slot.buffers[key]
+
+    def _ensure(self, slot: _Slot[B], key: str, n: int) -> bool:
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"negative size {n} for key {key!r}")
+        if key in slot.buffers and slot.capacity[key] >= n:
+            return False
+        slot.buffers.pop(key, None)  # drop the old buffer before making the new one
+        slot.buffers[key] = self._allocate(n)
+        slot.capacity[key] = n
+        self.allocations += 1
+        self.bytes_allocated += n
+        return True
 
     def record(self, lease: Lease[B], event: Event | None) -> None:
         """The copies out of the lease's buffers are issued; ``event`` completes after them.

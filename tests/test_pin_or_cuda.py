@@ -116,6 +116,8 @@ class FakeStream:
 class FakeOps:
     """``CudaOps`` on CPU: "pinned" buffers are plain tensors, device copies are deferred."""
 
+    device = torch.device("cuda", 0)  # what PinOrCudaNode(ops=...) takes as its device
+
     def __init__(self, eager=False, event_cls=FakeEvent):
         self.eager = eager
         self.event_cls = event_cls
@@ -438,6 +440,97 @@ def test_ring_never_hands_out_a_slot_with_a_copy_in_flight(size, steps):
     assert ring.acquired == len(steps)
 
 
+# -- GatherNode writes into the ring slot (CPU, fake ops) ---------------------------------
+
+def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None):
+    from insitubatch_nodes.nodes import (
+        AsyncFetchNode,
+        ChunkPermuteNode,
+        GatherNode,
+        NormalizeNode,
+        ReadPlanNode,
+        ShuffleBufferNode,
+        SplitNode,
+    )
+    grid = src.grid if window is None else window.grid(src.grid)
+    node = SplitNode(m, "train")
+    node = ChunkPermuteNode(node, grid, seed=4, rank=0, world_size=1, block_chunks=2,
+                            contiguous=window is not None)
+    node = ReadPlanNode(node, src.variables, offsets=None if window is None else window.offsets)
+    node = AsyncFetchNode(node, src, max_inflight=4)
+    node = ShuffleBufferNode(node, src.variables, batch_size=6)
+    node = GatherNode(node, src.variables, window=window)
+    if normalize_dtype is not None:
+        node = NormalizeNode(node, ib.compute_stats(src, m, "train"), src.variables,
+                             dtype=normalize_dtype)
+    return PinOrCudaNode(node, ops=ops, ring_size=ring_size)
+
+
+def run_graph(node, epochs=2):
+    out = []
+    for _ in range(epochs):
+        node.reset(None)
+        while True:
+            try:
+                out.append(next(node))
+            except StopIteration:
+                break
+    node.synchronize()
+    return [{k: (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy()
+             for k, v in b.items()} for b in out]
+
+
+@pytest.mark.parametrize("case", ["plain", "windows", "cast"])
+def test_gather_writes_into_the_pinned_slot_and_batches_stay_exact(store, case):
+    """With copies deferred on a slow fake GPU and only 2 slots, batches gathered straight
+    into the ring equal the CPU path's, and the variables are never memcpy'd on the host."""
+    src, m, data = store
+    window = ib.SampleWindow(2, (1,)) if case == "windows" else None
+    cast = torch.bfloat16 if case == "cast" else None
+    ops = FakeOps(eager=False)
+    node = fake_cuda_graph(src, m, ops, 2, window, cast)
+    got = run_graph(node)
+    want = run_graph(_cpu_graph(src, m, window, cast))
+    assert len(got) == len(want) > 10
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for k in g:
+            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+    stager = node._stager
+    n_rows = sum(len(b["sample_index"]) for b in got)
+    assert stager.ring.waits > 0  # the slow GPU made the ring wrap onto copies in flight
+    if case == "cast":  # normalizing and casting made new tensors: those are copied
+        assert stager.bytes_in_place == 0
+    else:
+        assert stager.bytes_copied == n_rows * 8  # sample_index (int64) only
+        assert stager.bytes_in_place == sum(
+            v.numel() * v.element_size() for b in got for k, v in
+            ((k, torch.from_numpy(a)) for k, a in b.items()) if k != "sample_index")
+
+
+def _cpu_graph(src, m, window, cast):
+    node = fake_cuda_graph(src, m, FakeOps(eager=True), 1, window, cast)
+    node._ops = None
+    node.device = None  # the plain CPU pass-through over the same graph
+    return node
+
+
+def test_gather_into_slot_fails_loudly_if_the_ring_lied(store):
+    """Control: with events that claim completion too early, a slot is rewritten while its
+    copy waits, so the batches differ (the test above would catch a real early reuse)."""
+    src, m, _ = store
+    got = run_graph(fake_cuda_graph(src, m, FakeOps(eager=False, event_cls=LyingEvent), 2))
+    want = run_graph(_cpu_graph(src, m, None, None))
+    assert any(not np.array_equal(g["x"], w["x"]) for g, w in zip(got, want, strict=True))
+
+
+def test_gather_into_slot_cancels_the_slot_at_epoch_end(store):
+    src, m, _ = store
+    node = fake_cuda_graph(src, m, FakeOps(eager=True), 3)
+    run_graph(node, epochs=3)  # each epoch ends with an opened-then-cancelled slot
+    assert not any(node._stager.ring.leased(i) for i in range(3))
+
+
 # -- CudaStager on CPU with fake ops: staging, streams, events ------------------------------
 
 def test_staging_view_shapes_and_dtypes():
@@ -574,6 +667,13 @@ def test_cuda_loader_batches_equal_cpu_batches_bit_for_bit(store):
             for b in got:
                 for name, arr in data.items():
                     np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+        # the variables were gathered straight into the pinned ring, not copied there
+        pin = next(n for n in gpu._nodes() if isinstance(n, PinOrCudaNode))
+        rows = 2 * 61  # two epochs; x: 3 float32, h: 2 float16, y: 1 int16 per row
+        assert pin._stager.bytes_in_place == rows * (3 * 4 + 2 * 2 + 2)
+        assert pin._stager.bytes_copied == rows * 8  # sample_index only
+        assert all(buf.is_pinned() for i in range(pin.ring.size)
+                   for buf in pin.ring.buffers(i).values())
 
 
 @needs_cuda

@@ -41,7 +41,9 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     """Copies the drawn rows into CPU tensors that the user owns (and may keep).
 
     Batch memory comes from a ``BufferPool``: it is reused only after every tensor over it
-    is gone, so recycling never overwrites a batch someone still holds.
+    is gone, so recycling never overwrites a batch someone still holds. On the CUDA path the
+    rows go straight into ``PinOrCudaNode``'s pinned ring slot instead (those host tensors
+    live until the slot comes round again: transforms in between must not keep them).
 
     ``np.take(..., out=, mode="clip")`` writes straight into the tensor's memory; the
     default ``mode="raise"`` buffers and runs at a third of the speed. The offsets come from
@@ -63,6 +65,16 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         for v in self.variables:
             torch_dtype(v.dtype)  # fail at build time, naming the dtype, not mid-epoch
         self.stats = GatherStats()
+        # Set by a CUDA PinOrCudaNode downstream: gather into its pinned ring slot instead
+        # of pageable pool memory (saves one host copy per batch). See ``_out``.
+        self.staging: Any = None
+
+    def _out(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if self.staging is not None:
+            arr = self.staging.staging_array(key, shape, dtype)
+            if arr is not None:
+                return arr
+        return self.pool.take(shape, dtype)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -88,16 +100,16 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
                 nbytes += self._gather_tensors(var, parts, n, batch)
                 continue
             if win is None:
-                out = self.pool.take((n, *var.sample_shape), var.dtype)
+                out = self._out(var.name, (n, *var.sample_shape), var.dtype)
                 for p in parts:
                     np.take(p.array, p.offsets, axis=0, out=out[p.start : p.stop], mode="clip")
                 batch[var.name] = torch.from_numpy(out)
                 nbytes += out.nbytes
                 continue
             h = win.history
-            ins = self.pool.take((n, h, *var.sample_shape), var.dtype)
-            outs = (self.pool.take((n, len(win.lead), *var.sample_shape), var.dtype)
-                    if win.lead else None)
+            ins = self._out(var.name, (n, h, *var.sample_shape), var.dtype)
+            outs = (self._out(f"target/{var.name}", (n, len(win.lead), *var.sample_shape),
+                              var.dtype) if win.lead else None)
             for p in parts:
                 dst, col = (ins, p.step) if p.step < h else (outs, p.step - h)
                 np.take(p.array, p.offsets, axis=0, out=dst[p.start : p.stop, col], mode="clip")

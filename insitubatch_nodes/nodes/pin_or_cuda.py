@@ -8,9 +8,12 @@ On CUDA, each batch is staged in a ring of reused pinned host buffers (``ring.Ho
 copied to the device with ``non_blocking`` copies on a dedicated stream, so the copy of batch
 k+1 overlaps the model's work on batch k:
 
-1. take the next ring slot; if the copy last issued out of it is still running, wait for its
-   event (with ``ring_size`` >= the prefetch depth this almost never waits);
-2. copy the batch into the slot's pinned buffers (host memcpy, parallel in torch);
+1. take the next ring slot (before the batch is made); if the copy last issued out of it is
+   still running, wait for its event (with ``ring_size`` >= the prefetch depth this almost
+   never waits);
+2. ``GatherNode`` writes the batch's variables straight into the slot's pinned buffers
+   (``staging``); anything else in the batch (``sample_index``, tensors a transform made)
+   is copied into the slot (host memcpy);
 3. on the side stream, allocate the device tensors and issue the H2D copies, then record an
    event on the side stream and store it with the slot (the slot is not written again until
    that event has completed);
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
@@ -89,27 +93,78 @@ def staging_view(buffer: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch
     return buffer[:nbytes].view(like.dtype).view(like.shape)
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ``a`` may touch intersects ``b``'s (both CPU tensors)."""
+    if a.numel() == 0:
+        return False
+    span = sum((n - 1) * st for n, st in zip(a.shape, a.stride(), strict=True)) + 1
+    a0, a1 = a.data_ptr(), a.data_ptr() + span * a.element_size()
+    b0 = b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a1
+
+
 class CudaStager:
-    """Copies batches to the device through a ring of reused pinned buffers (see module doc)."""
+    """Copies batches to the device through a ring of reused pinned buffers (see module doc).
+
+    ``open()`` leases the next slot before the batch is made, so that ``staging_array``
+    can hand ``GatherNode`` pinned memory to gather into; ``__call__`` then finds those
+    tensors already in place and copies only the rest.
+    """
 
     def __init__(self, ops: Any, ring_size: int = DEFAULT_RING_SIZE) -> None:
         self.ops = ops
         self.ring: HostRing[torch.Tensor] = HostRing(ring_size, ops.pinned)
         self.stream = ops.new_stream()
+        self._open: Lease[torch.Tensor] | None = None
+        # counters, for tests and benchmarks: host bytes memcpy'd into the ring, and bytes
+        # that were already there (gathered in place)
+        self.bytes_copied = 0
+        self.bytes_in_place = 0
+
+    def open(self) -> None:
+        """Lease the next slot for the batch about to be made (waits if its copy runs)."""
+        if self._open is None:
+            self._open = self.ring.acquire({}, keep_others=True)
+
+    def cancel(self) -> None:
+        """No batch came (end of epoch, error): give the open slot back untouched."""
+        if self._open is not None:
+            self.ring.cancel(self._open)
+            self._open = None
+
+    def staging_array(self, key: str, shape: tuple[int, ...], dtype: np.dtype,
+                      ) -> np.ndarray | None:
+        """A numpy array over the open slot's pinned buffer for ``key`` (``None`` when no
+        slot is open): ``GatherNode`` writes the batch there instead of pageable memory."""
+        if self._open is None:
+            return None
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buf = self.ring.grow(self._open, key, n)
+        return buf[:n].numpy().view(dtype).reshape(shape)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         # Host tensors are staged; anything else (already on a device, not a tensor) passes.
         host = {k: v for k, v in batch.items()
                 if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
         nbytes = {k: v.numel() * v.element_size() for k, v in host.items()}
-        lease: Lease[torch.Tensor] = self.ring.acquire(nbytes)
+        lease, self._open = self._open, None
+        if lease is None:
+            lease = self.ring.acquire(nbytes)
         out = dict(batch)
         consumer = self.ops.current_stream()
         event = None
         try:
-            staged = {k: staging_view(lease.buffers[k], nbytes[k], v) for k, v in host.items()}
+            staged = {}
             for k, v in host.items():
-                staged[k].copy_(v)
+                buf = self.ring.grow(lease, k, nbytes[k])
+                staged[k] = dst = staging_view(buf, nbytes[k], v)
+                if v.is_contiguous() and v.data_ptr() == dst.data_ptr():
+                    self.bytes_in_place += nbytes[k]  # gathered into the slot already
+                    continue
+                if _overlaps(v, buf):  # a view of the slot in another layout
+                    v = v.clone()
+                dst.copy_(v)
+                self.bytes_copied += nbytes[k]
             with self.ops.use_stream(self.stream):
                 for k in host:
                     out[k] = self.ops.to_device(staged[k])
@@ -131,6 +186,19 @@ class CudaStager:
         self.ring.synchronize()
 
 
+def _upstream_gather(node: Any) -> Any:
+    """The ``GatherNode`` feeding ``node`` through stateless transforms, if any: it can
+    write the batch's variables into the ring slot instead of pageable memory."""
+    from .gather import GatherNode
+
+    seen = 0
+    while node is not None and seen < 32:
+        if isinstance(node, GatherNode):
+            return node
+        node, seen = getattr(node, "source", None), seen + 1
+    return None
+
+
 class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
     """On CPU, a pass-through (no copy, never a CUDA-only API); on CUDA, stages each batch
     in a ring of ``ring_size`` reused pinned buffers and copies it to the device
@@ -143,14 +211,17 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
 
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]],
                  device: str | torch.device | None = None, *,
-                 ring_size: int = DEFAULT_RING_SIZE) -> None:
+                 ring_size: int = DEFAULT_RING_SIZE, ops: Any = None) -> None:
         super().__init__()
         if not isinstance(ring_size, int) or ring_size < 1:
             raise ValueError(f"ring_size must be an integer >= 1, got {ring_size!r}")
         self.source = source
-        self.device = resolve_device(device)
+        # ``ops``: a CudaOps-like object (tests pass a CPU fake; its ``device`` is used)
+        self.device = ops.device if ops is not None else resolve_device(device)
         self.ring_size = ring_size
+        self._ops = ops
         self._stager: CudaStager | None = None  # made on the first CUDA batch
+        self._gather: Any = None  # the upstream GatherNode that gathers into the ring
 
     @property
     def ring(self) -> HostRing | None:
@@ -162,15 +233,29 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
         self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def next(self) -> dict[str, torch.Tensor]:
+        if self.device is not None and self.device.type == "cuda":
+            return self._cuda_next()
         batch = next(self.source)
         if self.device is None:
             return batch
-        if self.device.type != "cuda":
-            return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                    for k, v in batch.items()}
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def _cuda_next(self) -> dict[str, torch.Tensor]:
         if self._stager is None:
-            self._stager = CudaStager(CudaOps(self.device), self.ring_size)
-        return self._stager(batch)
+            self._stager = CudaStager(self._ops or CudaOps(self.device), self.ring_size)
+            self._gather = _upstream_gather(self.source)
+            if self._gather is not None:
+                self._gather.staging = self._stager
+        stager = self._stager
+        if self._gather is not None:
+            stager.open()
+        try:
+            batch = next(self.source)
+        except BaseException:
+            stager.cancel()
+            raise
+        return stager(batch)
 
     def synchronize(self) -> None:
         """Block until every copy this node issued has finished (no-op on the CPU path)."""
