@@ -187,13 +187,12 @@ class CudaStager:
 
 
 def _upstream_gather(node: Any) -> Any:
-    """The ``GatherNode`` feeding ``node`` through stateless transforms, if any: it can
-    write the batch's variables into the ring slot instead of pageable memory."""
-    from .gather import GatherNode
-
+    """The node that makes the batches (``GatherNode``, or any node with a ``staging``
+    attribute) upstream of ``node``, if any: it can write the batch's variables into the
+    ring slot instead of pageable memory."""
     seen = 0
     while node is not None and seen < 32:
-        if isinstance(node, GatherNode):
+        if hasattr(node, "staging"):
             return node
         node, seen = getattr(node, "source", None), seen + 1
     return None
