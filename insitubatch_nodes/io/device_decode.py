@@ -9,8 +9,8 @@ stripe. The stream is synchronised before the window is handed over, so a delive
 window is complete; ``hand_over`` ties the stripes' memory to the consumer's stream.
 
 The batched decode itself is a ``FrameDecoder``: ``NvcompFrameDecoder`` on CUDA (NVIDIA's
-``nvidia-nvcomp-cu12``, extra ``gpu``); tests run the same code on CPU with
-``insitubatch_nodes.testing.HostFrameDecoder``.
+``nvidia-nvcomp-cu12``/``-cu13``, extras ``gpu-cu12``/``gpu-cu13``); tests run the same code
+on CPU with ``insitubatch_nodes.testing.host_frames.HostFrameDecoder``.
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ class NvcompFrameDecoder:
         try:
             from nvidia import nvcomp
         except ImportError as e:
+            major = (torch.version.cuda or "12").split(".")[0]
             raise ImportError(
-                "decode='gpu' needs NVIDIA's nvCOMP Python package: pip install "
-                "'insitubatch-nodes[gpu]' (nvidia-nvcomp-cu12)") from e
+                "decode='gpu' needs NVIDIA's nvCOMP Python package for this torch's CUDA "
+                f"{torch.version.cuda}: pip install 'insitubatch-nodes[gpu-cu{major}]' "
+                f"(nvidia-nvcomp-cu{major}); or use decode='cpu'") from e
         dev = torch.device(device)
         if dev.type != "cuda":
             raise ValueError(f"decode='gpu' decodes on a CUDA device, got device={device!r}")
