@@ -31,7 +31,7 @@ def _nvcomp_ok():
 
 
 DECODERS = ["host", pytest.param("nvcomp", marks=pytest.mark.skipif(
-    not _nvcomp_ok(), reason="needs CUDA and nvidia-nvcomp-cu12"))]
+    not _nvcomp_ok(), reason="needs CUDA and nvidia-nvcomp (extra gpu-cu12 or gpu-cu13)"))]
 
 
 def options(which):
@@ -65,7 +65,10 @@ CASES = {
                Var("i", (37, 5), (8, 5), dtype="int32", compressors=zc.GzipCodec()),
                Var("u", (37, 5), (8, 5), dtype="uint8", compressors=None),
                Var("b", (37, 5), (8, 5), dtype="bool", compressors=zc.ZstdCodec()),
-               Var("d", (37,), (4,), dtype="float64", compressors=zc.ZstdCodec())],
+               Var("d", (37,), (4,), dtype="float64", compressors=zc.ZstdCodec()),
+               Var("w", (37, 5), (8, 5), dtype="uint16", compressors=zc.ZstdCodec()),
+               Var("q", (37, 5), (8, 2), dtype="uint32", compressors=zc.GzipCodec(),
+                   extra={"fill_value": 7})],
     "v2": [Var("l", (37, 5), (8, 5), compressors=numcodecs.LZ4(), **V2),
            Var("z", (37, 5), (8, 5), compressors=numcodecs.Zstd(), **V2),
            Var("g", (37, 5), (8, 5), compressors=numcodecs.GZip(), **V2),

@@ -106,6 +106,17 @@ class _Chunk:
     dst: int  # offset of the decoded bytes in the device output buffer (-1: raw, use src)
 
 
+# torch's "barebones" unsigned types lack some CUDA kernels; moving their bits through the
+# signed type of the same width is exact and always supported.
+_SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed with a dtype every copy/index kernel supports (same bytes, no copy)."""
+    twin = _SIGNED_TWIN.get(t.dtype)
+    return t if twin is None else t.view(twin)
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -213,14 +224,14 @@ class WindowDecoder:
                 c = where.get((s, i))
                 region, valid = reader.region(inner)
                 if c is None:  # never written: the fill value, as in zarr
-                    stripe[region] = self._fill[st.var].to(self.device)
+                    bits(stripe)[region] = bits(self._fill[st.var]).to(self.device)
                     continue
                 data = (src[c.src : c.src + nbytes] if c.dst < 0
                         else dst[c.dst : c.dst + nbytes])
                 if reader.direct:
                     stripe.view(-1).view(torch.uint8).copy_(data)
                 else:
-                    stripe[region] = data.view(dtype).view(geom.chunks)[valid]
+                    bits(stripe)[region] = bits(data.view(dtype).view(geom.chunks))[valid]
             out.append(stripe)
         return out
 

@@ -12,6 +12,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
+from ..io.device_decode import bits
 from ..memory import BufferPool
 from ..windows import SampleWindow
 from .shuffle_buffer import BatchDraw, GatherPart
@@ -139,9 +140,11 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         pos = 0
         if win is None:
             out = torch.empty((n, *var.sample_shape), dtype=dtype, device=dev)
+            work = bits(out)
             for p in parts:
                 k = p.stop - p.start
-                torch.index_select(p.array, 0, index[pos : pos + k], out=out[p.start : p.stop])
+                torch.index_select(bits(p.array), 0, index[pos : pos + k],
+                                   out=work[p.start : p.stop])
                 pos += k
             batch[var.name] = out
             return out.numel() * out.element_size()
@@ -153,7 +156,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
             k = p.stop - p.start
             dst, col = (ins, p.step) if p.step < h else (outs, p.step - h)
             assert dst is not None
-            dst[p.start : p.stop, col] = p.array.index_select(0, index[pos : pos + k])
+            bits(dst)[p.start : p.stop, col] = bits(p.array).index_select(0, index[pos : pos + k])
             pos += k
         batch[var.name] = ins
         if outs is None:
