@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.io.device_decode import NvcompFrameDecoder
 from insitubatch_nodes.nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -28,15 +29,18 @@ from insitubatch_nodes.nodes import (
 )
 
 
-def make_loader(source: ib.Source, manifest: ib.SplitManifest, seed: int) -> ib.InSituLoader:
+def make_loader(source: ib.Source, manifest: ib.SplitManifest, seed: int,
+                device: torch.device, gpu_decode: bool = False) -> ib.InSituLoader:
     """The standard graph, spelled out so that any stage can be swapped for an experiment."""
     node = SplitNode(manifest, "train")
     node = ChunkPermuteNode(node, source.grid, seed=seed, block_chunks=16)
     node = ReadPlanNode(node, source.variables)
-    node = AsyncFetchNode(node, source, max_inflight=32)
+    # gpu_decode: zstd/LZ4/gzip chunks decoded by nvCOMP on the GPU (blosc stays on the CPU)
+    decoder = NvcompFrameDecoder(device) if gpu_decode else None
+    node = AsyncFetchNode(node, source, max_inflight=32, device_decode=decoder)
     node = ShuffleBufferNode(node, source.variables, batch_size=32)
     node = GatherNode(node, source.variables)
-    node = PinOrCudaNode(node, device="cuda" if torch.cuda.is_available() else None)
+    node = PinOrCudaNode(node, device=device)
     return ib.InSituLoader(node)
 
 
@@ -49,7 +53,10 @@ def main() -> None:
     p.add_argument("--stop-after", type=int, default=None, help="simulate a crash after N steps")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu-decode", action="store_true",
+                   help="decode on the GPU (needs CUDA and the gpu-cu12/gpu-cu13 extra)")
     args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     source = ib.open_source(args.store, variables=["t2m", "u10", "v10", "msl"])
     manifest_path = Path(args.checkpoint).with_suffix(".split.json")
@@ -60,21 +67,21 @@ def main() -> None:
         manifest_path.parent.mkdir(parents=True, exist_ok=True)
         manifest.to_json(manifest_path)
 
-    loader = make_loader(source, manifest, args.seed)
+    loader = make_loader(source, manifest, args.seed, device, args.gpu_decode)
     model = nn.Sequential(nn.AvgPool2d(4), nn.Conv2d(3, 16, 3, padding=1), nn.GELU(),
-                          nn.Conv2d(16, 1, 3, padding=1))
+                          nn.Conv2d(16, 1, 3, padding=1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = 0
     if args.resume:
-        ckpt = torch.load(args.checkpoint, weights_only=False)
+        ckpt = torch.load(args.checkpoint, weights_only=False, map_location=device)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         loader.load_state_dict(ckpt["loader"])
         step = ckpt["step"]
         print(f"resumed at step {step}")
 
-    scale = torch.tensor([8.0, 5.0, 1500.0]).view(1, 3, 1, 1)
-    offset = torch.tensor([0.0, 0.0, 101325.0]).view(1, 3, 1, 1)
+    scale = torch.tensor([8.0, 5.0, 1500.0], device=device).view(1, 3, 1, 1)
+    offset = torch.tensor([0.0, 0.0, 101325.0], device=device).view(1, 3, 1, 1)
     with loader:
         while True:
             batches = iter(loader)  # one epoch; after a restore, the rest of that epoch

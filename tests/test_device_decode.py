@@ -235,3 +235,39 @@ def test_normalize_static_and_channels_follow_device_batches(store_factory, whic
            for k, v in b.items()} for b in got],
          [{k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
            for k, v in b.items()} for b in ib.build_loader(src, m, "train", **common)])
+
+
+@pytest.mark.skipif(not _nvcomp_ok(), reason="needs CUDA and nvidia-nvcomp")
+@pytest.mark.parametrize("algorithm", ["zstd", "lz4", "gzip"])
+def test_nvcomp_decodes_numcodecs_frames(algorithm):
+    """nvCOMP's RAW streams read what numcodecs (zarr's codecs) wrote, one batch of frames of
+    mixed sizes (incl. multi-block zstd) at 16-byte offsets, on a side stream."""
+    from insitubatch_nodes.io.device_decode import NvcompFrameDecoder
+
+    codec = {"zstd": numcodecs.Zstd(level=3), "lz4": numcodecs.LZ4(),
+             "gzip": numcodecs.GZip(level=5)}[algorithm]
+    skip = 4 if algorithm == "lz4" else 0
+    rng = np.random.default_rng(0)
+    raws = [np.cumsum(rng.standard_normal(n)).astype(np.float32).tobytes()
+            for n in (1, 1000, 65_536, 300_000)]
+    frames = [codec.encode(r)[skip:] for r in raws]
+    align = lambda n: -(-n // 16) * 16  # noqa: E731
+    src_off, dst_off, s, d = [], [], 0, 0
+    for f, r in zip(frames, raws, strict=True):
+        src_off.append(s)
+        dst_off.append(d)
+        s, d = align(s + len(f)), align(d + len(r))
+    host = np.zeros(s, np.uint8)
+    for f, o in zip(frames, src_off, strict=True):
+        host[o : o + len(f)] = np.frombuffer(f, np.uint8)
+    dec = NvcompFrameDecoder("cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        src = torch.from_numpy(host).to("cuda", non_blocking=False)
+        dst = torch.zeros(d, dtype=torch.uint8, device="cuda")
+        dec.decode(algorithm, src, src_off, [len(f) for f in frames], dst, dst_off,
+                   [len(r) for r in raws], stream)
+    stream.synchronize()
+    out = dst.cpu().numpy()
+    for r, o in zip(raws, dst_off, strict=True):
+        assert out[o : o + len(r)].tobytes() == r
