@@ -97,6 +97,29 @@ def test_epoch_survives_faults_and_latency(s3):
     assert loader.node(ib.AsyncFetchNode).stats.retries > 0
 
 
+def test_device_decode_path_over_s3_survives_faults(s3):
+    """decode= fetches compressed frames through obstore (with the same retries): the zstd
+    variable takes the device path (here the numcodecs stand-in), blosc stays on the CPU."""
+    from insitubatch_nodes.testing.host_frames import HostFrameDecoder
+
+    server, data = s3
+    plan = FaultPlan(latency_s=0.01, error_rate=0.02, reset_rate=0.015, truncate_rate=0.04,
+                     seed=5)
+    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+        src = open_s3(server, endpoint=proxy.endpoint)
+        m = ib.split_by_chunk(src, (1.0,))
+        dec = HostFrameDecoder()
+        loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=8,
+                                 retry=FAST_RETRY, decode=dec)
+        for _ in range(2):
+            check_exact(epoch(loader), data)
+        st = proxy.stats
+    assert st.errors and st.truncations, st
+    fetch = loader.node(ib.AsyncFetchNode)
+    assert set(fetch.window_decoder.chains) == {1}  # "y" (zstd); "x" is blosc
+    assert {a for a, _ in dec.calls} == {"zstd"} and fetch.stats.retries > 0
+
+
 def test_stall_longer_than_timeout_is_retried(s3):
     server, data = s3
     plan = FaultPlan(stall_first=2, stall_s=4.0)

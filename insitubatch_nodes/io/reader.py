@@ -213,7 +213,8 @@ class StripeReader:
                           loop: asyncio.AbstractEventLoop, pool: Executor,
                           retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
         """The stored (compressed) chunks of stripes ``indices``, one list per stripe in
-        inner-chunk order (``None``: never written), each checked by ``check(frame, key)``.
+        inner-chunk order (``None``: never written), each checked by ``check(frame)`` (a
+        ``ValueError`` gets the chunk key).
 
         A local store reads the group in one pool task; a failure there falls back to one
         stripe at a time, each with its own retries and error note. Returns (frames,
