@@ -12,7 +12,9 @@ Times are of two kinds:
   add up to the time spent inside ``next()`` of the loader's iterator;
 - **fetcher** times (``store_s``, ``decode_s``, ``pool_wait_s``, ``slot_wait_s``) are summed
   over concurrent stripe reads (stripe-seconds), so they can exceed wall time; their ratio
-  says whether reads wait on the store or on decoding.
+  says whether reads wait on the store or on decoding. With ``decode="gpu"``, ``decode_s``
+  also counts the device thread's time per window (pack, copy, batched decode, assembly,
+  stream sync).
 """
 
 from __future__ import annotations

@@ -129,6 +129,9 @@ def test_one_batched_decode_per_codec_per_window(store_factory):
     epoch(loader)
     windows = 6 // 2  # 6 grid chunks of 8 samples, 2 per window
     assert sorted(dec.calls) == sorted([("zstd", 4)] * windows + [("gzip", 2)] * windows)
+    wd = loader.node(ib.AsyncFetchNode).window_decoder
+    assert wd.windows == windows and wd.bytes_out == 3 * 48 * 3 * 4  # every stripe, decoded
+    assert loader.stats().decode_s > 0  # the device thread's time shows in the metrics
 
 
 @pytest.mark.parametrize("which", DECODERS)

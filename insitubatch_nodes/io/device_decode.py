@@ -16,6 +16,7 @@ on CPU with ``insitubatch_nodes.testing.host_frames.HostFrameDecoder``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..metrics import ReadTimes
 from .device_chain import DeviceChain
 from .reader import Frames, StripeReader
 
@@ -140,6 +142,7 @@ class WindowDecoder:
         self._staging: torch.Tensor | None = None
         self._fill = {v: torch.from_numpy(np.array(r.fill_value))
                       for v, r in enumerate(self.readers)}
+        self.times: ReadTimes | None = None  # the fetcher's: device time counts as decode_s
         # counters, for tests and benchmarks
         self.windows = 0
         self.batches = 0  # FrameDecoder.decode calls
@@ -181,6 +184,7 @@ class WindowDecoder:
 
     def decode(self, stripes: Sequence[StripeFrames]) -> list[torch.Tensor]:
         """One tensor per stripe (shape ``geom.stripe_shape``), on the device, complete."""
+        t0 = time.perf_counter()
         chunks, src_n, dst_n = self._layout(stripes)
         with self._context():
             staging = self._staging_buffer(src_n)
@@ -205,6 +209,8 @@ class WindowDecoder:
             out = self._assemble(stripes, chunks, src, dst)
             if self._cuda:
                 self._stream.synchronize()
+        if self.times is not None:
+            self.times.add(0.0, time.perf_counter() - t0)
         self.windows += 1
         self.bytes_in += src_n
         self.bytes_out += sum(t.numel() * t.element_size() for t in out)

@@ -152,6 +152,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 else:
                     chains[v] = chain
             self.window_decoder = WindowDecoder(device_decode, self.readers, chains)
+            self.window_decoder.times = self.stats.read
         self._lt: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
