@@ -187,34 +187,42 @@ class WindowDecoder:
         t0 = time.perf_counter()
         chunks, src_n, dst_n = self._layout(stripes)
         with self._context():
-            staging = self._staging_buffer(src_n)
-            host = staging.numpy()
-            for c in chunks:
-                st = stripes[c.stripe]
-                payload = memoryview(st.frames[c.inner]).cast("B")[self.chains[st.var].skip:]
-                host[c.src : c.src + c.src_size] = np.frombuffer(payload, dtype=np.uint8)
-            src = torch.empty(src_n, dtype=torch.uint8, device=self.device)
-            src.copy_(staging[:src_n], non_blocking=self._cuda)
-            dst = torch.empty(dst_n, dtype=torch.uint8, device=self.device)
-            groups: dict[str, list[_Chunk]] = {}
-            for c in chunks:
-                if c.algorithm is not None:
-                    groups.setdefault(c.algorithm, []).append(c)
-            for algorithm, group in groups.items():
-                nbytes = [self.readers[stripes[c.stripe].var].chunk_nbytes for c in group]
-                self.frames.decode(algorithm, src, [c.src for c in group],
-                                   [c.src_size for c in group], dst, [c.dst for c in group],
-                                   nbytes, self._stream)
-                self.batches += 1
-            out = self._assemble(stripes, chunks, src, dst)
-            if self._cuda:
-                self._stream.synchronize()
+            try:
+                out = self._decode(stripes, chunks, src_n, dst_n)
+            finally:
+                # Also after an error: work still queued may read the staging buffer, which
+                # the next window rewrites.
+                if self._cuda:
+                    self._stream.synchronize()
         if self.times is not None:
             self.times.add(0.0, time.perf_counter() - t0)
         self.windows += 1
         self.bytes_in += src_n
         self.bytes_out += sum(t.numel() * t.element_size() for t in out)
         return out
+
+    def _decode(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk], src_n: int,
+                dst_n: int) -> list[torch.Tensor]:
+        staging = self._staging_buffer(src_n)
+        host = staging.numpy()
+        for c in chunks:
+            st = stripes[c.stripe]
+            payload = memoryview(st.frames[c.inner]).cast("B")[self.chains[st.var].skip:]
+            host[c.src : c.src + c.src_size] = np.frombuffer(payload, dtype=np.uint8)
+        src = torch.empty(src_n, dtype=torch.uint8, device=self.device)
+        src.copy_(staging[:src_n], non_blocking=self._cuda)
+        dst = torch.empty(dst_n, dtype=torch.uint8, device=self.device)
+        groups: dict[str, list[_Chunk]] = {}
+        for c in chunks:
+            if c.algorithm is not None:
+                groups.setdefault(c.algorithm, []).append(c)
+        for algorithm, group in groups.items():
+            nbytes = [self.readers[stripes[c.stripe].var].chunk_nbytes for c in group]
+            self.frames.decode(algorithm, src, [c.src for c in group],
+                               [c.src_size for c in group], dst, [c.dst for c in group],
+                               nbytes, self._stream)
+            self.batches += 1
+        return self._assemble(stripes, chunks, src, dst)
 
     def _assemble(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
                   src: torch.Tensor, dst: torch.Tensor) -> list[torch.Tensor]:
