@@ -202,6 +202,26 @@ def test_a_damaged_chunk_is_an_error_naming_its_key(store_factory):
         next(it)
 
 
+def test_a_failing_device_decode_ends_the_epoch_loudly(store_factory):
+    class Failing(HostFrameDecoder):
+        def decode(self, *args, **kwargs):
+            if len(self.calls) == 2:
+                raise RuntimeError("device decode failed (test)")
+            super().decode(*args, **kwargs)
+
+    path, _ = store_factory([Var("a", (64, 5), (4, 5), compressors=zc.ZstdCodec())])
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    it = iter(ib.build_loader(src, m, "train", batch_size=8, block_chunks=2,
+                              decode=Failing()))
+    with pytest.raises(RuntimeError, match="test") as err:
+        for _ in range(20):
+            next(it)
+    assert any("decoding 2 stripes of the window" in n for n in err.value.__notes__)
+    with pytest.raises(RuntimeError, match="test"):
+        next(it)
+
+
 def test_decode_option_errors(store_factory):
     path, _ = store_factory([Var("a", (16, 3), (4, 3), compressors=zc.ZstdCodec())])
     src = ib.open_source(path)
