@@ -27,6 +27,15 @@ CASES = {
     "zstd-checksum": (Var("a", (20, 4), (8, 4), compressors=zc.ZstdCodec(checksum=True)),
                       "checksums"),
     "blosc": (Var("a", (20, 4), (8, 4), compressors=zc.BloscCodec()), "blosc"),
+    "blosc-lz4-noshuffle": (Var("a", (20, 4), (8, 4),
+                                compressors=zc.BloscCodec(cname="lz4", shuffle="noshuffle")),
+                            "blosc"),
+    "blosc-bitshuffle": (Var("a", (20, 4), (8, 4),
+                             compressors=zc.BloscCodec(cname="zstd", shuffle="bitshuffle")),
+                         "bitshuffle"),
+    "blosc-blosclz": (Var("a", (20, 4), (8, 4),
+                          compressors=zc.BloscCodec(cname="blosclz", shuffle="shuffle")),
+                      "blosclz"),
     "crc32c": (Var("a", (20, 4), (8, 4), compressors=(zc.ZstdCodec(), zc.Crc32cCodec())),
                "more than one"),
     "big-endian": (Var("a", (20, 4), (8, 4), dtype="float64",
@@ -39,6 +48,10 @@ CASES = {
     "v2-lz4": (Var("a", (20, 4), (8, 4), compressors=numcodecs.LZ4(), **V2), "lz4"),
     "v2-gzip": (Var("a", (20, 4), (8, 4), compressors=numcodecs.GZip(), **V2), "gzip"),
     "v2-blosc": (Var("a", (20, 4), (8, 4), compressors=numcodecs.Blosc(), **V2), "blosc"),
+    "v2-blosc-auto-uint8": (Var("a", (20, 4), (8, 4), dtype="uint8", **V2,
+                                compressors=numcodecs.Blosc(shuffle=-1)), "bitshuffle"),
+    "v2-blosc-zlib": (Var("a", (20, 4), (8, 4), compressors=numcodecs.Blosc("zlib"),
+                          **V2), "zlib"),
     "v2-filters": (Var("a", (20, 4), (8, 4), compressors=numcodecs.Zstd(),
                        extra={"filters": [numcodecs.Delta(dtype="float32")]}, **V2),
                    "filters"),
@@ -52,7 +65,7 @@ def test_chain_classification(store_factory, case):
     var, want = CASES[case]
     path, _ = store_factory([var])
     got = device_chain_for(zarr.open_array(path / "a"))
-    if want in (None, "zstd", "lz4", "gzip"):
+    if want in (None, "zstd", "lz4", "gzip", "blosc"):
         assert isinstance(got, DeviceChain), got
         assert got.algorithm == want
         assert got.skip == (4 if want == "lz4" else 0)
@@ -65,7 +78,7 @@ def test_chain_classification(store_factory, case):
 def test_stored_frames_pass_their_checks(store_factory):
     """Every chunk file zarr wrote passes the check of its chain (real frames, not ours)."""
     for case, (var, want) in CASES.items():
-        if want not in (None, "zstd", "lz4", "gzip"):
+        if want not in (None, "zstd", "lz4", "gzip", "blosc"):
             continue
         path, _ = store_factory([var])
         arr = zarr.open_array(path / "a")

@@ -1,6 +1,7 @@
 """Which codec chains the GPU decode path can take, and host checks of their frames (pure).
 
-nvCOMP decodes raw zstd, LZ4 and gzip streams (``bitstream_kind=RAW``), not blosc, and its
+nvCOMP decodes raw zstd, LZ4 and gzip streams (``bitstream_kind=RAW``) — and so the LZ4 /
+zstd streams inside blosc frames, which ``blosc_frame`` lays out on the host — and its
 zstd/gzip decoders assume valid input (a damaged frame is undefined behaviour, not an
 error). So each chain is classified once per variable, and every frame is checked on the
 host before it goes to the device: a truncated or foreign frame becomes a ``ValueError``
@@ -18,13 +19,15 @@ import numpy as np
 import zarr
 import zarr.codecs as zc
 
+from .blosc_frame import parse_blosc
+
 
 @dataclass(frozen=True)
 class DeviceChain:
     """A chain the device can decode: ``algorithm`` (``None``: stored uncompressed) applied
     to the frame after ``skip`` leading bytes (numcodecs' LZ4 writes a 4-byte size first)."""
 
-    algorithm: str | None  # "zstd" | "lz4" | "gzip" | None
+    algorithm: str | None  # "zstd" | "lz4" | "gzip" | "blosc" | None
     skip: int
     chain: str  # human-readable, as in ChunkDecoder.chain
 
@@ -40,6 +43,12 @@ class DeviceChain:
             check_lz4_frame(view, nbytes)
         elif self.algorithm == "gzip":
             check_gzip_frame(view, nbytes)
+        elif self.algorithm == "blosc":
+            frame = parse_blosc(view, nbytes)
+            if frame.codec == "zstd":  # nvCOMP's zstd trusts its input: walk every stream
+                for b in frame.streams:
+                    if not b.raw:
+                        check_zstd_frame(view[b.src : b.src + b.size], b.out)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,8 @@ def device_chain_for(arr: zarr.Array) -> DeviceChain | HostOnly:
         if isinstance(c, zc.GzipCodec):
             return DeviceChain("gzip", 0, names)
         if isinstance(c, zc.BloscCodec):
-            return HostOnly("nvCOMP has no blosc decoder", names)
+            why = _blosc_host_only(c.cname.value, c.shuffle.value)
+            return HostOnly(why, names) if why else DeviceChain("blosc", 0, names)
         return HostOnly(f"nvCOMP has no decoder for {type(c).__name__}", names)
     comp = meta.compressor
     names = "v2:" + (comp.codec_id if comp is not None else "raw")
@@ -100,8 +110,23 @@ def device_chain_for(arr: zarr.Array) -> DeviceChain | HostOnly:
     if isinstance(comp, numcodecs.GZip):
         return DeviceChain("gzip", 0, names)
     if isinstance(comp, numcodecs.Blosc):
-        return HostOnly("nvCOMP has no blosc decoder", names)
+        shuffle = comp.shuffle
+        if shuffle == numcodecs.Blosc.AUTOSHUFFLE:
+            shuffle = numcodecs.Blosc.BITSHUFFLE if dt.itemsize == 1 else numcodecs.Blosc.SHUFFLE
+        why = _blosc_host_only(comp.cname, {0: "noshuffle", 1: "shuffle"}.get(shuffle,
+                                                                              "bitshuffle"))
+        return HostOnly(why, names) if why else DeviceChain("blosc", 0, names)
     return HostOnly(f"nvCOMP has no decoder for {comp.codec_id}", names)
+
+
+def _blosc_host_only(cname: str, shuffle: str) -> str | None:
+    """Why a blosc configuration stays on the host (None: the device decodes it): its
+    streams must be LZ4 or zstd, and a bit shuffle is not undone on the device."""
+    if cname not in ("lz4", "lz4hc", "zstd"):
+        return f"blosc with {cname} streams: nvCOMP decodes only its lz4/lz4hc/zstd streams"
+    if shuffle == "bitshuffle":
+        return "blosc bitshuffle is not undone on the device (byte shuffle is)"
+    return None
 
 
 _ZSTD_MAGIC = 0xFD2FB528

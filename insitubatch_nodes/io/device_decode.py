@@ -25,10 +25,14 @@ import numpy as np
 import torch
 
 from ..metrics import ReadTimes
+from .blosc_frame import HEADER, BloscFrame, parse_blosc
 from .device_chain import DeviceChain
 from .reader import Frames, StripeReader
 
 _ALIGN = 16  # nvCOMP wants 8-byte aligned inputs and outputs (zstd, gzip); 16 is safe
+# Output alignment nvCOMP needs per stream format (its headers): blosc streams land at their
+# offsets inside a chunk, so a chunk whose streams would be misaligned is decoded on the host.
+_ALIGN_OUT = {"zstd": 8, "lz4": 4}
 
 
 class FrameDecoder(Protocol):
@@ -99,13 +103,28 @@ class StripeFrames:
 
 
 @dataclass(frozen=True)
+class _Stream:
+    """A piece of a frame to decode (``algorithm``) or copy as is (``None``): ``size`` bytes
+    at ``src`` of the device source buffer give ``out`` bytes at ``dst`` of the output."""
+
+    algorithm: str | None
+    src: int
+    size: int
+    dst: int
+    out: int
+
+
+@dataclass(frozen=True)
 class _Chunk:
+    """Where one stored chunk's decoded bytes end up: at ``at`` of the output buffer
+    (``in_src``: of the source buffer, for chunks stored or decoded on the host as is);
+    ``blosc`` when they are still byte-shuffled blocks."""
+
     stripe: int  # position in the window's stripe list
     inner: int  # position in the reader's inner-chunk order
-    algorithm: str | None
-    src: int  # offset of the payload in the staging / device source buffer
-    src_size: int
-    dst: int  # offset of the decoded bytes in the device output buffer (-1: raw, use src)
+    at: int
+    in_src: bool
+    blosc: BloscFrame | None = None
 
 
 # torch's "barebones" unsigned types lack some CUDA kernels; moving their bits through the
@@ -117,6 +136,27 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed with a dtype every copy/index kernel supports (same bytes, no copy)."""
     twin = _SIGNED_TWIN.get(t.dtype)
     return t if twin is None else t.view(twin)
+
+
+def unshuffle(data: torch.Tensor, typesize: int, blocksize: int) -> torch.Tensor:
+    """Undo blosc's byte shuffle: each block holds byte 0 of every element, then byte 1, ...
+    (a (typesize, elements) transpose); a block's trailing bytes that fill no element are
+    left as they are. Full blocks are done in one copy, the short last one in another."""
+    n = data.numel()
+    out = torch.empty_like(data)
+    full = n // blocksize * blocksize
+    if full:
+        e = blocksize // typesize
+        out[:full].view(-1, e, typesize).copy_(
+            data[:full].view(-1, typesize, e).transpose(1, 2))
+    e = (n - full) // typesize
+    if e:
+        out[full : full + e * typesize].view(e, typesize).copy_(
+            data[full : full + e * typesize].view(typesize, e).t())
+    rest = full + e * typesize
+    if rest < n:
+        out[rest:] = data[rest:]
+    return out
 
 
 def _align(n: int) -> int:
@@ -166,8 +206,15 @@ class WindowDecoder:
             self._staging = torch.empty(max(grown, 1), dtype=torch.uint8, pin_memory=self._cuda)
         return self._staging
 
-    def _layout(self, stripes: Sequence[StripeFrames]) -> tuple[list[_Chunk], int, int]:
-        chunks, src_end, dst_end = [], 0, 0
+    def _layout(self, stripes: Sequence[StripeFrames],
+                 ) -> tuple[list[_Chunk], list[_Stream], set[tuple[int, int]], int, int]:
+        """Plan the window: which bytes go where in the staging/source buffer (16-byte
+        aligned, as nVCOMP wants) and in the output buffer, and which chunks the host must
+        decode itself (blosc frames whose streams would land misaligned)."""
+        chunks: list[_Chunk] = []
+        streams: list[_Stream] = []
+        host: set[tuple[int, int]] = set()  # (stripe, inner) of chunks the host decodes
+        src_end = dst_end = 0
         for s, st in enumerate(stripes):
             chain = self.chains[st.var]
             nbytes = self.readers[st.var].chunk_nbytes
@@ -175,20 +222,40 @@ class WindowDecoder:
                 if frame is None:
                     continue
                 size = memoryview(frame).nbytes - chain.skip
-                dst = -1
-                if chain.algorithm is not None:
-                    dst, dst_end = dst_end, _align(dst_end + nbytes)
-                chunks.append(_Chunk(s, i, chain.algorithm, src_end, size, dst))
-                src_end = _align(src_end + size)
-        return chunks, src_end, dst_end
+                if chain.algorithm is None:  # stored as is: copied, decoded by nobody
+                    streams.append(_Stream(None, src_end, size, -1, size))
+                    chunks.append(_Chunk(s, i, src_end, True))
+                    src_end = _align(src_end + size)
+                elif chain.algorithm != "blosc":
+                    streams.append(_Stream(chain.algorithm, src_end, size, dst_end, nbytes))
+                    chunks.append(_Chunk(s, i, dst_end, False))
+                    src_end, dst_end = _align(src_end + size), _align(dst_end + nbytes)
+                else:
+                    bf = parse_blosc(frame, nbytes)
+                    if bf.codec is None:  # stored uncompressed inside the frame
+                        streams.append(_Stream(None, src_end, nbytes, -1, nbytes))
+                        chunks.append(_Chunk(s, i, src_end, True))
+                        src_end = _align(src_end + nbytes)
+                    elif any(b.dst % _ALIGN_OUT[bf.codec] for b in bf.streams):
+                        host.add((s, i))  # rare: odd block sizes
+                        chunks.append(_Chunk(s, i, src_end, True))
+                        src_end = _align(src_end + nbytes)
+                    else:
+                        for b in bf.streams:
+                            streams.append(_Stream(None if b.raw else bf.codec, src_end,
+                                                   b.size, dst_end + b.dst, b.out))
+                            src_end = _align(src_end + b.size)
+                        chunks.append(_Chunk(s, i, dst_end, False, bf))
+                        dst_end = _align(dst_end + nbytes)
+        return chunks, streams, host, src_end, dst_end
 
     def decode(self, stripes: Sequence[StripeFrames]) -> list[torch.Tensor]:
         """One tensor per stripe (shape ``geom.stripe_shape``), on the device, complete."""
         t0 = time.perf_counter()
-        chunks, src_n, dst_n = self._layout(stripes)
+        layout = self._layout(stripes)
         with self._context():
             try:
-                out = self._decode(stripes, chunks, src_n, dst_n)
+                out = self._decode(stripes, *layout)
             finally:
                 # Also after an error: work still queued may read the staging buffer, which
                 # the next window rewrites.
@@ -197,30 +264,53 @@ class WindowDecoder:
         if self.times is not None:
             self.times.add(0.0, time.perf_counter() - t0)
         self.windows += 1
-        self.bytes_in += src_n
+        self.bytes_in += layout[3]
         self.bytes_out += sum(t.numel() * t.element_size() for t in out)
         return out
 
-    def _decode(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk], src_n: int,
-                dst_n: int) -> list[torch.Tensor]:
-        staging = self._staging_buffer(src_n)
-        host = staging.numpy()
+    def _pack(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
+              streams: list[_Stream], host: set[tuple[int, int]],
+              staging: np.ndarray) -> None:
+        """Copy every payload into the staging buffer (and host-decode what must be)."""
+        it = iter(streams)
         for c in chunks:
             st = stripes[c.stripe]
-            payload = memoryview(st.frames[c.inner]).cast("B")[self.chains[st.var].skip:]
-            host[c.src : c.src + c.src_size] = np.frombuffer(payload, dtype=np.uint8)
+            chain = self.chains[st.var]
+            frame = memoryview(st.frames[c.inner]).cast("B")
+            if c.blosc is not None:
+                for b in c.blosc.streams:
+                    piece = next(it)
+                    staging[piece.src : piece.src + b.size] = np.frombuffer(
+                        frame[b.src : b.src + b.size], dtype=np.uint8)
+            elif (c.stripe, c.inner) in host:
+                reader = self.readers[st.var]
+                assert reader.decoder is not None
+                out = staging[c.at : c.at + reader.chunk_nbytes].view(reader.geom.dtype)
+                reader.decoder.decode_into(frame, out.reshape(reader.geom.chunks))
+            else:
+                piece = next(it)
+                skip = chain.skip if chain.algorithm != "blosc" else HEADER
+                staging[piece.src : piece.src + piece.size] = np.frombuffer(
+                    frame[skip : skip + piece.size], dtype=np.uint8)
+
+    def _decode(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
+                streams: list[_Stream], host: set[tuple[int, int]], src_n: int,
+                dst_n: int) -> list[torch.Tensor]:
+        staging = self._staging_buffer(src_n)
+        self._pack(stripes, chunks, streams, host, staging.numpy())
         src = torch.empty(src_n, dtype=torch.uint8, device=self.device)
         src.copy_(staging[:src_n], non_blocking=self._cuda)
         dst = torch.empty(dst_n, dtype=torch.uint8, device=self.device)
-        groups: dict[str, list[_Chunk]] = {}
-        for c in chunks:
-            if c.algorithm is not None:
-                groups.setdefault(c.algorithm, []).append(c)
+        groups: dict[str, list[_Stream]] = {}
+        for p in streams:
+            if p.algorithm is not None:
+                groups.setdefault(p.algorithm, []).append(p)
+            elif p.dst >= 0:  # a blosc stream stored as is
+                dst[p.dst : p.dst + p.out].copy_(src[p.src : p.src + p.size])
         for algorithm, group in groups.items():
-            nbytes = [self.readers[stripes[c.stripe].var].chunk_nbytes for c in group]
-            self.frames.decode(algorithm, src, [c.src for c in group],
-                               [c.src_size for c in group], dst, [c.dst for c in group],
-                               nbytes, self._stream)
+            self.frames.decode(algorithm, src, [p.src for p in group], [p.size for p in group],
+                               dst, [p.dst for p in group], [p.out for p in group],
+                               self._stream)
             self.batches += 1
         return self._assemble(stripes, chunks, src, dst)
 
@@ -240,8 +330,9 @@ class WindowDecoder:
                 if c is None:  # never written: the fill value, as in zarr
                     bits(stripe)[region] = bits(self._fill[st.var]).to(self.device)
                     continue
-                data = (src[c.src : c.src + nbytes] if c.dst < 0
-                        else dst[c.dst : c.dst + nbytes])
+                data = (src if c.in_src else dst)[c.at : c.at + nbytes]
+                if c.blosc is not None and c.blosc.shuffle:
+                    data = unshuffle(data, c.blosc.typesize, c.blosc.blocksize)
                 if reader.direct:
                     stripe.view(-1).view(torch.uint8).copy_(data)
                 else:

@@ -1,0 +1,108 @@
+"""Parsing blosc 1 frames on the host, so that the GPU can decode their streams (pure).
+
+nvCOMP has no blosc decoder, but a blosc 1 frame is a header, a table of block offsets and,
+per block, one or ``typesize`` ("split") streams, each a plain LZ4 block or zstd frame — or
+stored as is — followed by a byte shuffle that is a transpose. So the host reads the
+layout (a few bytes per stream), nVCOMP decodes every stream of a window in one batch, and
+the device undoes the shuffle. The layout rules follow c-blosc 1.x ``blosc_d``:
+
+- header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes (16 bytes);
+- flags: 0x01 byte shuffle, 0x02 stored uncompressed ("memcpyed"), 0x04 bitshuffle,
+  0x10 blocks not split, bits 5-7 the codec (0 blosclz, 1 lz4/lz4hc, 2 snappy, 3 zlib, 4 zstd);
+- a full block is split into ``typesize`` streams unless the flag says not, or typesize > 16,
+  or blocksize / typesize < 128; the last, short block is never split;
+- each stream: int32 compressed size, then the bytes; a size equal to the stream's decoded
+  size means stored as is.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+HEADER = 16
+_CODECS = {1: "lz4", 4: "zstd"}  # blosc codec code -> nvCOMP-decodable stream format
+_NAMES = {0: "blosclz", 1: "lz4", 2: "snappy", 3: "zlib", 4: "zstd"}
+_MAX_SPLITS = 16
+_MIN_BUFFERSIZE = 128
+
+
+@dataclass(frozen=True)
+class BloscStream:
+    """One stream: ``size`` bytes at ``src`` in the frame decode to ``out`` bytes at ``dst``
+    of the (still shuffled) chunk; ``raw`` streams are stored as is."""
+
+    src: int
+    size: int
+    dst: int
+    out: int
+    raw: bool
+
+
+@dataclass(frozen=True)
+class BloscFrame:
+    """What the device needs to rebuild a chunk from a blosc 1 frame."""
+
+    typesize: int
+    nbytes: int
+    blocksize: int
+    shuffle: bool  # undo a byte shuffle, block by block, after decoding
+    codec: str | None  # "lz4" | "zstd"; None when the frame is stored uncompressed
+    streams: tuple[BloscStream, ...]  # empty when stored uncompressed (bytes at HEADER)
+
+
+def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
+    """The frame's layout, checked against its own sizes and ``nbytes``; ``ValueError`` for a
+    damaged frame or one the device cannot decode (bitshuffle, blosclz, snappy, zlib)."""
+    view = memoryview(frame).cast("B")
+    n = view.nbytes
+    if n < HEADER:
+        raise ValueError(f"blosc frame of {n} bytes is shorter than its header")
+    flags, typesize = view[2], view[3]
+    total, blocksize, cbytes = struct.unpack_from("<iii", view, 4)
+    if cbytes != n or total != nbytes:
+        raise ValueError(f"blosc frame is damaged: {n} bytes received, header says {cbytes} "
+                         f"compressed / {total} decoded (expected {nbytes})")
+    shuffle = bool(flags & 0x01) and typesize > 1
+    if flags & 0x02:  # stored as is, right after the header
+        if n != HEADER + nbytes:
+            raise ValueError(f"uncompressed blosc frame holds {n - HEADER} bytes, "
+                             f"expected {nbytes}")
+        return BloscFrame(typesize, nbytes, blocksize, False, None, ())
+    code = flags >> 5
+    if flags & 0x04:
+        raise ValueError("blosc bitshuffle is not decoded on the device")
+    if code not in _CODECS:
+        raise ValueError(f"blosc codec {_NAMES.get(code, code)!r} is not decoded on the device")
+    if blocksize <= 0 or typesize <= 0:
+        raise ValueError(f"blosc frame header is damaged (blocksize {blocksize}, typesize "
+                         f"{typesize})")
+    nblocks, leftover = divmod(nbytes, blocksize)
+    nblocks += leftover > 0
+    if HEADER + 4 * nblocks > n:
+        raise ValueError(f"blosc frame of {n} bytes is shorter than its {nblocks} block "
+                         "offsets")
+    starts = struct.unpack_from(f"<{nblocks}i", view, HEADER)
+    dont_split = bool(flags & 0x10)
+    streams = []
+    for j, start in enumerate(starts):
+        last = j == nblocks - 1 and leftover > 0
+        bsize = leftover if last else blocksize
+        split = (not dont_split and typesize <= _MAX_SPLITS
+                 and bsize // typesize >= _MIN_BUFFERSIZE and not last)
+        nsplits = typesize if split else 1
+        neblock = bsize // nsplits
+        pos = start
+        for k in range(nsplits):
+            if pos < HEADER or pos + 4 > n:
+                raise ValueError(f"blosc frame is damaged: block {j} stream {k} starts at "
+                                 f"byte {pos} of {n}")
+            size = struct.unpack_from("<i", view, pos)[0]
+            pos += 4
+            if size < 0 or pos + size > n:
+                raise ValueError(f"blosc frame is damaged: block {j} stream {k} claims "
+                                 f"{size} bytes at byte {pos} of {n}")
+            streams.append(BloscStream(pos, size, j * blocksize + k * neblock, neblock,
+                                       size == neblock))
+            pos += size
+    return BloscFrame(typesize, nbytes, blocksize, shuffle, _CODECS[code], tuple(streams))
