@@ -35,7 +35,7 @@ def make_loader(source: ib.Source, manifest: ib.SplitManifest, seed: int,
     node = SplitNode(manifest, "train")
     node = ChunkPermuteNode(node, source.grid, seed=seed, block_chunks=16)
     node = ReadPlanNode(node, source.variables)
-    # gpu_decode: zstd/LZ4/gzip chunks decoded by nvCOMP on the GPU (blosc stays on the CPU)
+    # gpu_decode: zstd/LZ4/gzip/blosc chunks decoded by nvCOMP on the GPU (see README "GPU")
     decoder = NvcompFrameDecoder(device) if gpu_decode else None
     node = AsyncFetchNode(node, source, max_inflight=32, device_decode=decoder)
     node = ShuffleBufferNode(node, source.variables, batch_size=32)

@@ -3,7 +3,7 @@
 nvCOMP has no blosc decoder, but a blosc 1 frame is a header, a table of block offsets and,
 per block, one or ``typesize`` ("split") streams, each a plain LZ4 block or zstd frame — or
 stored as is — followed by a byte shuffle that is a transpose. So the host reads the
-layout (a few bytes per stream), nVCOMP decodes every stream of a window in one batch, and
+layout (a few bytes per stream), nvCOMP decodes every stream of a window in one batch, and
 the device undoes the shuffle. The layout rules follow c-blosc 1.x ``blosc_d``:
 
 - header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes (16 bytes);

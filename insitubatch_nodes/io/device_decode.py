@@ -209,7 +209,7 @@ class WindowDecoder:
     def _layout(self, stripes: Sequence[StripeFrames],
                  ) -> tuple[list[_Chunk], list[_Stream], set[tuple[int, int]], int, int]:
         """Plan the window: which bytes go where in the staging/source buffer (16-byte
-        aligned, as nVCOMP wants) and in the output buffer, and which chunks the host must
+        aligned, as nvCOMP wants) and in the output buffer, and which chunks the host must
         decode itself (blosc frames whose streams would land misaligned)."""
         chunks: list[_Chunk] = []
         streams: list[_Stream] = []
