@@ -4,7 +4,8 @@ nvCOMP is fast only on large batches, and the window is already our unit of work
 fetcher collects a window's stored chunks (checked on the host, ``device_chain``) and
 ``WindowDecoder`` does, on one CUDA stream: pack them at 16-byte offsets into a reused
 pinned buffer, one host-to-device copy (compressed size: the PCIe traffic stays small), one
-batched decode per codec into one device buffer, then device copies into one tensor per
+batched decode per codec into one device buffer (blosc frames contribute their LZ4/zstd
+streams, ``blosc_frame``, and are unshuffled after), then device copies into one tensor per
 stripe. The stream is synchronised before the window is handed over, so a delivered
 window is complete; ``hand_over`` ties the stripes' memory to the consumer's stream.
 
