@@ -67,36 +67,28 @@ class _Cycle(BaseNode):
         if self.i >= self.n:
             raise StopIteration
         self.i += 1
-        return self.batches[(self.i - 1) % len(self.batches)]
+        return self._item(self.batches[(self.i - 1) % len(self.batches)])
+
+    def _item(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return batch
 
     def get_state(self) -> dict:
         return {"i": self.i}
 
 
-class _InSlot(BaseNode):
+class _InSlot(_Cycle):
     """Yields ``n`` batches made in the ring slot ``PinOrCudaNode`` leased, as ``GatherNode``
     does (``staging`` is set by PinOrCudaNode); the rows are not rewritten, so only the
     pinned path itself is timed."""
 
     def __init__(self, like: dict[str, torch.Tensor], n: int) -> None:
-        super().__init__()
-        self.like, self.n = like, n
+        super().__init__([like], n)
         self.staging: Any = None
 
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        self.i = 0
-
-    def next(self) -> dict[str, torch.Tensor]:
-        if self.i >= self.n:
-            raise StopIteration
-        self.i += 1
+    def _item(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(self.staging.staging_array(k, tuple(v.shape),
                                                                v.numpy().dtype))
-                for k, v in self.like.items()}
-
-    def get_state(self) -> dict:
-        return {"i": self.i}
+                for k, v in batch.items()}
 
 
 def make_batches(batch_mb: float, count: int) -> list[dict[str, torch.Tensor]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -11,6 +12,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,8 +218,21 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         in one pool task (``read_group``). Either way one ``max_inflight`` slot: a group
         reads its stripes one after another. Errors carry the reader's note (array, chunk
         key, attempts)."""
-        assert self._sem is not None and self._lt is not None
+        assert self._lt is not None
         reader = self.readers[v]
+        lt = self._lt
+        async with self._slot():
+            bufs = [self.pool.take(reader.geom.stripe_shape, reader.geom.dtype) for _ in idxs]
+            attempts = await (
+                reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
+                else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
+        self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
+        return bufs
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One of the ``max_inflight`` slots, counted in the stats while held."""
+        assert self._sem is not None
         stats = self.stats
         t0 = time.perf_counter()
         async with self._sem:
@@ -225,40 +240,26 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             stats.in_flight += 1
             stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
             try:
-                bufs = [self.pool.take(reader.geom.stripe_shape, reader.geom.dtype)
-                        for _ in idxs]
-                lt = self._lt
-                attempts = await (
-                    reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
-                    else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
+                yield
             finally:
                 stats.in_flight -= 1
-            stats.retries += attempts - len(idxs)
-            stats.stripes += len(idxs)
-            stats.bytes_decoded += sum(b.nbytes for b in bufs)
-        return bufs
+
+    def _count(self, stripes: int, attempts: int, stripe_nbytes: int) -> None:
+        self.stats.retries += attempts - stripes
+        self.stats.stripes += stripes
+        self.stats.bytes_decoded += stripes * stripe_nbytes
 
     async def _read_frames(self, v: int, idxs: list[int]) -> list:
         """``_read`` for a variable decoded on the device: its stored chunks, checked."""
-        assert self._sem is not None and self._lt is not None and self.window_decoder
+        assert self._lt is not None and self.window_decoder is not None
         reader = self.readers[v]
         chain = self.window_decoder.chains[v]
         nbytes = reader.chunk_nbytes
-        stats = self.stats
-        t0 = time.perf_counter()
-        async with self._sem:
-            stats.slot_wait_s += time.perf_counter() - t0
-            stats.in_flight += 1
-            stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
-            try:
-                lt = self._lt
-                frames, attempts = await reader.read_frames(
-                    idxs, lambda f: chain.check(f, nbytes), lt.loop, lt.pool, self.retry)
-            finally:
-                stats.in_flight -= 1
-            stats.retries += attempts - len(idxs)
-            stats.stripes += len(idxs)
-            stats.bytes_decoded += len(idxs) * reader.geom.stripe_nbytes
+        lt = self._lt
+        async with self._slot():
+            frames, attempts = await reader.read_frames(
+                idxs, lambda f: chain.check(f, nbytes), lt.loop, lt.pool, self.retry)
+        self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
         return frames
 
     def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
