@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from .io.device_chain import HostOnly, device_chain_for
 from .io.reader import StripeReader
 from .loader import (
     _resident_bound,
@@ -59,6 +60,7 @@ class VariableReport:
     fast_decoder: str | None  # our numcodecs chain, when special-cased
     read_mode: str
     read_path: str
+    gpu_decode: str  # what decode="gpu" does with this variable, and why
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,15 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
         compression_ratio=decoded_chunk / compressed if compressed else None,
         codecs=_codec_names(arr), fast_decoder=reader.decoder.chain if reader.decoder else None,
         read_mode=reader.mode, read_path=READ_PATHS.get(reader.mode, reader.mode),
+        gpu_decode=_gpu_verdict(arr),
     )
+
+
+def _gpu_verdict(arr: zarr.Array) -> str:
+    chain = device_chain_for(arr)
+    if isinstance(chain, HostOnly):
+        return f"no, decoded on the CPU: {chain.reason}"
+    return f"yes ({chain.algorithm or 'uncompressed'})"
 
 
 def recommend(source: Source, quality: float, memory_budget: int | str | None = None,
@@ -233,6 +243,7 @@ def format_report(r: StoreReport) -> str:
             f"  codecs: {v.codecs}"
             + (f"; fast decoder: {v.fast_decoder}" if v.fast_decoder else ""),
             f"  read path: {v.read_mode} ({v.read_path})",
+            f"  decode='gpu': {v.gpu_decode}",
             "",
         ]
     rec = r.recommendation

@@ -51,6 +51,7 @@ def test_variables_report_real_sizes(store):
     assert a.compression_ratio == pytest.approx(a.decoded_chunk_bytes / want)
     assert a.codecs == "bytes -> blosc(zstd)"
     assert a.fast_decoder == "bytes -> blosc"
+    assert a.gpu_decode == "yes (blosc)"
     assert a.read_mode == "local"
 
     assert s.shards == (24, 16) and s.chunks == (8, 4)
@@ -61,6 +62,7 @@ def test_variables_report_real_sizes(store):
     assert s.compressed_chunk_bytes == pytest.approx(want_s)
     assert s.codecs.startswith("sharding[")
     assert s.fast_decoder is None and s.read_mode == "zarr"  # zarr reads what we don't decode
+    assert s.gpu_decode.startswith("no, decoded on the CPU: sharding")
 
 
 def test_missing_chunks_are_counted(tmp_path):
@@ -138,4 +140,5 @@ def test_text_report(store):
     assert "variable a: shape (120, 10, 12) float32" in text
     assert "8 samples per chunk" in text and "shards (24, 16)" in text
     assert "read path: local" in text and "read path: zarr" in text
+    assert "decode='gpu': yes" in text and "decode='gpu': no" in text
     assert "block_chunks=" in text and "modelled quality" in text
