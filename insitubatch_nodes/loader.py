@@ -292,9 +292,9 @@ def build_loader(
     into spatial patches, each (sample, patch) pair once, with ``"patch"`` their corners.
     ``ring_size`` is the number of reused pinned host buffers on the CUDA path.
     ``decode="gpu"`` (with ``device="cuda"``; extra ``gpu-cu12`` or ``gpu-cu13``) decodes each
-    window's zstd / LZ4 / gzip / blosc (lz4, zstd; byte shuffle) / uncompressed chunks in one
-    nvCOMP batch per codec on the GPU and gathers the batches there; other chains
-    (bitshuffle, sharding, filters) stay on the CPU, logged once per variable.
+    window's zstd / LZ4 / gzip / blosc (lz4 or zstd streams) / uncompressed chunks in one
+    nvCOMP batch per codec on the GPU and gathers the batches there; other chains (sharding,
+    filters, blosclz) stay on the CPU, logged once per variable.
     ``prefetch_windows`` (windows fetched ahead of the one being drawn) defaults to 1 for
     local stores and 2 for object stores, where a window boundary would otherwise expose the
     request latency (measured: 0.73x vs 0.91x of the no-latency throughput at +50 ms).

@@ -12,7 +12,9 @@ the device undoes the shuffle. The layout rules follow c-blosc 1.x ``blosc_d``:
 - a full block is split into ``typesize`` streams unless the flag says not, or typesize > 16,
   or blocksize / typesize < 128; the last, short block is never split;
 - each stream: int32 compressed size, then the bytes; a size equal to the stream's decoded
-  size means stored as is.
+  size means stored as is;
+- a bit shuffle transposes the block's bit matrix, and only when its element count is a
+  multiple of 8 (other blocks are left as they are; checked against numcodecs).
 """
 
 from __future__ import annotations
@@ -46,14 +48,14 @@ class BloscFrame:
     typesize: int
     nbytes: int
     blocksize: int
-    shuffle: bool  # undo a byte shuffle, block by block, after decoding
+    shuffle: str | None  # "byte" | "bit": undone block by block after decoding
     codec: str | None  # "lz4" | "zstd"; None when the frame is stored uncompressed
     streams: tuple[BloscStream, ...]  # empty when stored uncompressed (bytes at HEADER)
 
 
 def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
     """The frame's layout, checked against its own sizes and ``nbytes``; ``ValueError`` for a
-    damaged frame or one the device cannot decode (bitshuffle, blosclz, snappy, zlib)."""
+    damaged frame or one the device cannot decode (blosclz, snappy or zlib streams)."""
     view = memoryview(frame).cast("B")
     n = view.nbytes
     if n < HEADER:
@@ -63,15 +65,13 @@ def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
     if cbytes != n or total != nbytes:
         raise ValueError(f"blosc frame is damaged: {n} bytes received, header says {cbytes} "
                          f"compressed / {total} decoded (expected {nbytes})")
-    shuffle = bool(flags & 0x01) and typesize > 1
+    shuffle = ("byte" if flags & 0x01 and typesize > 1 else "bit" if flags & 0x04 else None)
     if flags & 0x02:  # stored as is, right after the header
         if n != HEADER + nbytes:
             raise ValueError(f"uncompressed blosc frame holds {n - HEADER} bytes, "
                              f"expected {nbytes}")
-        return BloscFrame(typesize, nbytes, blocksize, False, None, ())
+        return BloscFrame(typesize, nbytes, blocksize, None, None, ())
     code = flags >> 5
-    if flags & 0x04:
-        raise ValueError("blosc bitshuffle is not decoded on the device")
     if code not in _CODECS:
         raise ValueError(f"blosc codec {_NAMES.get(code, code)!r} is not decoded on the device")
     if blocksize <= 0 or typesize <= 0:

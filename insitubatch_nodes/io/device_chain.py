@@ -88,7 +88,7 @@ def device_chain_for(arr: zarr.Array) -> DeviceChain | HostOnly:
         if isinstance(c, zc.GzipCodec):
             return DeviceChain("gzip", 0, names)
         if isinstance(c, zc.BloscCodec):
-            why = _blosc_host_only(c.cname.value, c.shuffle.value)
+            why = _blosc_host_only(c.cname.value)
             return HostOnly(why, names) if why else DeviceChain("blosc", 0, names)
         return HostOnly(f"nvCOMP has no decoder for {type(c).__name__}", names)
     comp = meta.compressor
@@ -110,22 +110,16 @@ def device_chain_for(arr: zarr.Array) -> DeviceChain | HostOnly:
     if isinstance(comp, numcodecs.GZip):
         return DeviceChain("gzip", 0, names)
     if isinstance(comp, numcodecs.Blosc):
-        shuffle = comp.shuffle
-        if shuffle == numcodecs.Blosc.AUTOSHUFFLE:
-            shuffle = numcodecs.Blosc.BITSHUFFLE if dt.itemsize == 1 else numcodecs.Blosc.SHUFFLE
-        why = _blosc_host_only(comp.cname, {0: "noshuffle", 1: "shuffle"}.get(shuffle,
-                                                                              "bitshuffle"))
+        why = _blosc_host_only(comp.cname)
         return HostOnly(why, names) if why else DeviceChain("blosc", 0, names)
     return HostOnly(f"nvCOMP has no decoder for {comp.codec_id}", names)
 
 
-def _blosc_host_only(cname: str, shuffle: str) -> str | None:
-    """Why a blosc configuration stays on the host (None: the device decodes it): its
-    streams must be LZ4 or zstd, and a bit shuffle is not undone on the device."""
+def _blosc_host_only(cname: str) -> str | None:
+    """Why a blosc configuration stays on the host (None: the device decodes it): nvCOMP
+    decodes its LZ4 and zstd streams, not blosclz, snappy or zlib ones."""
     if cname not in ("lz4", "lz4hc", "zstd"):
         return f"blosc with {cname} streams: nvCOMP decodes only its lz4/lz4hc/zstd streams"
-    if shuffle == "bitshuffle":
-        return "blosc bitshuffle is not undone on the device (byte shuffle is)"
     return None
 
 

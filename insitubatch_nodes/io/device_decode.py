@@ -160,6 +160,33 @@ def unshuffle(data: torch.Tensor, typesize: int, blocksize: int) -> torch.Tensor
     return out
 
 
+def bitunshuffle(data: torch.Tensor, typesize: int, blocksize: int) -> torch.Tensor:
+    """Undo blosc's bit shuffle: a block of E elements is stored as 8 * typesize rows of E
+    bits (row 8j + k: bit k of byte j of every element, least significant bit first); blocks
+    whose E is not a multiple of 8 are stored as they are. Full blocks go in one pass."""
+    n = data.numel()
+    out = data.clone()
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+
+    def undo(dst: torch.Tensor, src: torch.Tensor, blocks: int, bsize: int) -> None:
+        e = bsize // typesize
+        if e == 0 or e % 8:
+            return
+        bits = (src[: blocks * bsize].view(blocks, bsize).unsqueeze(-1) >> shifts) & 1
+        el = bits.view(blocks, 8 * typesize, e).transpose(1, 2).reshape(blocks, e, typesize, 8)
+        res = el[..., 0].clone()
+        for k in range(1, 8):
+            res |= el[..., k] << k
+        dst[: blocks * bsize].view(blocks, e, typesize).copy_(res)
+
+    full = n // blocksize * blocksize
+    if full:
+        undo(out[:full], data[:full], full // blocksize, blocksize)
+    if n > full:
+        undo(out[full:], data[full:], 1, n - full)
+    return out
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -332,8 +359,10 @@ class WindowDecoder:
                     bits(stripe)[region] = bits(self._fill[st.var]).to(self.device)
                     continue
                 data = (src if c.in_src else dst)[c.at : c.at + nbytes]
-                if c.blosc is not None and c.blosc.shuffle:
+                if c.blosc is not None and c.blosc.shuffle == "byte":
                     data = unshuffle(data, c.blosc.typesize, c.blosc.blocksize)
+                elif c.blosc is not None and c.blosc.shuffle == "bit":
+                    data = bitunshuffle(data, c.blosc.typesize, c.blosc.blocksize)
                 if reader.direct:
                     stripe.view(-1).view(torch.uint8).copy_(data)
                 else:
