@@ -21,7 +21,8 @@ Run on demand on a CUDA machine, never as a test, from the repository root::
    CPU path can produce (or give ``--batch-size``). Reported: the GPU idle fraction
    (1 - sum of the steps' GPU time / wall time) and the fraction of wall time the loop spent
    in ``next()``; the same loop with ``device=None`` + a blocking ``.to("cuda")`` is the
-   comparison. The CPU is allowed ``--lag`` steps ahead of the GPU, as a real loop is.
+   comparison, and, where nvCOMP is installed, the ring with ``decode="gpu"`` too. The CPU
+   is allowed ``--lag`` steps ahead of the GPU, as a real loop is.
 
 GPU decode vs CPU decode is ``benchmarks/bench_gpu_decode.py``.
 Exits 0 with a message on a machine without CUDA.
@@ -320,6 +321,14 @@ def loader_rate(source: ib.Source, manifest: ib.SplitManifest, device: str | Non
         return n * batch_size / (time.perf_counter() - t0)
 
 
+def _nvcomp_available() -> bool:
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def bench_starvation(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     source, manifest = open_store(args)
     device = "cuda" if cuda else None
@@ -336,14 +345,16 @@ def bench_starvation(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     step = make_step(args.step, args.step_ms, cuda, VARIABLES[0])
     res: dict[str, Any] = {"loader_samples_per_s": sps, "batch_size": bs,
                            "required_samples_per_s": need}
-    runs = [("ring", device, None)]
+    runs: list[tuple[str, str | None, Any, str]] = [("ring", device, None, "cpu")]
     if cuda:
         runs.append(("blocking_to_cuda", None,
-                     lambda b: {k: v.to("cuda") for k, v in b.items()}))
-    for name, dev, to_device in runs:
+                     lambda b: {k: v.to("cuda") for k, v in b.items()}, "cpu"))
+        if _nvcomp_available():
+            runs.append(("ring_gpu_decode", device, None, "gpu"))
+    for name, dev, to_device, decode in runs:
         with ib.build_loader(source, manifest, "train", batch_size=bs,
                              block_chunks=args.block_chunks, device=dev, rank=0,
-                             world_size=1) as loader:
+                             world_size=1, decode=decode) as loader:
             r = train_loop(forever(loader), step, args.steps, args.warmup, args.lag, clock,
                            to_device)
         res[name] = r
