@@ -46,6 +46,7 @@ from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.demo import VARIABLES, DemoSpec, make_demo_store
+from insitubatch_nodes.io.device_decode import gpu_decode_available
 
 H2D_TARGET = 0.8
 STARVATION_TARGET = 0.05
@@ -321,14 +322,6 @@ def loader_rate(source: ib.Source, manifest: ib.SplitManifest, device: str | Non
         return n * batch_size / (time.perf_counter() - t0)
 
 
-def _nvcomp_available() -> bool:
-    try:
-        from nvidia import nvcomp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def bench_starvation(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     source, manifest = open_store(args)
     device = "cuda" if cuda else None
@@ -349,7 +342,7 @@ def bench_starvation(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     if cuda:
         runs.append(("blocking_to_cuda", None,
                      lambda b: {k: v.to("cuda") for k, v in b.items()}, "cpu"))
-        if _nvcomp_available():
+        if gpu_decode_available():
             runs.append(("ring_gpu_decode", device, None, "gpu"))
     for name, dev, to_device, decode in runs:
         with ib.build_loader(source, manifest, "train", batch_size=bs,

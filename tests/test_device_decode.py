@@ -17,21 +17,12 @@ import zarr.codecs as zc
 from stores import BLOSC, Var
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.io.device_decode import gpu_decode_available
 from insitubatch_nodes.testing.host_frames import HostFrameDecoder
 
-
-def _nvcomp_ok():
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from nvidia import nvcomp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 DECODERS = ["host", pytest.param("nvcomp", marks=pytest.mark.skipif(
-    not _nvcomp_ok(), reason="needs CUDA and nvidia-nvcomp (extra gpu-cu12 or gpu-cu13)"))]
+    not gpu_decode_available(),
+    reason="needs CUDA and nvidia-nvcomp (extra gpu-cu12 or gpu-cu13)"))]
 
 
 def options(which):
@@ -298,7 +289,7 @@ def test_normalize_static_and_channels_follow_device_batches(store_factory, whic
            for k, v in b.items()} for b in ib.build_loader(src, m, "train", **common)])
 
 
-@pytest.mark.skipif(not _nvcomp_ok(), reason="needs CUDA and nvidia-nvcomp")
+@pytest.mark.skipif(not gpu_decode_available(), reason="needs CUDA and nvidia-nvcomp")
 @pytest.mark.parametrize("algorithm", ["zstd", "lz4", "gzip"])
 def test_nvcomp_decodes_numcodecs_frames(algorithm):
     """nvCOMP's RAW streams read what numcodecs (zarr's codecs) wrote, one batch of frames of

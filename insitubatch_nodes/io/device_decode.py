@@ -48,6 +48,17 @@ class FrameDecoder(Protocol):
                dst_sizes: Sequence[int], stream: Any) -> None: ...
 
 
+def gpu_decode_available() -> bool:
+    """Whether ``decode="gpu"`` can run here: a usable CUDA device and nvCOMP installed."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class NvcompFrameDecoder:
     """Batched decode with ``nvidia.nvcomp`` (raw zstd / LZ4 / gzip streams)."""
 
