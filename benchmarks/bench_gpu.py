@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +43,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.bench.common import machine_info
 from insitubatch_nodes.demo import VARIABLES, DemoSpec, make_demo_store
 from insitubatch_nodes.io.device_decode import gpu_decode_available
 
@@ -396,10 +395,7 @@ def main(argv: list[str] | None = None) -> int:
               f"torch.cuda.is_available() is False); nothing to measure. Run it on a machine "
               "with a GPU (or pass --cpu-smoke to exercise the code paths on CPU).")
         return 0
-    machine = {"python": platform.python_version(), "torch": torch.__version__,
-               "cpus": os.cpu_count(),
-               "gpu": torch.cuda.get_device_name() if cuda else None,
-               "cuda": torch.version.cuda if cuda else None}
+    machine = machine_info()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     if not cuda:
         print("CPU smoke run: the step is a host sleep and nothing overlaps it, so the numbers "

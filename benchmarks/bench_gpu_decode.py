@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -43,6 +42,7 @@ import zarr
 import zarr.codecs as zc
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.bench.common import machine_info
 from insitubatch_nodes.demo import DemoSpec, _fields
 from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import DeviceChain, device_chain_for
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         from insitubatch_nodes.testing.host_frames import HostFrameDecoder
 
         decoder, label = HostFrameDecoder(), "stand-in"
-    machine = {"python": platform.python_version(), "torch": torch.__version__,
-               "cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name() if cuda else None}
+    machine = machine_info()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     report: dict[str, Any] = {"machine": machine, "args": {k: str(v) for k, v in
                                                           vars(args).items()}, "codecs": {}}

@@ -202,7 +202,9 @@ def machine_info() -> dict[str, Any]:
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1),
             "python": platform.python_version(), "torch": torch.__version__,
             "zarr": zarr.__version__, "numcodecs": numcodecs.__version__,
-            "insitubatch_nodes": ib.__version__, "platform": platform.platform()}
+            "insitubatch_nodes": ib.__version__, "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "cuda": torch.version.cuda}
 
 
 def fmt(value: float | None, spec: str) -> str:
