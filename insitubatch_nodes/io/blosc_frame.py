@@ -46,34 +46,51 @@ class BloscFrame:
     """What the device needs to rebuild a chunk from a blosc 1 frame."""
 
     typesize: int
-    nbytes: int
     blocksize: int
     shuffle: str | None  # "byte" | "bit": undone block by block after decoding
     codec: str | None  # "lz4" | "zstd"; None when the frame is stored uncompressed
     streams: tuple[BloscStream, ...]  # empty when stored uncompressed (bytes at HEADER)
 
 
-def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
-    """The frame's layout, checked against its own sizes and ``nbytes``; ``ValueError`` for a
-    damaged frame or one the device cannot decode (blosclz, snappy or zlib streams)."""
+class UnsupportedFrame(ValueError):
+    """A sound blosc frame whose streams the device cannot decode (blosclz, snappy, zlib):
+    the host decodes it instead."""
+
+
+def check_header(frame: bytes | memoryview | object, nbytes: int) -> memoryview:
+    """The frame as bytes, once its header agrees with its length and ``nbytes``.
+
+    Blosc 1 trusts the compressed size in its header and reads that many bytes whatever the
+    buffer holds: a truncated body then "decodes" into stale memory without an error (seen in
+    the fault tests), so both the CPU and the device path check this first."""
     view = memoryview(frame).cast("B")
     n = view.nbytes
     if n < HEADER:
         raise ValueError(f"blosc frame of {n} bytes is shorter than its header")
-    flags, typesize = view[2], view[3]
-    total, blocksize, cbytes = struct.unpack_from("<iii", view, 4)
+    total, cbytes = struct.unpack_from("<i", view, 4)[0], struct.unpack_from("<i", view, 12)[0]
     if cbytes != n or total != nbytes:
         raise ValueError(f"blosc frame is damaged: {n} bytes received, header says {cbytes} "
                          f"compressed / {total} decoded (expected {nbytes})")
+    return view
+
+
+def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
+    """The frame's layout, checked against its own sizes and ``nbytes``; ``ValueError`` for a
+    damaged frame, ``UnsupportedFrame`` for one with blosclz, snappy or zlib streams."""
+    view = check_header(frame, nbytes)
+    n = view.nbytes
+    flags, typesize = view[2], view[3]
+    blocksize = struct.unpack_from("<i", view, 8)[0]
     shuffle = ("byte" if flags & 0x01 and typesize > 1 else "bit" if flags & 0x04 else None)
     if flags & 0x02:  # stored as is, right after the header
         if n != HEADER + nbytes:
             raise ValueError(f"uncompressed blosc frame holds {n - HEADER} bytes, "
                              f"expected {nbytes}")
-        return BloscFrame(typesize, nbytes, blocksize, None, None, ())
+        return BloscFrame(typesize, blocksize, None, None, ())
     code = flags >> 5
     if code not in _CODECS:
-        raise ValueError(f"blosc codec {_NAMES.get(code, code)!r} is not decoded on the device")
+        raise UnsupportedFrame(f"blosc codec {_NAMES.get(code, code)!r} is not decoded on the "
+                               "device")
     if blocksize <= 0 or typesize <= 0:
         raise ValueError(f"blosc frame header is damaged (blocksize {blocksize}, typesize "
                          f"{typesize})")
@@ -105,4 +122,4 @@ def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
             streams.append(BloscStream(pos, size, j * blocksize + k * neblock, neblock,
                                        size == neblock))
             pos += size
-    return BloscFrame(typesize, nbytes, blocksize, shuffle, _CODECS[code], tuple(streams))
+    return BloscFrame(typesize, blocksize, shuffle, _CODECS[code], tuple(streams))

@@ -8,7 +8,6 @@ returns ``None`` and is read through zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
-import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ import numcodecs.blosc
 import numpy as np
 import zarr
 import zarr.codecs as zc
+
+from .blosc_frame import check_header
 
 _NATIVE = sys.byteorder
 
@@ -36,7 +37,7 @@ class ChunkDecoder:
             last = i == len(self.codecs) - 1
             if last:
                 if isinstance(codec, numcodecs.Blosc):
-                    _check_blosc_frame(buf, out.nbytes)
+                    check_header(buf, out.nbytes)
                     numcodecs.blosc.decompress(buf, out)
                 else:
                     codec.decode(buf, out=out)  # numcodecs fills a given ``out``
@@ -46,19 +47,6 @@ class ChunkDecoder:
             _copy_bytes(buf, out)
         if self.byteswap:
             out.byteswap(inplace=True)
-
-
-def _check_blosc_frame(buf: object, expected: int) -> None:
-    """Blosc 1 trusts the compressed size in its header and reads that many bytes whatever
-    the buffer holds: a truncated body then "decodes" into stale memory without an error
-    (seen in the fault tests). Check the header against the buffer first."""
-    view = memoryview(buf).cast("B")
-    if view.nbytes < 16:
-        raise ValueError(f"blosc frame of {view.nbytes} bytes is shorter than its header")
-    nbytes, cbytes = struct.unpack_from("<I", view, 4)[0], struct.unpack_from("<I", view, 12)[0]
-    if cbytes != view.nbytes or nbytes != expected:
-        raise ValueError(f"blosc frame is damaged: {view.nbytes} bytes received, header says "
-                         f"{cbytes} compressed / {nbytes} decoded (expected {expected})")
 
 
 def _copy_bytes(src: object, out: np.ndarray) -> None:

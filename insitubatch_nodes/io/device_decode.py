@@ -25,8 +25,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..dtypes import bits, torch_dtype
 from ..metrics import ReadTimes
-from .blosc_frame import HEADER, BloscFrame, parse_blosc
+from .blosc_frame import HEADER, BloscFrame, UnsupportedFrame, parse_blosc
 from .device_chain import DeviceChain
 from .reader import Frames, StripeReader
 
@@ -116,9 +117,13 @@ class StripeFrames:
 
 @dataclass(frozen=True)
 class _Stream:
-    """A piece of a frame to decode (``algorithm``) or copy as is (``None``): ``size`` bytes
-    at ``src`` of the device source buffer give ``out`` bytes at ``dst`` of the output."""
+    """``size`` bytes at ``at`` of a stored chunk (``stripe``, ``inner``) go to ``src`` of the
+    device source buffer; ``algorithm`` decodes them to ``out`` bytes at ``dst`` of the output
+    buffer, or ``None`` leaves them where they are (``dst`` < 0) or copies them there."""
 
+    stripe: int  # position in the window's stripe list
+    inner: int  # position in the reader's inner-chunk order
+    at: int
     algorithm: str | None
     src: int
     size: int
@@ -130,24 +135,14 @@ class _Stream:
 class _Chunk:
     """Where one stored chunk's decoded bytes end up: at ``at`` of the output buffer
     (``in_src``: of the source buffer, for chunks stored or decoded on the host as is);
-    ``blosc`` when they are still byte-shuffled blocks."""
+    ``blosc`` when they are still shuffled blocks; ``host`` when the host decodes it."""
 
-    stripe: int  # position in the window's stripe list
-    inner: int  # position in the reader's inner-chunk order
+    stripe: int
+    inner: int
     at: int
     in_src: bool
     blosc: BloscFrame | None = None
-
-
-# torch's "barebones" unsigned types lack some CUDA kernels; moving their bits through the
-# signed type of the same width is exact and always supported.
-_SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed with a dtype every copy/index kernel supports (same bytes, no copy)."""
-    twin = _SIGNED_TWIN.get(t.dtype)
-    return t if twin is None else t.view(twin)
+    host: bool = False
 
 
 def unshuffle(data: torch.Tensor, typesize: int, blocksize: int) -> torch.Tensor:
@@ -219,13 +214,11 @@ class WindowDecoder:
         self._cuda = self.device.type == "cuda"
         self._stream: Any = None
         self._staging: torch.Tensor | None = None
-        self._fill = {v: torch.from_numpy(np.array(r.fill_value))
-                      for v, r in enumerate(self.readers)}
+        self._dtypes = [torch_dtype(r.geom.dtype) for r in self.readers]
+        self._fill: dict[int, torch.Tensor] = {}  # on the device, made on first use
         self.times: ReadTimes | None = None  # the fetcher's: device time counts as decode_s
         # counters, for tests and benchmarks
         self.windows = 0
-        self.batches = 0  # FrameDecoder.decode calls
-        self.bytes_in = 0  # compressed bytes copied to the device
         self.bytes_out = 0  # decoded bytes
 
     def _context(self) -> contextlib.AbstractContextManager:
@@ -246,13 +239,13 @@ class WindowDecoder:
         return self._staging
 
     def _layout(self, stripes: Sequence[StripeFrames],
-                 ) -> tuple[list[_Chunk], list[_Stream], set[tuple[int, int]], int, int]:
+                ) -> tuple[list[_Chunk], list[_Stream], int, int]:
         """Plan the window: which bytes go where in the staging/source buffer (16-byte
         aligned, as nvCOMP wants) and in the output buffer, and which chunks the host must
-        decode itself (blosc frames whose streams would land misaligned)."""
+        decode itself (blosc frames whose streams would land misaligned, or whose streams
+        nvCOMP cannot read)."""
         chunks: list[_Chunk] = []
         streams: list[_Stream] = []
-        host: set[tuple[int, int]] = set()  # (stripe, inner) of chunks the host decodes
         src_end = dst_end = 0
         for s, st in enumerate(stripes):
             chain = self.chains[st.var]
@@ -260,33 +253,38 @@ class WindowDecoder:
             for i, frame in enumerate(st.frames):
                 if frame is None:
                     continue
-                size = memoryview(frame).nbytes - chain.skip
                 if chain.algorithm is None:  # stored as is: copied, decoded by nobody
-                    streams.append(_Stream(None, src_end, size, -1, size))
+                    size = memoryview(frame).nbytes
+                    streams.append(_Stream(s, i, 0, None, src_end, size, -1, size))
                     chunks.append(_Chunk(s, i, src_end, True))
                     src_end = _align(src_end + size)
-                elif chain.algorithm != "blosc":
-                    streams.append(_Stream(chain.algorithm, src_end, size, dst_end, nbytes))
+                    continue
+                if chain.algorithm != "blosc":
+                    size = memoryview(frame).nbytes - chain.skip
+                    streams.append(_Stream(s, i, chain.skip, chain.algorithm, src_end, size,
+                                           dst_end, nbytes))
                     chunks.append(_Chunk(s, i, dst_end, False))
                     src_end, dst_end = _align(src_end + size), _align(dst_end + nbytes)
+                    continue
+                try:
+                    bf: BloscFrame | None = parse_blosc(frame, nbytes)
+                except UnsupportedFrame:
+                    bf = None
+                if bf is not None and bf.codec is None:  # stored uncompressed in the frame
+                    streams.append(_Stream(s, i, HEADER, None, src_end, nbytes, -1, nbytes))
+                    chunks.append(_Chunk(s, i, src_end, True))
+                    src_end = _align(src_end + nbytes)
+                elif bf is None or any(b.dst % _ALIGN_OUT[bf.codec] for b in bf.streams):
+                    chunks.append(_Chunk(s, i, src_end, True, host=True))  # rare
+                    src_end = _align(src_end + nbytes)
                 else:
-                    bf = parse_blosc(frame, nbytes)
-                    if bf.codec is None:  # stored uncompressed inside the frame
-                        streams.append(_Stream(None, src_end, nbytes, -1, nbytes))
-                        chunks.append(_Chunk(s, i, src_end, True))
-                        src_end = _align(src_end + nbytes)
-                    elif any(b.dst % _ALIGN_OUT[bf.codec] for b in bf.streams):
-                        host.add((s, i))  # rare: odd block sizes
-                        chunks.append(_Chunk(s, i, src_end, True))
-                        src_end = _align(src_end + nbytes)
-                    else:
-                        for b in bf.streams:
-                            streams.append(_Stream(None if b.raw else bf.codec, src_end,
-                                                   b.size, dst_end + b.dst, b.out))
-                            src_end = _align(src_end + b.size)
-                        chunks.append(_Chunk(s, i, dst_end, False, bf))
-                        dst_end = _align(dst_end + nbytes)
-        return chunks, streams, host, src_end, dst_end
+                    for b in bf.streams:
+                        streams.append(_Stream(s, i, b.src, None if b.raw else bf.codec,
+                                               src_end, b.size, dst_end + b.dst, b.out))
+                        src_end = _align(src_end + b.size)
+                    chunks.append(_Chunk(s, i, dst_end, False, bf))
+                    dst_end = _align(dst_end + nbytes)
+        return chunks, streams, src_end, dst_end
 
     def decode(self, stripes: Sequence[StripeFrames]) -> list[torch.Tensor]:
         """One tensor per stripe (shape ``geom.stripe_shape``), on the device, complete."""
@@ -303,40 +301,28 @@ class WindowDecoder:
         if self.times is not None:
             self.times.add(0.0, time.perf_counter() - t0)
         self.windows += 1
-        self.bytes_in += layout[3]
         self.bytes_out += sum(t.numel() * t.element_size() for t in out)
         return out
 
     def _pack(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
-              streams: list[_Stream], host: set[tuple[int, int]],
-              staging: np.ndarray) -> None:
-        """Copy every payload into the staging buffer (and host-decode what must be)."""
-        it = iter(streams)
+              streams: list[_Stream], staging: np.ndarray) -> None:
+        """Copy every stream into the staging buffer; decode the host's chunks there."""
+        for p in streams:
+            frame = memoryview(stripes[p.stripe].frames[p.inner]).cast("B")
+            staging[p.src : p.src + p.size] = np.frombuffer(frame[p.at : p.at + p.size],
+                                                            dtype=np.uint8)
         for c in chunks:
-            st = stripes[c.stripe]
-            chain = self.chains[st.var]
-            frame = memoryview(st.frames[c.inner]).cast("B")
-            if c.blosc is not None:
-                for b in c.blosc.streams:
-                    piece = next(it)
-                    staging[piece.src : piece.src + b.size] = np.frombuffer(
-                        frame[b.src : b.src + b.size], dtype=np.uint8)
-            elif (c.stripe, c.inner) in host:
-                reader = self.readers[st.var]
+            if c.host:
+                reader = self.readers[stripes[c.stripe].var]
                 assert reader.decoder is not None
                 out = staging[c.at : c.at + reader.chunk_nbytes].view(reader.geom.dtype)
-                reader.decoder.decode_into(frame, out.reshape(reader.geom.chunks))
-            else:
-                piece = next(it)
-                skip = chain.skip if chain.algorithm != "blosc" else HEADER
-                staging[piece.src : piece.src + piece.size] = np.frombuffer(
-                    frame[skip : skip + piece.size], dtype=np.uint8)
+                reader.decoder.decode_into(stripes[c.stripe].frames[c.inner],
+                                           out.reshape(reader.geom.chunks))
 
     def _decode(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
-                streams: list[_Stream], host: set[tuple[int, int]], src_n: int,
-                dst_n: int) -> list[torch.Tensor]:
+                streams: list[_Stream], src_n: int, dst_n: int) -> list[torch.Tensor]:
         staging = self._staging_buffer(src_n)
-        self._pack(stripes, chunks, streams, host, staging.numpy())
+        self._pack(stripes, chunks, streams, staging.numpy())
         src = torch.empty(src_n, dtype=torch.uint8, device=self.device)
         src.copy_(staging[:src_n], non_blocking=self._cuda)
         dst = torch.empty(dst_n, dtype=torch.uint8, device=self.device)
@@ -350,8 +336,14 @@ class WindowDecoder:
             self.frames.decode(algorithm, src, [p.src for p in group], [p.size for p in group],
                                dst, [p.dst for p in group], [p.out for p in group],
                                self._stream)
-            self.batches += 1
         return self._assemble(stripes, chunks, src, dst)
+
+    def _fill_value(self, var: int) -> torch.Tensor:
+        fill = self._fill.get(var)
+        if fill is None:
+            fill = self._fill[var] = bits(torch.from_numpy(
+                np.array(self.readers[var].fill_value))).to(self.device)
+        return fill
 
     def _assemble(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
                   src: torch.Tensor, dst: torch.Tensor) -> list[torch.Tensor]:
@@ -360,14 +352,14 @@ class WindowDecoder:
         for s, st in enumerate(stripes):
             reader = self.readers[st.var]
             geom = reader.geom
-            dtype = torch.from_numpy(np.empty(0, dtype=geom.dtype)).dtype
+            dtype = self._dtypes[st.var]
             stripe = torch.empty(geom.stripe_shape, dtype=dtype, device=self.device)
             nbytes = reader.chunk_nbytes
             for i, inner in enumerate(reader.inner):
                 c = where.get((s, i))
                 region, valid = reader.region(inner)
                 if c is None:  # never written: the fill value, as in zarr
-                    bits(stripe)[region] = bits(self._fill[st.var]).to(self.device)
+                    bits(stripe)[region] = self._fill_value(st.var)
                     continue
                 data = (src if c.in_src else dst)[c.at : c.at + nbytes]
                 if c.blosc is not None and c.blosc.shuffle == "byte":

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import zarr
@@ -31,6 +31,12 @@ from .retry import NO_RETRY, RetryPolicy, classify
 T = TypeVar("T")
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
+
+
+def _check_all(check: FrameCheck, keys: list[str],
+               datas: list[bytes | memoryview | None]) -> None:
+    for key, data in zip(keys, datas, strict=True):
+        _checked(check, data, key)
 
 
 def _checked(check: FrameCheck, data: bytes | memoryview | None, key: str) -> None:
@@ -147,21 +153,42 @@ class StripeReader:
     async def read_group(self, indices: list[int], outs: list[np.ndarray],
                          loop: asyncio.AbstractEventLoop, pool: Executor,
                          retry: RetryPolicy = NO_RETRY) -> int:
-        """``read`` for several stripes of a local store in one hand-off; a failure falls
-        back to reading each stripe on its own, with its own retries and error note."""
+        """``read`` for several stripes of a local store in one hand-off (``_grouped``)."""
+        out_of = dict(zip(indices, outs, strict=True))
+        _, attempts = await self._grouped(
+            indices,
+            lambda: loop.run_in_executor(pool, self.read_local_many, indices, outs,
+                                         time.perf_counter()),
+            lambda i: self._retrying(i, retry, lambda: self._read_once(i, out_of[i], loop,
+                                                                       pool)))
+        return attempts
+
+    async def _grouped(self, indices: list[int], group: Callable[[], Awaitable[Any]],
+                       one: Callable[[int], Awaitable[tuple[T, int]]]) -> tuple[Any, int]:
+        """Run ``group()`` (every stripe in one pool task); if it fails, fall back to
+        ``one(index)`` per stripe, each with its own retries and error note. Returns (result,
+        attempts), the failed group try counting as one attempt per stripe."""
         try:
-            await loop.run_in_executor(pool, self.read_local_many, indices, outs,
-                                       time.perf_counter())
-            return len(indices)
+            return await group(), len(indices)
         except asyncio.CancelledError:
             raise
         except Exception:
-            attempts = 0
-            for index, out in zip(indices, outs, strict=True):
-                attempts += await self.read(index, out, loop, pool, retry)
-            return attempts + len(indices)
+            results, attempts = [], len(indices)
+            for index in indices:
+                result, n = await one(index)
+                results.append(result)
+                attempts += n
+            return results, attempts
 
     # -- async paths ------------------------------------------------------------------
+    async def _get_all(self, index: int) -> tuple[list[str], list[bytes | memoryview | None]]:
+        """Every stored chunk of stripe ``index``, fetched concurrently (async stores)."""
+        keys = [self.chunk_key((index, *inner)) for inner in self.inner]
+        t0 = time.perf_counter()
+        datas = await asyncio.gather(*(self._get_async(k) for k in keys))
+        self.times.add(time.perf_counter() - t0, 0.0)
+        return keys, list(datas)
+
     async def _get_async(self, key: str) -> bytes | memoryview | None:
         if self._obstore is not None:
             import obstore
@@ -188,7 +215,7 @@ class StripeReader:
     async def _retrying(self, index: int, retry: RetryPolicy,
                         once: Callable[[], Awaitable[T]]) -> tuple[T, int]:
         """``once()`` until it succeeds or the policy gives up: (result, attempts)."""
-        rng = random.Random()
+        rng: random.Random | None = None  # only after a failure: seeding costs ~10 us
         attempt = decode_failures = 0
         while True:
             attempt += 1
@@ -206,6 +233,7 @@ class StripeReader:
                            if kind == "permanent" else f"gave up after {attempt} attempt(s)")
                     e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
                     raise
+                rng = rng or random.Random()
                 await asyncio.sleep(retry.delay(attempt, rng))
 
     # -- compressed frames, for decoding on the device ------------------------------------
@@ -219,18 +247,16 @@ class StripeReader:
         A local store reads the group in one pool task; a failure there falls back to one
         stripe at a time, each with its own retries and error note. Returns (frames,
         attempts)."""
+        def one(i: int) -> Awaitable[tuple[Frames, int]]:
+            return self._retrying(i, retry, lambda: self._frames_once(i, check, loop, pool))
+
         if self.mode == "local" and len(indices) > 1:
-            try:
-                return await loop.run_in_executor(
-                    pool, self._frames_local_many, indices, check), len(indices)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                pass
+            return await self._grouped(
+                indices, lambda: loop.run_in_executor(pool, self._frames_local_many, indices,
+                                                      check), one)
         out, attempts = [], 0
         for index in indices:
-            frames, n = await self._retrying(
-                index, retry, lambda i=index: self._frames_once(i, check, loop, pool))
+            frames, n = await one(index)
             out.append(frames)
             attempts += n
         return out, attempts
@@ -239,12 +265,9 @@ class StripeReader:
                            loop: asyncio.AbstractEventLoop, pool: Executor) -> Frames:
         if self.mode == "local":
             return await loop.run_in_executor(pool, self._frames_local, index, check)
-        keys = [self.chunk_key((index, *inner)) for inner in self.inner]
-        t0 = time.perf_counter()
-        datas = await asyncio.gather(*(self._get_async(k) for k in keys))
-        self.times.add(time.perf_counter() - t0, 0.0)
-        for key, data in zip(keys, datas, strict=True):
-            _checked(check, data, key)
+        keys, datas = await self._get_all(index)
+        # The checks walk frames in Python: on the pool, not on the loop driving the GETs.
+        await loop.run_in_executor(pool, _check_all, check, keys, datas)
         return datas
 
     def _frames_local(self, index: int, check: FrameCheck) -> Frames:
@@ -278,22 +301,17 @@ class StripeReader:
             await loop.run_in_executor(pool, self._copy_rows, out, rows, data,
                                        time.perf_counter())
         else:
-            keys = [(inner, self.chunk_key((index, *inner))) for inner in self.inner]
-            t0 = time.perf_counter()
-            datas = await asyncio.gather(*(self._get_async(k) for _, k in keys))
-            self.times.add(time.perf_counter() - t0, 0.0)
-            await loop.run_in_executor(pool, self._place_all, keys, datas, out,
-                                       time.perf_counter())
+            _, datas = await self._get_all(index)
+            await loop.run_in_executor(pool, self._place_all, datas, out, time.perf_counter())
 
     def _copy_rows(self, out: np.ndarray, rows: int, src: np.ndarray, submitted: float) -> None:
         t0 = time.perf_counter()
         np.copyto(out[:rows], src)
         self.times.add(0.0, time.perf_counter() - t0, t0 - submitted)
 
-    def _place_all(self, keys: list, datas: list, out: np.ndarray,
-                   submitted: float | None = None) -> None:
+    def _place_all(self, datas: list, out: np.ndarray, submitted: float | None = None) -> None:
         t0 = time.perf_counter()
-        for (inner, _), data in zip(keys, datas, strict=True):
+        for inner, data in zip(self.inner, datas, strict=True):
             self._place(data, inner, out)
         self.times.add(0.0, time.perf_counter() - t0,
                        t0 - submitted if submitted is not None else 0.0)

@@ -11,19 +11,11 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..dtypes import bits, torch_dtype
 from ..geometry import VariableGeometry
-from ..io.device_decode import bits
 from ..memory import BufferPool
 from ..windows import SampleWindow
 from .shuffle_buffer import BatchDraw, GatherPart
-
-
-def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype ``torch.from_numpy`` gives for a numpy dtype (clear error if none)."""
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError as e:
-        raise TypeError(f"numpy dtype {dtype} has no torch equivalent: {e}") from None
 
 
 @dataclass
