@@ -18,7 +18,7 @@ from torchdata.nodes.loader import LoaderIterator
 from .distributed import ELASTIC_KEY, SNAPSHOT_KEY
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .io.retry import RetryPolicy
-from .memory import BufferPool, MemoryLedger
+from .memory import MemoryLedger
 from .metrics import ConsumerMeter, LoaderStats, collect_stats, first_node, maybe_log
 from .nodes import (
     AsyncFetchNode,
@@ -31,7 +31,7 @@ from .nodes import (
     SplitNode,
 )
 from .nodes.channels import StackChannelsNode, resolve_channels
-from .nodes.patches import PatchNode, patch_origins
+from .nodes.patches import PatchNode
 from .nodes.pin_or_cuda import DEFAULT_RING_SIZE, resolve_device
 from .nodes.static import StaticFieldsNode
 from .permute import resolve_rank
@@ -74,11 +74,13 @@ class _ExactIterator(LoaderIterator):
             self._num_yielded += 1
             if meter.next_log is not None:
                 maybe_log(self.loader, t1)
-        ring = self.loader._recent_states
-        if ring is not None:
-            ring.append((self._num_yielded,
-                         {self.ROOT_KEY: self.root.state_dict(),
-                          self.NUM_YIELDED_KEY: self._num_yielded}))
+            # Recorded when the item is pulled: a cached item (pulled by has_next) was
+            # recorded then, with the same count and state.
+            ring = self.loader._recent_states
+            if ring is not None:
+                ring.append((self._num_yielded,
+                             {self.ROOT_KEY: self.root.state_dict(),
+                              self.NUM_YIELDED_KEY: self._num_yielded}))
         return item
 
 
@@ -202,10 +204,10 @@ class InSituLoader(Loader):
 
     def node(self, kind: type) -> Any:
         """The first node of type ``kind`` in the graph (e.g. ``AsyncFetchNode``)."""
-        for n in self._nodes():
-            if isinstance(n, kind):
-                return n
-        raise LookupError(f"no {kind.__name__} in this loader's graph")
+        found = first_node(self._nodes(), kind)
+        if found is None:
+            raise LookupError(f"no {kind.__name__} in this loader's graph")
+        return found
 
     @property
     def epoch(self) -> int:
@@ -330,9 +332,9 @@ def build_loader(
             "is served by one rank, so some ranks would get nothing. Use at most "
             f"{units} ranks, or a split with more chunks."
         )
+    need = _resident_bound(source, block_chunks, prefetch_windows, batch_size, window)
     if memory_budget is not None:
         budget = parse_bytes(memory_budget)
-        need = _resident_bound(source, block_chunks, prefetch_windows, batch_size, window)
         if need > budget:
             fits = largest_block_chunks(source, budget, prefetch_windows, batch_size,
                                         block_chunks - 1, window)
@@ -354,22 +356,21 @@ def build_loader(
     node = ReadPlanNode(node, source.variables, offsets=offsets)
     node = AsyncFetchNode(node, source, max_inflight=max_inflight,
                           prefetch_windows=prefetch_windows, decode_threads=decode_threads,
-                          ledger=ledger, pool=BufferPool(ledger), retry=retry,
-                          device_decode=frame_decoder)
+                          ledger=ledger, retry=retry, device_decode=frame_decoder)
     node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
-    node = GatherNode(node, source.variables, pool=BufferPool(), window=window,
-                      coords=source.batch_coords())
+    node = GatherNode(node, source.variables, window=window, coords=source.batch_coords())
     if stats is not None or dtype is not None:
         node = NormalizeNode(node, stats if stats is not None else Stats("", ()),
                              source.variables, dtype=dtype)
     if static:
-        node = StaticFieldsNode(node, static)
+        node = StaticFieldsNode(node, static, device=resolve_device(device))
     if channels:
         node = StackChannelsNode(node, resolve_channels(source, channels))
     if patch_size is not None:
         spatial = source.variables[0].sample_shape[-len(patch_size):]
-        patch_origins(spatial, patch_size, patch_stride)  # refuse a bad size now, not mid-epoch
-        node = PatchNode(node, patch_size, patch_stride)
+        # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
+        # patch corners once
+        node = PatchNode(node, patch_size, patch_stride, spatial_shape=spatial)
     node = PinOrCudaNode(node, device=device, ring_size=ring_size)
     loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
     loader.snapshot_id = source.snapshot_id
@@ -377,8 +378,7 @@ def build_loader(
     loader.ledger = ledger
     loader.shuffle_quality = shuffle_quality(n_chunks, source.grid.chunk_size, block_chunks,
                                              batch_size)
-    loader.resident_bound = _resident_bound(source, block_chunks, prefetch_windows, batch_size,
-                                            window)
+    loader.resident_bound = need
     return loader
 
 

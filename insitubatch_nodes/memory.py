@@ -51,20 +51,14 @@ class BufferPool:
         self.ledger = ledger
         self._lock = threading.Lock()
         self._free: dict[tuple, list[np.ndarray]] = {}
-        self.allocated = 0  # bytes of base arrays ever created
-        self.reused = 0  # takes served from the free list
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
             free = self._free.get(key)
             base = free.pop() if free else None
-            if base is not None:
-                self.reused += 1
         if base is None:
             base = np.empty(shape, dtype=dtype)
-            with self._lock:
-                self.allocated += base.nbytes
         view = base.view()
         weakref.finalize(view, self._give_back, key, base)
         if self.ledger is not None:

@@ -108,13 +108,12 @@ class HostRing(Generic[B]):
                 f"ring slot {idx} is still leased: a batch was acquired but never recorded or "
                 f"cancelled, and the ring ({self.size} slots) wrapped around to it"
             )
-        waited = False
-        if slot.event is not None:
-            if not slot.event.query():
-                slot.event.synchronize()
-                waited = True
-                self.waits += 1
+        waited = self.busy(idx)
+        if waited:
+            assert slot.event is not None
+            slot.event.synchronize()
             slot.event = None
+            self.waits += 1
         allocated = []
         if not keep_others:
             for key in [k for k in slot.buffers if k not in nbytes]:

@@ -236,3 +236,19 @@ def test_grouped_local_reads_fall_back_to_single_reads_on_error(tmp_path):
     notes = "\n".join(info.value.__notes__)
     assert "x/c/37/0" in notes and ("gave up after" in notes or "not retried" in notes)
     loader.close()
+
+
+def test_dtype_alone_casts_every_variable(tmp_path):
+    """build_loader(dtype=...) without stats must still cast (it adds NormalizeNode for it),
+    and a variable the stats do not cover is cast too."""
+    path = tmp_path / "s.zarr"
+    write_store(path, [Var("x", (40, 3), (8, 3)), Var("y", (40, 2), (8, 2), dtype="int16")])
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    b = next(iter(ib.build_loader(src, m, "train", batch_size=4, dtype=torch.bfloat16)))
+    assert b["x"].dtype == b["y"].dtype == torch.bfloat16
+    assert b["sample_index"].dtype == torch.int64
+    stats = ib.compute_stats(ib.open_source(path, variables=["x"]), m, "train")
+    b = next(iter(ib.build_loader(src, m, "train", batch_size=4, stats=stats,
+                                  dtype=torch.float16)))
+    assert b["x"].dtype == b["y"].dtype == torch.float16

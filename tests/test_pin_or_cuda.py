@@ -524,6 +524,23 @@ def test_gather_into_slot_fails_loudly_if_the_ring_lied(store):
     assert any(not np.array_equal(g["x"], w["x"]) for g, w in zip(got, want, strict=True))
 
 
+def test_gather_into_slot_only_through_stages_that_keep_the_batch(store):
+    """A cast makes new tensors: the gather must not fill pinned buffers nobody copies. A
+    stage that only adds keys (static fields) keeps the in-place gather."""
+    from insitubatch_nodes.nodes.static import StaticFieldsNode
+
+    src, m, _ = store
+    cast = fake_cuda_graph(src, m, FakeOps(eager=True), 2, normalize_dtype=torch.bfloat16)
+    run_graph(cast, epochs=1)
+    assert cast._gather is None and cast._stager.bytes_in_place == 0
+    plain = fake_cuda_graph(src, m, FakeOps(eager=True), 2)
+    static = PinOrCudaNode(StaticFieldsNode(plain.source, {"lsm": np.ones((3,), np.float32)}),
+                           ops=FakeOps(eager=True), ring_size=2)
+    got = run_graph(static, epochs=1)
+    assert static._gather is plain.source and static._stager.bytes_in_place > 0
+    assert all(np.array_equal(b["static/lsm"], np.ones((len(b["x"]), 3))) for b in got)
+
+
 def test_gather_into_slot_cancels_the_slot_at_epoch_end(store):
     src, m, _ = store
     node = fake_cuda_graph(src, m, FakeOps(eager=True), 3)

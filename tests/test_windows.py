@@ -216,6 +216,18 @@ def test_channels_stack_levels_in_the_given_order(weather):
         ib.build_loader(src, m, "train", channels=["z"])
 
 
+def test_a_level_pick_needs_level_y_x_samples(tmp_path):
+    """A (time, level, cell) variable would have its *batch* axis selected: refused."""
+    g = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    g.create_array("q", shape=(16, 3, 7), chunks=(4, 3, 7), dtype="float32",
+                   dimension_names=("time", "level", "cell"))
+    g.create_array("level", data=np.array([500, 850, 1000]), dimension_names=("level",))
+    src = ib.open_source(tmp_path / "g.zarr", variables=["q"])
+    m = ib.split_by_chunk(src, (1.0,))
+    with pytest.raises(ValueError, match=r"needs samples shaped \(level, y, x\)"):
+        ib.build_loader(src, m, "train", channels=[("q", 850)])
+
+
 def test_patches_cover_each_sample_patch_pair_once(weather):
     src, data = weather
     m = ib.split_by_chunk(src, (1.0,))

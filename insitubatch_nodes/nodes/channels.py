@@ -19,8 +19,7 @@ class Channel:
     """One channel: a variable, and (for a variable with a level axis) which level."""
 
     variable: str
-    axis: int | None = None  # axis of the level in the *sample* shape
-    index: int | None = None
+    index: int | None = None  # the level, on the sample's first axis
     label: str = ""
 
 
@@ -41,13 +40,16 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
             continue
         if not var.dimension_names or len(var.shape) < 3:
             raise ValueError(f"variable {name!r} has no level dimension to pick {level!r} from")
+        if len(var.sample_shape) != 3:  # _stack selects the level 3 axes from the end
+            raise ValueError(f"picking level {level!r} of {name!r} needs samples shaped "
+                             f"(level, y, x); its dims are {var.dimension_names}")
         dim = var.dimension_names[1]
         values = source.coordinate(dim)
         hits = np.flatnonzero(values == level)
         if hits.size != 1:
             raise KeyError(f"{dim}={level!r} is not a level of {name!r}; levels: "
                            f"{values.tolist()}")
-        out.append(Channel(name, 0, int(hits[0]), f"{name}@{level}"))
+        out.append(Channel(name, int(hits[0]), f"{name}@{level}"))
         shapes.add(var.sample_shape[1:][-2:])
     if len(shapes) > 1:
         raise ValueError(f"channels must share their spatial shape, got {sorted(shapes)}")
@@ -65,6 +67,7 @@ class StackChannelsNode(TransformNode[dict[str, torch.Tensor]]):
         self.channels = tuple(channels)
         self.key = key
         self.keep = keep
+        self._used = {p + ch.variable for ch in self.channels for p in ("", "target/")}
 
 
     def _stack(self, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
@@ -81,10 +84,9 @@ class StackChannelsNode(TransformNode[dict[str, torch.Tensor]]):
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
-        used = {prefix + ch.variable for ch in self.channels for prefix in ("", "target/")}
         stacked = {p + self.key: x for p in ("", "target/")
                    if (x := self._stack(batch, p)) is not None}
         if not self.keep:
-            batch = {k: v for k, v in batch.items() if k not in used}
+            batch = {k: v for k, v in batch.items() if k not in self._used}
         batch.update(stacked)
         return batch

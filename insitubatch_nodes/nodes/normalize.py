@@ -13,7 +13,8 @@ from .transform import TransformNode
 
 class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
     """``(x - mean) / std`` for every variable with statistics (inputs and ``target/``
-    tensors alike), then a cast to ``dtype`` (e.g. ``torch.bfloat16``) if asked.
+    tensors alike), then a cast of every variable to ``dtype`` (e.g. ``torch.bfloat16``) if
+    asked, with statistics or without.
 
     Statistics kept per channel (a ``level`` dim) broadcast over that axis of the sample.
     Other keys (``sample_index``, coordinates) pass through untouched. Stateless.
@@ -24,6 +25,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                  eps: float = 1e-12) -> None:
         super().__init__(source)
         self.dtype = dtype
+        self.keeps_batch_memory = dtype is None  # float32 is standardised in place
+        self._names = {var.name for var in variables}
         self._params: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for var in variables:
             try:
@@ -45,6 +48,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             name = key[len("target/"):] if key.startswith("target/") else key
             p = self._params.get(name)
             if p is None:
+                if self.dtype is not None and name in self._names:
+                    batch[key] = value.to(self.dtype)
                 continue
             if p[0].device != value.device:  # batches decoded on a GPU: move once, keep
                 p = self._params[name] = (p[0].to(value.device), p[1].to(value.device))

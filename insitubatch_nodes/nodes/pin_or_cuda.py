@@ -188,13 +188,15 @@ class CudaStager:
 
 def _upstream_gather(node: Any) -> Any:
     """The node that makes the batches (``GatherNode``, or any node with a ``staging``
-    attribute) upstream of ``node``, if any: it can write the batch's variables into the
-    ring slot instead of pageable memory."""
-    seen = 0
-    while node is not None and seen < 32:
+    attribute) upstream of ``node``, reached only through stages that keep the batch's
+    memory (``TransformNode.keeps_batch_memory``): it can then write the variables into the
+    ring slot instead of pageable memory. ``None`` otherwise."""
+    while node is not None:
         if hasattr(node, "staging"):
             return node
-        node, seen = getattr(node, "source", None), seen + 1
+        if not getattr(node, "keeps_batch_memory", False):
+            return None
+        node = getattr(node, "source", None)
     return None
 
 

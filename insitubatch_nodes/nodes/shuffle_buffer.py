@@ -41,6 +41,23 @@ class BatchDraw:
     parts: tuple[tuple[GatherPart, ...], ...]
 
 
+def _runs(samples: np.ndarray, steps: np.ndarray, sample_chunk: int,
+          ) -> list[tuple[int, int, np.ndarray, int, int]]:
+    """(step, stripe, offsets in the stripe, start, stop) for every run of batch rows that
+    one stripe serves; ``samples`` is sorted, so each stripe's rows are one contiguous run."""
+    out = []
+    for step, off in enumerate(steps.tolist()):
+        rows = samples + off
+        stripe = rows // sample_chunk
+        cuts = np.flatnonzero(np.diff(stripe)) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        stops = np.concatenate((cuts, [rows.size])).tolist()
+        offsets = rows - stripe * sample_chunk
+        out.extend((step, int(stripe[a]), offsets, a, b)
+                   for a, b in zip(starts, stops, strict=True))
+    return out
+
+
 @dataclass
 class ShuffleStats:
     """Consumer time in ``next()`` (``next_s``) and, inside it, pulling windows from upstream
@@ -127,11 +144,15 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         taken = order[res.offset : res.offset + n]
         res.offset += taken.size
         rows = res.window.plan.rows(taken)
+        per_chunk: dict[int, tuple[list[int], list[int]]] = {}  # variables sharing a chunking
         for v, var in enumerate(self.variables):
-            idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
+            hit = per_chunk.get(var.sample_chunk)
+            if hit is None:
+                idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
+                hit = per_chunk[var.sample_chunk] = (idx.tolist(), counts.tolist())
             rem = res.remaining[v]
             arrays = res.window.arrays[v]
-            for i, c in zip(idx.tolist(), counts.tolist(), strict=True):
+            for i, c in zip(*hit, strict=True):
                 if touched is not None:
                     touched[v][i] = arrays[i]
                 left = rem[i] - c
@@ -176,21 +197,15 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     def _make_draw(self, pieces: list[np.ndarray], touched: list[dict[int, np.ndarray]],
                    steps: np.ndarray) -> BatchDraw:
         samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        runs: dict[int, list] = {}  # per sample chunking: the runs, shared by its variables
         parts = []
         for v, var in enumerate(self.variables):
             lookup = touched[v]
-            var_parts = []
-            for step, off in enumerate(steps.tolist()):
-                rows = samples + off  # sorted, so each stripe's rows are one contiguous run
-                stripe = rows // var.sample_chunk
-                cuts = np.flatnonzero(np.diff(stripe)) + 1
-                starts = np.concatenate(([0], cuts)).tolist()
-                stops = np.concatenate((cuts, [rows.size])).tolist()
-                offsets = rows - stripe * var.sample_chunk
-                var_parts.extend(
-                    GatherPart(lookup[int(stripe[a])], offsets[a:b], a, b, step)
-                    for a, b in zip(starts, stops, strict=True))
-            parts.append(tuple(var_parts))
+            var_runs = runs.get(var.sample_chunk)
+            if var_runs is None:
+                var_runs = runs[var.sample_chunk] = _runs(samples, steps, var.sample_chunk)
+            parts.append(tuple(GatherPart(lookup[i], offsets[a:b], a, b, step)
+                               for step, i, offsets, a, b in var_runs))
         return BatchDraw(samples, tuple(parts))
 
     def get_state(self) -> dict[str, Any]:

@@ -35,22 +35,22 @@ def open_static(url: str | os.PathLike[str], variables: Sequence[str], *,
 
 class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``"static/<name>"`` to each batch: the field broadcast to ``(batch, *shape)``
-    as an expanded view (no copy per batch). Stateless."""
+    as an expanded view (no copy per batch). The fields live on ``device`` (moved once), so
+    a CUDA loader does not copy B expanded copies of them to the GPU every batch. Stateless."""
+
+    keeps_batch_memory = True  # only adds keys
 
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]],
-                 fields: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+                 fields: Mapping[str, np.ndarray | torch.Tensor],
+                 device: str | torch.device | None = None) -> None:
         super().__init__(source)
-        self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in fields.items()}
+        self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)).to(device or "cpu")
+                       for k, v in fields.items()}
 
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
         n = len(batch["sample_index"])
-        # Batches decoded on a GPU get the fields there (moved once), not n host copies.
-        device = next((v.device for v in batch.values()
-                       if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
         for name, t in self.fields.items():
-            if device is not None and t.device != device:
-                t = self.fields[name] = t.to(device)
             batch[f"static/{name}"] = t.expand(n, *t.shape)
         return batch
