@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ import zarr.codecs as zc
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.bench.common import machine_info
-from insitubatch_nodes.demo import DemoSpec, _fields
+from insitubatch_nodes.demo import DemoSpec, _fields, clear_store
 from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import DeviceChain, device_chain_for
 from insitubatch_nodes.io.device_decode import NvcompFrameDecoder, StripeFrames, WindowDecoder
@@ -63,8 +62,7 @@ CODECS: dict[str, dict[str, Any]] = {
 def write_store(path: Path, codec: str, n_times: int, time_chunk: int) -> Path:
     spec = DemoSpec(n_times=n_times, n_lat=181, n_lon=360)
     kw = CODECS[codec]
-    if path.exists():
-        shutil.rmtree(path)
+    clear_store(path)
     g = zarr.open_group(path, mode="w", zarr_format=kw["zarr_format"])
     a = g.create_array("t2m", shape=(n_times, 181, 360), chunks=(time_chunk, 181, 360),
                        dtype="float32", compressors=kw["compressors"])

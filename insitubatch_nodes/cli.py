@@ -207,12 +207,11 @@ def _open(parser: argparse.ArgumentParser, url: str, variables: list[str] | None
 
 
 def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from .demo import VARIABLES, DemoSpec, make_demo_store
+    from .demo import VARIABLES, DemoSpec, is_zarr_store, make_demo_store
 
     path = Path(args.path)
     if path.exists():
-        is_zarr = path.is_dir() and any((path / f).exists() for f in ("zarr.json", ".zgroup"))
-        if not is_zarr:
+        if not is_zarr_store(path):
             parser.error(f"{str(path)!r} exists and is not a Zarr store; give a new path "
                          "(make-demo never replaces anything else)")
         if not args.force:

@@ -68,11 +68,26 @@ def _fields(spec: DemoSpec, t0: int, t1: int, rng: np.random.Generator) -> dict[
     }
 
 
-def make_demo_store(path: str | Path, spec: DemoSpec, *, progress: bool = True) -> Path:
-    """Write the store at ``path`` (replacing it) and return the path."""
+def is_zarr_store(path: Path) -> bool:
+    return path.is_dir() and any((path / f).exists() for f in ("zarr.json", ".zgroup", ".zarray"))
+
+
+def clear_store(path: str | Path) -> None:
+    """Remove the Zarr store at ``path`` so it can be written anew; anything else that is
+    there is an error (a mistyped ``--path`` must never wipe a directory)."""
     path = Path(path)
-    if path.exists():
-        shutil.rmtree(path)
+    if not path.exists():
+        return
+    if not is_zarr_store(path):
+        raise FileExistsError(f"{str(path)!r} exists and is not a Zarr store; give a new path "
+                              "(only a Zarr store is ever replaced)")
+    shutil.rmtree(path)
+
+
+def make_demo_store(path: str | Path, spec: DemoSpec, *, progress: bool = True) -> Path:
+    """Write the store at ``path`` (replacing a Zarr store there) and return the path."""
+    path = Path(path)
+    clear_store(path)
     g = zarr.open_group(path, mode="w", zarr_format=3)
     dims = ("time", "lat", "lon")
     codec = zc.BloscCodec(cname="zstd", clevel=5, shuffle="shuffle")

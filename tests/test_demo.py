@@ -34,3 +34,18 @@ def test_demo_cli(tmp_path, capsys):
     assert "samples/s" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--size-mb", "-1"])
+
+
+def test_the_demo_writer_never_replaces_what_is_not_a_zarr_store(tmp_path):
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a Zarr store"):
+        make_demo_store(keep, DemoSpec(n_times=8, n_lat=4, n_lon=8, time_chunk=4),
+                        progress=False)
+    assert (keep / "notes.txt").read_text() == "precious"
+    store = make_demo_store(tmp_path / "d.zarr", DemoSpec(n_times=8, n_lat=4, n_lon=8,
+                                                          time_chunk=4), progress=False)
+    make_demo_store(store, DemoSpec(n_times=12, n_lat=4, n_lon=8, time_chunk=4),
+                    progress=False)  # a Zarr store is replaced
+    assert ib.open_source(store).grid.n_samples == 12

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import insitubatch_nodes as ib
 from insitubatch_nodes.io.reader import StripeReader
 from insitubatch_nodes.metrics import LoaderStats
 
+from ..demo import clear_store
 from .common import (
     OtherLoad,
     RssSampler,
@@ -655,8 +655,7 @@ def make_store(path: Path, shape: tuple[int, ...], time_chunk: int, seed: int = 
     import zarr.codecs as zc
     from tqdm import tqdm
 
-    if path.exists():
-        shutil.rmtree(path)
+    clear_store(path)
     g = zarr.open_group(path, mode="w", zarr_format=3)
     arr = g.create_array(VAR, shape=shape, chunks=(time_chunk, *shape[1:]), dtype="float32",
                          compressors=zc.BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"),
