@@ -259,7 +259,8 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         run_sweep(SweepConfig(
             url=args.url, variables=variables, batch_size=args.batch_size,
             block_chunks=args.block_chunks, max_inflight=args.max_inflight,
-            samples_per_chunk=args.sweep_spc, block_chunks_values=args.sweep_block_chunks,
+            decode_threads=args.decode_threads, samples_per_chunk=args.sweep_spc,
+            block_chunks_values=args.sweep_block_chunks,
             max_inflight_values=args.sweep_inflight, spc_samples=args.sweep_samples,
             spc_sample_shape=args.sweep_sample_shape, window_samples=args.window_samples,
             epochs=args.epochs or 3, seed=args.seed, out_dir=args.out,

@@ -161,3 +161,15 @@ def test_bench_sweep_end_to_end(capsys, demo, tmp_path):
     for name in ("samples_per_chunk", "block_chunks", "max_inflight"):
         assert (out / f"sweep_{name}.png").stat().st_size > 1000
     assert not (out / "sweep-stores" / "spc1.zarr").exists()  # removed unless --keep-stores
+
+
+def test_bench_options_reach_the_sweep_loaders(monkeypatch, demo, tmp_path):
+    """--decode-threads (and the other loader options) reach the sweep's loaders too."""
+    from insitubatch_nodes.bench import sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "run_sweep", lambda cfg: seen.append(cfg))
+    assert cli.main(["bench", str(demo), "--sweep", "--out", str(tmp_path / "o"),
+                     "--decode-threads", "3", "--max-inflight", "5", "--quiet"]) == 0
+    kw = seen[0].loader_kwargs()
+    assert kw["decode_threads"] == 3 and kw["max_inflight"] == 5

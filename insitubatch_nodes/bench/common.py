@@ -181,6 +181,23 @@ def local_path(url: str) -> Path | None:
     return None
 
 
+@dataclass
+class LoaderSettings:
+    """The loader options every benchmark takes from the CLI (``bench`` and ``--sweep``)."""
+
+    url: str
+    variables: list[str] | None = None
+    batch_size: int = 32
+    block_chunks: int = 16
+    max_inflight: int = 32
+    decode_threads: int | None = None
+    seed: int = 0
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        return dict(batch_size=self.batch_size, block_chunks=self.block_chunks, seed=self.seed,
+                    max_inflight=self.max_inflight, decode_threads=self.decode_threads)
+
+
 def machine_info() -> dict[str, Any]:
     """Enough to tell whether two result files came from comparable machines."""
     import numcodecs

@@ -33,6 +33,7 @@ from insitubatch_nodes.metrics import LoaderStats
 
 from ..demo import clear_store
 from .common import (
+    LoaderSettings,
     OtherLoad,
     RssSampler,
     Run,
@@ -50,31 +51,20 @@ RSS_SLACK = 400 * 10**6  # target: peak RSS <= resident bound + this
 
 
 @dataclass
-class CoreConfig:
+class CoreConfig(LoaderSettings):
     """What ``run_core`` measures; the CLI fills it from its options."""
 
-    url: str
-    variables: list[str] | None = None
-    batch_size: int = 32
-    block_chunks: int = 16
-    max_inflight: int = 32
-    decode_threads: int | None = None
     epochs: int = 5
     naive_samples: int = 1500
     naive_workers: tuple[int, ...] = (0, 2)
     floor_threads: int = field(default_factory=lambda: min(4, os.cpu_count() or 2))
     repeats: int = 3
     split_fraction: float = 1.0
-    seed: int = 0
     resume_after: int = 10
     out_dir: Path = Path("bench-out")
     json_name: str = "core.json"
     plots: bool = True
     progress: bool = True
-
-    def loader_kwargs(self) -> dict[str, Any]:
-        return dict(batch_size=self.batch_size, block_chunks=self.block_chunks, seed=self.seed,
-                    max_inflight=self.max_inflight, decode_threads=self.decode_threads)
 
 
 # -- the read floors ----------------------------------------------------------------------

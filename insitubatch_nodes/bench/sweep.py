@@ -28,19 +28,22 @@ import numpy as np
 
 import insitubatch_nodes as ib
 
-from .common import OtherLoad, RssSampler, consume, local_path, machine_info, warm_page_cache
+from .common import (
+    LoaderSettings,
+    OtherLoad,
+    RssSampler,
+    consume,
+    local_path,
+    machine_info,
+    warm_page_cache,
+)
 from .core import StripeFloor, make_store
 
 SPLIT = "train"
 
 
 @dataclass
-class SweepConfig:
-    url: str
-    variables: list[str] | None = None
-    batch_size: int = 32
-    block_chunks: int = 16
-    max_inflight: int = 32
+class SweepConfig(LoaderSettings):
     samples_per_chunk: tuple[int, ...] = (1, 8, 24, 96)
     block_chunks_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_inflight_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -48,7 +51,6 @@ class SweepConfig:
     spc_sample_shape: tuple[int, int] = (64, 64)
     window_samples: int = 256
     epochs: int = 3
-    seed: int = 0
     out_dir: Path = Path("bench-out")
     keep_stores: bool = False
     plots: bool = True
@@ -129,9 +131,8 @@ def sweep_samples_per_chunk(cfg: SweepConfig) -> tuple[list[dict[str, Any]], dic
         floor_s = min(floor.run_pass() for _ in range(3))
         floor.close()
         n_batches = -(-source.n_samples // cfg.batch_size)
-        with ib.build_loader(source, manifest, SPLIT, batch_size=cfg.batch_size,
-                             block_chunks=bc, max_inflight=cfg.max_inflight,
-                             seed=cfg.seed) as loader:
+        with ib.build_loader(source, manifest, SPLIT,
+                             **{**cfg.loader_kwargs(), "block_chunks": bc}) as loader:
             p = _epochs(loader, n_batches, cfg.epochs, f"spc {spc}", source.names[0],
                         cfg.progress)
         p.pop("last_epoch_index")
@@ -169,8 +170,7 @@ def sweep_knob(cfg: SweepConfig, source: ib.Source, manifest: ib.SplitManifest, 
     for value in tqdm(values, desc=f"sweep: {knob}", file=sys.stderr, disable=not cfg.progress):
         kw = {"block_chunks": cfg.block_chunks, "max_inflight": cfg.max_inflight, knob: value}
         _trim()
-        with ib.build_loader(source, manifest, SPLIT, batch_size=cfg.batch_size,
-                             seed=cfg.seed, **kw) as loader:
+        with ib.build_loader(source, manifest, SPLIT, **{**cfg.loader_kwargs(), **kw}) as loader:
             p = _epochs(loader, n_batches, cfg.epochs, f"{knob}={value}", source.names[0],
                         cfg.progress, keep_index=True)
         idx = p.pop("last_epoch_index")
