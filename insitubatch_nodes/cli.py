@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,30 +61,25 @@ def _byte_size(text: str) -> int:
     return value
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated whole numbers >= 1, e.g. 1,8,24,96, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated whole numbers >= 1, e.g. 1,8,24,96, got {text!r}")
-    return values
+def _int_list_of(minimum: int, example: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated whole numbers >= ``minimum``."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(p) for p in text.replace(" ", "").split(",") if p)
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated whole numbers >= {minimum}, e.g. {example}, "
+                f"got {text!r}")
+        return values
+
+    return parse
 
 
-def _int_list0(text: str) -> tuple[int, ...]:
-    """Like ``_int_list`` but 0 is allowed (DataLoader worker counts)."""
-    try:
-        values = tuple(int(p) for p in text.replace(" ", "").split(",") if p)
-    except ValueError:
-        values = ()
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated whole numbers >= 0, e.g. 0,2, got {text!r}")
-    return values
+_int_list = _int_list_of(1, "1,8,24,96")
+_int_list0 = _int_list_of(0, "0,2")  # DataLoader worker counts
 
 
 def _shape2(text: str) -> tuple[int, int]:
@@ -190,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N,N", help="default 1,2,4,8,16,32,64")
     s.add_argument("--keep-stores", action="store_true",
                    help="keep the synthetic stores under DIR/sweep-stores")
+    for command in sub.choices.values():
+        command.set_defaults(parser=command)  # errors are reported by the subcommand's parser
     return p
 
 
@@ -285,9 +283,8 @@ COMMANDS = {"make-demo": cmd_make_demo, "inspect": cmd_inspect, "bench": cmd_ben
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     try:
-        return COMMANDS[args.command](sub, args)
+        return COMMANDS[args.command](args.parser, args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import numpy as np
 
@@ -25,7 +24,6 @@ from .geometry import SampleGrid, VariableGeometry
 from .permute import DRAW_STREAM, epoch_chunk_order, rank_share
 from .plan import ReadPlan
 
-Uneven = Literal["pad", "drop", "none"]
 UNEVEN_POLICIES: tuple[str, ...] = ("pad", "drop", "none")
 _PAD_STREAM = 0x9A
 

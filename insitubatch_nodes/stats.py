@@ -95,9 +95,8 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"statistics of {split!r}", unit="chunk", file=sys.stderr)
-    cs = source.grid.chunk_size
     for c in it:
-        a, b = c * cs, min((c + 1) * cs, source.n_samples)
+        a, b = source.grid.chunk_range(c)
         for name, arr, _, axes, _ in plans:
             x = np.asarray(arr[a:b], dtype=np.float64)
             n = int(np.prod([x.shape[i] for i in axes]))

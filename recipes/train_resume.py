@@ -11,6 +11,7 @@ resumed run continues with exactly the batches the first run would have produced
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -96,9 +97,11 @@ def main() -> None:
                 opt.step()
                 step += 1
                 if step % args.every == 0:
+                    # write then rename: a crash mid-save leaves the last checkpoint whole
+                    tmp = f"{args.checkpoint}.tmp"
                     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "loader": loader.state_dict(), "step": step},
-                               args.checkpoint)
+                                "loader": loader.state_dict(), "step": step}, tmp)
+                    os.replace(tmp, args.checkpoint)
                     print(f"step {step}: loss {loss.item():.4f} (checkpoint saved)")
                 if args.stop_after is not None and step >= args.stop_after:
                     print(f"stopping after {step} steps; rerun with --resume")
