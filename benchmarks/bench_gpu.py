@@ -43,7 +43,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.bench.common import machine_info
+from insitubatch_nodes.bench.common import print_machine
 from insitubatch_nodes.demo import VARIABLES, DemoSpec, make_demo_store
 from insitubatch_nodes.io.device_decode import gpu_decode_available
 
@@ -395,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
               f"torch.cuda.is_available() is False); nothing to measure. Run it on a machine "
               "with a GPU (or pass --cpu-smoke to exercise the code paths on CPU).")
         return 0
-    machine = machine_info()
-    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    machine = print_machine()
     if not cuda:
         print("CPU smoke run: the step is a host sleep and nothing overlaps it, so the numbers "
               "below only show the code runs; they say nothing about the GPU path.")

@@ -41,7 +41,7 @@ import zarr
 import zarr.codecs as zc
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.bench.common import machine_info
+from insitubatch_nodes.bench.common import print_machine
 from insitubatch_nodes.demo import DemoSpec, _fields, clear_store
 from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import DeviceChain, device_chain_for
@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         from insitubatch_nodes.testing.host_frames import HostFrameDecoder
 
         decoder, label = HostFrameDecoder(), "stand-in"
-    machine = machine_info()
-    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    machine = print_machine()
     report: dict[str, Any] = {"machine": machine, "args": {k: str(v) for k, v in
                                                           vars(args).items()}, "codecs": {}}
     print(f"\ndecode only, {args.n_times} x (181, 360) float32 in {args.time_chunk}-sample "

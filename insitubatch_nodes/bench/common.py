@@ -200,6 +200,13 @@ class LoaderSettings:
                     max_inflight=self.max_inflight, decode_threads=self.decode_threads)
 
 
+def print_machine() -> dict[str, Any]:
+    """``machine_info()``, printed as one line first (every benchmark's report starts so)."""
+    machine = machine_info()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    return machine
+
+
 def machine_info() -> dict[str, Any]:
     """Enough to tell whether two result files came from comparable machines."""
     import numcodecs

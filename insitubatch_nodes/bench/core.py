@@ -40,7 +40,7 @@ from .common import (
     consume,
     fmt,
     local_path,
-    machine_info,
+    print_machine,
     usage,
     usage_extra,
     warm_page_cache,
@@ -462,8 +462,7 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     """Run every path on ``cfg.url``; print the table, write JSON (and PNG plots)."""
     t_start = time.perf_counter()
     whole = OtherLoad().__enter__()
-    machine = machine_info()
-    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    machine = print_machine()
     source = ib.open_source(cfg.url, variables=cfg.variables)
     root = local_path(cfg.url)
     store_info: dict[str, Any] = {"url": source.url}

@@ -34,7 +34,7 @@ from .common import (
     RssSampler,
     consume,
     local_path,
-    machine_info,
+    print_machine,
     warm_page_cache,
 )
 from .core import StripeFloor, make_store
@@ -217,8 +217,7 @@ def run_sweep(cfg: SweepConfig) -> dict[str, Any]:
     """Run the three sweeps, print their tables, write ``sweep.json`` and PNG plots."""
     t0 = time.perf_counter()
     other = OtherLoad().__enter__()
-    machine = machine_info()
-    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    machine = print_machine()
     source = ib.open_source(cfg.url, variables=cfg.variables)
     root = local_path(cfg.url)
     if root is not None:
