@@ -6,7 +6,7 @@ import numcodecs
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from insitubatch_nodes.io.blosc_frame import HEADER, parse_blosc
@@ -38,6 +38,12 @@ def rebuild(frame: bytes, nbytes: int) -> bytes:
 
 
 @settings(max_examples=100, deadline=None)
+# Paths random draws seldom reach (most small frames are stored as is): a bit-shuffled short
+# last block, and a byte-shuffled one after full blocks.
+@example(dtype="float32", size=1000, cname="zstd", shuffle=2, clevel=5, blocksize=1024,
+         seed=0, kind="smooth")
+@example(dtype="int16", size=5003, cname="lz4", shuffle=1, clevel=5, blocksize=4096, seed=1,
+         kind="smooth")
 @given(dtype=st.sampled_from(["float32", "float64", "int16", "uint8", "float16", "int64"]),
        size=st.integers(1, 200_000), cname=st.sampled_from(["lz4", "lz4hc", "zstd"]),
        shuffle=st.sampled_from([0, 1, 2]), clevel=st.sampled_from([0, 1, 5, 9]),

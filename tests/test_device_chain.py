@@ -141,6 +141,21 @@ def test_multi_block_zstd_frame_is_walked():
         check_zstd_frame(memoryview(frame[:first_block_end]), len(data))
 
 
+def test_a_damaged_zstd_stream_inside_a_blosc_frame_is_caught():
+    """The blosc header can be intact while a stream inside is not; nvCOMP's zstd would not
+    notice, so the host walks every zstd stream of the frame."""
+    from insitubatch_nodes.io.blosc_frame import parse_blosc
+
+    x = np.cumsum(np.random.default_rng(0).standard_normal(50_000)).astype("float32")
+    frame = bytearray(numcodecs.Blosc("zstd", 5, 1).encode(x))
+    chain = DeviceChain("blosc", 0, "bytes -> blosc")
+    chain.check(bytes(frame), x.nbytes)
+    s = next(s for s in parse_blosc(bytes(frame), x.nbytes).streams if not s.raw)
+    frame[s.src : s.src + 4] = b"\0\0\0\0"  # the stream's zstd magic
+    with pytest.raises(ValueError, match="not a zstd frame"):
+        chain.check(bytes(frame), x.nbytes)
+
+
 def test_foreign_bytes_are_refused():
     with pytest.raises(ValueError, match="not a zstd frame"):
         check_zstd_frame(memoryview(b"\x00" * 64), 10)

@@ -32,6 +32,13 @@ def options(which):
     return dict(decode="gpu", device="cuda"), torch.device("cuda", torch.cuda.current_device())
 
 
+def ran_on_device(loader):
+    """The device path really decoded windows (with the host stand-in, the tensors' device
+    alone cannot tell)."""
+    wd = loader.node(ib.AsyncFetchNode).window_decoder
+    return wd is not None and wd.windows > 0 and wd.bytes_out > 0
+
+
 def epoch(loader):
     return [{k: v.cpu().numpy().copy() for k, v in b.items()} for b in loader]
 
@@ -76,8 +83,9 @@ CASES = {
                   compressors=zc.BloscCodec(cname="zstd", shuffle="bitshuffle")),
               Var("i", (37, 300), (8, 300), dtype="float32",
                   compressors=zc.BloscCodec(cname="lz4", shuffle="bitshuffle")),
-              Var("j", (37, 33), (7, 33), dtype="int16",
-                  compressors=zc.BloscCodec(cname="lz4", shuffle="bitshuffle")),
+              # 7 x 333 = 2331 elements per block, not a multiple of 8: stored unshuffled
+              Var("j", (37, 333), (7, 333), dtype="int16",
+                  compressors=zc.BloscCodec(cname="zstd", shuffle="bitshuffle")),
               Var("f", (37, 50, 6), (8, 20, 4), compressors=BLOSC),
               ],
     "v2-blosc": [Var("l", (37, 300), (8, 300), compressors=numcodecs.Blosc("lz4", 5, 1),
@@ -110,6 +118,7 @@ def test_batches_equal_the_cpu_path(store_factory, case, which):
         assert batches[0][name].device == dev, name
     chains = got.node(ib.AsyncFetchNode).window_decoder.chains
     assert {src.variables[v].name for v in chains} == on_device
+    assert ran_on_device(got)
     rows = np.concatenate([b["sample_index"] for b in want])
     assert sorted(rows.tolist()) == list(range(src.grid.n_samples))
     for name, d in data.items():  # and the rows are the stored rows
@@ -127,9 +136,11 @@ def test_missing_chunks_read_as_the_fill_value(tmp_path, which):
     src = ib.open_source(tmp_path / "s.zarr")
     m = ib.split_by_chunk(src, (1.0,))
     kw, _ = options(which)
-    batches = epoch(ib.build_loader(src, m, "train", batch_size=4, **kw))
+    loader = ib.build_loader(src, m, "train", batch_size=4, **kw)
+    batches = epoch(loader)
     rows = np.concatenate([b["sample_index"] for b in batches])
     np.testing.assert_array_equal(np.concatenate([b["a"] for b in batches]), a[:][rows])
+    assert ran_on_device(loader)
 
 
 def test_one_batched_decode_per_codec_per_window(store_factory):
@@ -156,9 +167,10 @@ def test_time_windows_equal_the_cpu_path(store_factory, which):
     m = ib.split_by_chunk(src, (1.0,))
     kw, _ = options(which)
     w = ib.SampleWindow(2, (1, 3))
-    same(epoch(ib.build_loader(src, m, "train", batch_size=7, window=w, block_chunks=2,
-                               **kw)),
+    loader = ib.build_loader(src, m, "train", batch_size=7, window=w, block_chunks=2, **kw)
+    same(epoch(loader),
          epoch(ib.build_loader(src, m, "train", batch_size=7, window=w, block_chunks=2)))
+    assert ran_on_device(loader)
 
 
 @pytest.mark.parametrize("which", DECODERS)
@@ -179,6 +191,7 @@ def test_resume_is_exact(store_factory, which, k):
     resumed = ib.build_loader(src, m, "train", batch_size=5, block_chunks=3, seed=1, **kw2)
     resumed.load_state_dict(state)
     same(epoch(resumed), full[k:])
+    assert ran_on_device(resumed)
 
 
 def test_fallbacks_are_logged_once_per_variable_with_the_reason(store_factory, caplog):
@@ -217,6 +230,36 @@ def test_a_damaged_chunk_is_an_error_naming_its_key(store_factory):
         next(it)
 
 
+def test_bitshuffled_blocks_not_a_multiple_of_8_stay_as_stored(store_factory):
+    """c-blosc bit-shuffles only blocks of 8k elements: a 7 x 333 int16 chunk (2331) is
+    compressed unshuffled, and the device must not unshuffle it."""
+    from insitubatch_nodes.io.blosc_frame import parse_blosc
+
+    path, _ = store_factory([Var("j", (37, 333), (7, 333), dtype="int16",
+                                 compressors=zc.BloscCodec(cname="zstd", shuffle="bitshuffle"))])
+    frame = parse_blosc((path / "j" / "c" / "1" / "0").read_bytes(), 7 * 333 * 2)
+    assert (frame.codec, frame.shuffle, frame.blocksize) == ("zstd", "bit", 7 * 333 * 2)
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    dec = HostFrameDecoder()
+    loader = ib.build_loader(src, m, "train", batch_size=6, decode=dec)
+    same(epoch(loader), epoch(ib.build_loader(src, m, "train", batch_size=6)))
+    assert ran_on_device(loader) and dec.calls == [("zstd", 6)]  # all 6 chunks, one batch
+
+
+def test_a_sound_blosc_frame_the_device_cannot_read_is_decoded_on_the_host(store_factory):
+    """The metadata says blosc, and blosc frames name their own codec: a chunk another
+    writer stored with blosclz streams is decoded on the host, not retried as damaged."""
+    path, data = store_factory([Var("a", (32, 500), (8, 500), compressors=BLOSC)])
+    chunk = path / "a" / "c" / "1" / "0"
+    chunk.write_bytes(numcodecs.Blosc("blosclz", 5, 1).encode(data["a"][8:16]))
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=6, decode=HostFrameDecoder())
+    same(epoch(loader), epoch(ib.build_loader(src, m, "train", batch_size=6)))
+    assert ran_on_device(loader) and loader.node(ib.AsyncFetchNode).stats.retries == 0
+
+
 def test_misaligned_blosc_streams_are_decoded_on_the_host(store_factory):
     """A chunk of 7 x 999 float32 is one blosc block that LZ4 splits into four 6993-byte
     streams: they would land misaligned for nvCOMP, so such chunks are decoded on the
@@ -226,9 +269,11 @@ def test_misaligned_blosc_streams_are_decoded_on_the_host(store_factory):
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
     dec = HostFrameDecoder()
-    same(epoch(ib.build_loader(src, m, "train", batch_size=6, decode=dec)),
-         epoch(ib.build_loader(src, m, "train", batch_size=6)))
-    assert dec.calls == []  # nothing went to the device decoder
+    loader = ib.build_loader(src, m, "train", batch_size=6, decode=dec)
+    same(epoch(loader), epoch(ib.build_loader(src, m, "train", batch_size=6)))
+    assert set(loader.node(ib.AsyncFetchNode).window_decoder.chains) == {0}  # device path
+    assert ran_on_device(loader)
+    assert dec.calls == []  # ...yet nothing went to the batched decoder
 
 
 def test_a_failing_device_decode_ends_the_epoch_loudly(store_factory):
@@ -259,9 +304,9 @@ def test_decode_option_errors(store_factory):
         ib.build_loader(src, m, "train", decode="nvcomp")
     with pytest.raises(TypeError, match="FrameDecoder"):
         ib.build_loader(src, m, "train", decode=42)
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        ib.build_loader(src, m, "train", decode="gpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs device='cuda'"):
-            ib.build_loader(src, m, "train", decode="gpu")
         with pytest.raises(RuntimeError, match="no usable CUDA"):
             ib.build_loader(src, m, "train", decode="gpu", device="cuda")
 
@@ -281,7 +326,9 @@ def test_normalize_static_and_channels_follow_device_batches(store_factory, whic
     kw, dev = options(which)
     common = dict(batch_size=6, stats=stats, static={"lsm": np.ones((3, 4), np.float32)},
                   channels=[("t", 850), "u"], dtype=torch.bfloat16)
-    got = list(ib.build_loader(src, m, "train", **common, **kw))
+    loader = ib.build_loader(src, m, "train", **common, **kw)
+    got = list(loader)
+    assert ran_on_device(loader)
     assert got[0]["channels"].device == dev and got[0]["static/lsm"].device == dev
     same([{k: v.float().cpu().numpy() if v.dtype == torch.bfloat16 else v.cpu().numpy()
            for k, v in b.items()} for b in got],

@@ -21,6 +21,7 @@ from torchdata.nodes import BaseNode
 import insitubatch_nodes as ib
 from insitubatch_nodes.nodes import pin_or_cuda
 from insitubatch_nodes.nodes.pin_or_cuda import CudaStager, PinOrCudaNode, staging_view
+from insitubatch_nodes.nodes.transform import TransformNode
 from insitubatch_nodes.ring import HostRing
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -496,6 +497,9 @@ def test_gather_writes_into_the_pinned_slot_and_batches_stay_exact(store, case):
         assert g.keys() == w.keys()
         for k in g:
             np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+        if case == "plain":  # and both are the stored rows
+            for name, arr in data.items():
+                np.testing.assert_array_equal(g[name], arr[g["sample_index"]])
     stager = node._stager
     n_rows = sum(len(b["sample_index"]) for b in got)
     assert stager.ring.waits > 0  # the slow GPU made the ring wrap onto copies in flight
@@ -539,6 +543,31 @@ def test_gather_into_slot_only_through_stages_that_keep_the_batch(store):
     got = run_graph(static, epochs=1)
     assert static._gather is plain.source and static._stager.bytes_in_place > 0
     assert all(np.array_equal(b["static/lsm"], np.ones((len(b["x"]), 3))) for b in got)
+
+
+class _TransposeX(TransformNode):
+    """A stage that claims to keep the batch's memory but hands on a view of it in another
+    layout: the stager must not copy the slot onto itself."""
+
+    keeps_batch_memory = True
+
+    def next(self):
+        batch = next(self.source)
+        batch["x"] = batch["x"].t()
+        return batch
+
+
+def test_a_view_of_the_slot_in_another_layout_is_copied_safely(store):
+    src, m, _ = store
+    gpu = fake_cuda_graph(src, m, FakeOps(eager=False), 2)
+    gpu = PinOrCudaNode(_TransposeX(gpu.source), ops=gpu._ops, ring_size=2)
+    cpu = _cpu_graph(src, m, None, None)
+    cpu = PinOrCudaNode(_TransposeX(cpu.source), device=None)
+    got, want = run_graph(gpu), run_graph(cpu)
+    assert gpu._gather is not None and gpu._stager.bytes_in_place > 0  # h, y still in place
+    assert len(got) == len(want) and got[0]["x"].shape[0] == 3
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g["x"], w["x"])
 
 
 def test_gather_into_slot_cancels_the_slot_at_epoch_end(store):
