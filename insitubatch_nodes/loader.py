@@ -286,7 +286,8 @@ def build_loader(
     holds ``name`` (batch, history, ...) inputs and ``"target/name"`` (batch, n_leads, ...)
     targets, and windows are runs of adjacent chunks so that neighbours are resident.
     ``stats`` (from ``compute_stats``) standardises every variable it covers and ``dtype``
-    (e.g. ``torch.bfloat16``) casts them, in a ``NormalizeNode`` before the device copy.
+    (e.g. ``torch.bfloat16``) casts every variable, in a ``NormalizeNode`` before the device
+    copy.
     ``channels=["t2m", ("z", 500)]`` stacks variables and chosen levels into ``"channels"``
     (and ``"target/channels"``), in that order, on the axis before the spatial ones.
     ``static={"lsm": array}`` (see ``open_static``) adds fields without a sample axis to every

@@ -1,7 +1,7 @@
 """Direct numcodecs decoders for the codec chains we special-case.
 
-zarr's own path costs ~0.4 ms of Python hand-offs per chunk and copies each decoded chunk
-once more; for the common chains (bytes + blosc/zstd/gzip/crc32c, zarr v2 compressors) we
+zarr's own path adds its codec pipeline's Python hand-offs per chunk and copies each decoded
+chunk once more; for the common chains (bytes + blosc/zstd/gzip/crc32c, zarr v2 compressors) we
 decode straight into window memory instead. Anything else (sharding, transpose, filters)
 returns ``None`` and is read through zarr, so no array zarr can read is refused.
 """

@@ -39,7 +39,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     live until the slot comes round again: transforms in between must not keep them).
 
     ``np.take(..., out=, mode="clip")`` writes straight into the tensor's memory; the
-    default ``mode="raise"`` buffers and runs at a third of the speed. The offsets come from
+    default ``mode="raise"`` buffers through a temporary first. The offsets come from
     geometry, so clipping never changes a value.
     """
 
