@@ -200,6 +200,14 @@ class LoaderSettings:
                     max_inflight=self.max_inflight, decode_threads=self.decode_threads)
 
 
+def bench_manifest(source: Any, fraction: float, seed: int) -> Any:
+    """The split every benchmark measures: the first ``fraction`` of the chunks as "train"."""
+    import insitubatch_nodes as ib
+
+    fractions = (fraction, 1 - fraction) if fraction < 1 else (1.0,)
+    return ib.split_by_chunk(source, fractions=fractions, seed=seed)
+
+
 def print_machine() -> dict[str, Any]:
     """``machine_info()``, printed as one line first (every benchmark's report starts so)."""
     machine = machine_info()

@@ -37,6 +37,7 @@ from .common import (
     OtherLoad,
     RssSampler,
     Run,
+    bench_manifest,
     consume,
     fmt,
     local_path,
@@ -448,7 +449,9 @@ def format_markdown(result: dict[str, Any]) -> str:
 
 def probe_loader_rss(cfg: CoreConfig, variables: Sequence[str]) -> dict[str, Any]:
     """Peak RSS of the loader alone, in a fresh process (``rss_probe``)."""
-    kw = {**cfg.loader_kwargs(), "variables": list(variables)}
+    # the same split as the rest of the report
+    kw = {**cfg.loader_kwargs(), "variables": list(variables),
+          "split_fraction": cfg.split_fraction}
     out = subprocess.run([sys.executable, "-m", "insitubatch_nodes.bench.rss_probe", cfg.url,
                           json.dumps(kw), "2"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -474,8 +477,7 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     decoded = source.n_samples * source.sample_nbytes
     store_info["decoded_bytes"] = decoded
     f = cfg.split_fraction
-    manifest = (ib.split_by_chunk(source, fractions=(f, 1 - f), seed=cfg.seed) if f < 1
-                else ib.split_by_chunk(source, fractions=(1.0,), seed=cfg.seed))
+    manifest = bench_manifest(source, f, cfg.seed)
     grid = source.grid
     chunk_ids = manifest.chunk_ids(SPLIT)
     rows = [slice(a * grid.chunk_size, min(b * grid.chunk_size, grid.n_samples))

@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     url, kw = argv[0], json.loads(argv[1])
     epochs = int(argv[2]) if len(argv) > 2 else 2
     import insitubatch_nodes as ib
+    from insitubatch_nodes.bench.common import bench_manifest
 
     variables = kw.pop("variables", None)
     source = ib.open_source(url, variables=variables)
-    manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=kw.get("seed", 0))
+    manifest = bench_manifest(source, kw.pop("split_fraction", 1.0), kw.get("seed", 0))
     import_rss = _rss()
     with ib.build_loader(source, manifest, "train", **kw) as loader:
         for _ in range(epochs):
