@@ -4,10 +4,19 @@ The standard graph is Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> Shuffle
 Gather -> PinOrCuda; ``build_loader`` composes it, and every node can be used on its own.
 """
 
+from .budget import parse_bytes
+from .config import (
+    CheckpointConfig,
+    DeviceConfig,
+    FetchConfig,
+    LoaderConfig,
+    SampleConfig,
+    SamplingConfig,
+)
 from .distributed import merge_rank_states
 from .geometry import SampleGrid, VariableGeometry
 from .io.retry import RetryPolicy
-from .loader import InSituLoader, build_loader, parse_bytes
+from .loader import InSituLoader, build_loader
 from .memory import MemoryLedger
 from .metrics import LoaderStats
 from .nodes import (
@@ -39,4 +48,6 @@ __all__ = [
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
     "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
     "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
+    "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
+    "CheckpointConfig",
 ]

@@ -15,31 +15,32 @@ from .schedule import Progress, Resumption
 
 ELASTIC_KEY = "elastic"
 SNAPSHOT_KEY = "snapshot_id"
-
-
-def _chain(state: dict[str, Any]) -> list[dict[str, Any]]:
-    out, d = [], state.get("root", state)
-    while isinstance(d, dict):
-        out.append(d)
-        d = d.get("source")
-    return out
+FORMAT_KEY = "format"
+PROGRESS_KEY = "progress"
+# 2: ChunkPermuteNode's position counts windows (was chunks) and ReadPlanNode keeps no
+# counter; the loader writes the format and a "progress" summary. Format 1 is converted
+# on load (loader.upgrade_v1).
+STATE_FORMAT = 2
 
 
 def rank_progress(state: dict[str, Any]) -> tuple[int, tuple[Resumption, ...], Progress]:
-    """(epoch, history, progress) of one rank's loader state."""
-    chain = _chain(state)
-    try:
-        shuffle_i = next(i for i, d in enumerate(chain) if "offset" in d)
-        plan = next(d for d in chain[shuffle_i + 1:] if "window" in d)
-        perm = next(d for d in chain if "epoch" in d and "position" in d)
-    except StopIteration:
+    """(epoch, history, progress) of one rank's loader state, from the ``progress`` the
+    loader writes into every state it hands out."""
+    progress = state.get(PROGRESS_KEY) if isinstance(state, dict) else None
+    if not isinstance(progress, dict):
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(
-            "not an insitubatch loader state: expected nested node states with 'offset' "
-            "(ShuffleBufferNode), 'window' (ReadPlanNode) and 'epoch' (ChunkPermuteNode)"
-        ) from None
-    history = tuple(Resumption.from_json(h) for h in perm.get("history", ()))
-    progress = Progress(int(plan["window"]), int(chain[shuffle_i]["offset"]))
-    return int(perm["epoch"]), history, progress
+            f"not an insitubatch loader state with progress (it has {keys}): pass each "
+            "rank's loader.state_dict() from this version (load an older state into a "
+            "loader and take state_dict() again to convert it)"
+        )
+    try:
+        history = tuple(Resumption.from_json(h) for h in progress["history"])
+        return (int(progress["epoch"]), history,
+                Progress(int(progress["window"]), int(progress["offset"])))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"the progress of this loader state is malformed ({e!r}): "
+                         f"{progress!r}") from None
 
 
 def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"rank states were read from different icechunk snapshots: {snapshots}")
     epoch, history, _ = parsed[0]
     resumption = Resumption(len(states), tuple(p[2] for p in parsed))
-    merged: dict[str, Any] = {ELASTIC_KEY: {"epoch": epoch, "history": [
+    merged: dict[str, Any] = {FORMAT_KEY: STATE_FORMAT, ELASTIC_KEY: {"epoch": epoch, "history": [
         h.to_json() for h in (*history, resumption)]}}
     if (snap := snapshots.pop()) is not None:
         merged[SNAPSHOT_KEY] = snap

@@ -17,14 +17,10 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .io.device_chain import HostOnly, device_chain_for
+from .budget import largest_block_chunks, parse_bytes, resident_bound
+from .graph import default_prefetch_windows
+from .io.device_chain import HostOnly, device_chain_from
 from .io.reader import StripeReader
-from .loader import (
-    _resident_bound,
-    default_prefetch_windows,
-    largest_block_chunks,
-    parse_bytes,
-)
 from .quality import recommend_block_chunks, shuffle_quality
 from .source import Source
 
@@ -91,26 +87,6 @@ class StoreReport:
         return asdict(self)
 
 
-def _codec_names(arr: zarr.Array) -> str:
-    meta = arr.metadata
-    if meta.zarr_format == 3:
-        names = []
-        for c in meta.codecs:
-            name = type(c).__name__.replace("Codec", "").lower()
-            inner = getattr(c, "codecs", None)  # sharding: show its inner chain
-            if inner:
-                name += "[" + " -> ".join(type(i).__name__.replace("Codec", "").lower()
-                                          for i in inner) + "]"
-            cname = getattr(c, "cname", None)
-            if cname is not None:
-                name += f"({getattr(cname, 'value', cname)})"
-            names.append(name)
-        return " -> ".join(names)
-    parts = [f.codec_id for f in (meta.filters or ())]
-    parts.append(meta.compressor.codec_id if meta.compressor is not None else "raw")
-    return "v2:" + " -> ".join(parts)
-
-
 def _measure_sizes(reader: StripeReader, samples: int) -> tuple[list[int], int]:
     """Sizes in bytes of up to ``samples`` stored objects along the sample axis (first inner
     chunk of each), evenly spaced; and how many of the asked objects do not exist."""
@@ -151,14 +127,15 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
         compressed_chunk_bytes=compressed, measured_objects=len(sizes) + missing,
         missing_objects=missing,
         compression_ratio=decoded_chunk / compressed if compressed else None,
-        codecs=_codec_names(arr), fast_decoder=reader.decoder.chain if reader.decoder else None,
+        codecs=reader.codec_chain.label,
+        fast_decoder=reader.decoder.chain if reader.decoder else None,
         read_mode=reader.mode, read_path=READ_PATHS.get(reader.mode, reader.mode),
-        gpu_decode=_gpu_verdict(arr),
+        gpu_decode=_gpu_verdict(reader),
     )
 
 
-def _gpu_verdict(arr: zarr.Array) -> str:
-    chain = device_chain_for(arr)
+def _gpu_verdict(reader: StripeReader) -> str:
+    chain = device_chain_from(reader.codec_chain)
     if isinstance(chain, HostOnly):
         return f"no, decoded on the CPU: {chain.reason}"
     return f"yes ({chain.algorithm or 'uncompressed'})"
@@ -175,10 +152,11 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     n_chunks, cs = source.grid.n_chunks, source.grid.chunk_size
     want = recommend_block_chunks(n_chunks, cs, batch_size, quality)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    cap = (largest_block_chunks(source, budget, prefetch_windows, batch_size, n_chunks)
+    grid, variables = source.grid, source.variables
+    cap = (largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size, n_chunks)
            if budget is not None else None)
     if budget is not None and cap is None:
-        need = _resident_bound(source, 1, prefetch_windows, batch_size)
+        need = resident_bound(grid, variables, 1, prefetch_windows, batch_size)
         return Recommendation(quality, budget, batch_size, prefetch_windows, want, None, None,
                               None, None,
                               f"even block_chunks=1 needs {need:,} B resident, above the "
@@ -194,7 +172,8 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     else:
         note = f"reaches the target {quality}"
     return Recommendation(quality, budget, batch_size, prefetch_windows, want, cap, block, q,
-                          _resident_bound(source, block, prefetch_windows, batch_size), note)
+                          resident_bound(grid, variables, block, prefetch_windows, batch_size),
+                          note)
 
 
 def inspect_source(source: Source, *, quality: float | None = 0.9,

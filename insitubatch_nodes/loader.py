@@ -1,47 +1,43 @@
-"""``build_loader``: the standard graph in a ``torchdata.nodes.Loader`` that resumes exactly."""
+"""``build_loader``: the standard graph in a ``torchdata.nodes.Loader`` that resumes exactly.
+
+The graph is wired by ``graph.py`` from a ``LoaderConfig``; this module is the loader
+around it: exact resume (two torchdata 0.11 defects fixed), state format versions,
+elastic resume, stats and shutdown.
+"""
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-import zarr
-import zarr.storage
 from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
-from .distributed import ELASTIC_KEY, SNAPSHOT_KEY
-from .io.device_decode import FrameDecoder, NvcompFrameDecoder
-from .io.retry import RetryPolicy
+from .budget import parse_bytes
+from .config import LoaderConfig
+from .counters import ConsumerMeter, LoaderStats
+from .distributed import ELASTIC_KEY, FORMAT_KEY, PROGRESS_KEY, SNAPSHOT_KEY, STATE_FORMAT
+from .graph import Resolved, build_graph, default_prefetch_windows, resolve, resolve_decode
 from .memory import MemoryLedger
-from .metrics import ConsumerMeter, LoaderStats, collect_stats, first_node, maybe_log
+from .metrics import collect_stats, first_node, maybe_log
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
     GatherNode,
-    NormalizeNode,
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
-    SplitNode,
+    TransformNode,
 )
-from .nodes.channels import StackChannelsNode, resolve_channels
-from .nodes.patches import PatchNode
-from .nodes.pin_or_cuda import DEFAULT_RING_SIZE, resolve_device
-from .nodes.static import StaticFieldsNode
-from .permute import resolve_rank
-from .plan import max_window_nbytes
-from .quality import shuffle_quality
-from .schedule import Resumption, ScheduleContext, n_units
+from .nodes.state import Resumable, shutdown_source
+from .schedule import Resumption
 from .source import Source
 from .split import SplitManifest
-from .stats import Stats
-from .windows import SampleWindow
+
+__all__ = ["InSituLoader", "build_loader", "default_prefetch_windows", "parse_bytes",
+           "resolve_decode"]
 
 
 class _ExactIterator(LoaderIterator):
@@ -73,28 +69,44 @@ class _ExactIterator(LoaderIterator):
                 meter.waited(t1 - t0)
             self._num_yielded += 1
             if meter.next_log is not None:
-                maybe_log(self.loader, t1)
+                maybe_log(self.loader.nodes(), meter, self.loader.resident_bound, t1)
             # Recorded when the item is pulled: a cached item (pulled by has_next) was
             # recorded then, with the same count and state.
             ring = self.loader._recent_states
             if ring is not None:
                 ring.append((self._num_yielded,
-                             {self.ROOT_KEY: self.root.state_dict(),
-                              self.NUM_YIELDED_KEY: self._num_yielded}))
+                             self.loader.snapshot(self.root.state_dict(), self._num_yielded)))
         return item
 
 
 class InSituLoader(Loader):
-    """A ``Loader`` that fixes two torchdata 0.11 resume defects and can be closed.
+    """A ``Loader`` that fixes two torchdata 0.11 resume defects and can be shut down.
 
     A state loaded with ``load_state_dict`` always applies at the next ``iter()``, even when
     ``state_dict()`` was called on the fresh loader first (upstream PR 1548); states are
-    copied in and out, so a caller mutating one cannot corrupt the loader.
+    copied in and out, so a caller mutating one cannot corrupt the loader. States carry a
+    format version; older formats are converted on load.
+
+    Built by ``build_loader``, it exposes what the build computed: ``config`` (the
+    ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
+    stay under), ``shuffle_quality`` (the model's score) and ``snapshot_id`` (the icechunk
+    snapshot read, checked on resume). Wrapping a hand-built graph leaves them ``None``.
     """
 
     def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
-                 keep_states: int = 0, log_every_s: float | None = None) -> None:
+                 keep_states: int = 0, log_every_s: float | None = None, *,
+                 resolved: Resolved | None = None, ledger: MemoryLedger | None = None,
+                 snapshot_id: str | None = None) -> None:
         super().__init__(root, restart_on_stop_iteration)
+        self.config: LoaderConfig | None = resolved.config if resolved is not None else None
+        self.resident_bound: int | None = (resolved.resident_bound if resolved is not None
+                                           else None)
+        self.shuffle_quality: float | None = (resolved.shuffle_quality if resolved is not None
+                                              else None)
+        self.ledger: MemoryLedger | None = ledger
+        self.snapshot_id: str | None = snapshot_id
+        self.allow_snapshot_change: bool = (resolved is not None and
+                                            resolved.config.checkpoint.allow_snapshot_change)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
@@ -112,7 +124,7 @@ class InSituLoader(Loader):
             return self.state_dict()
         for n, state in reversed(self._recent_states):
             if n == num_yielded:
-                return self._tag(json.loads(json.dumps(state)))
+                return json.loads(json.dumps(state))
         kept = [n for n, _ in self._recent_states]
         raise ValueError(f"no state kept for num_yielded={num_yielded}; kept: {kept} "
                          "(raise keep_states)")
@@ -121,7 +133,7 @@ class InSituLoader(Loader):
         if self._it is None:
             self._it = _ExactIterator(self)
         if not self._iter_for_state_dict:  # else iter() only hands back the pre-built one
-            gather = self._stats_gather()
+            gather = first_node(self.nodes(), GatherNode)
             self._meter.start_epoch(time.perf_counter(), (gather.stats.batches,
                                                           gather.stats.samples)
                                     if gather is not None else (0, 0))
@@ -130,12 +142,9 @@ class InSituLoader(Loader):
         return it
 
     # -- metrics ----------------------------------------------------------------------
-    def _stats_gather(self) -> GatherNode | None:
-        return first_node(self._nodes(), GatherNode)
-
     def stats(self) -> LoaderStats:
         """A snapshot of the per-stage counters (``metrics.LoaderStats``), at any time."""
-        return collect_stats(self)
+        return collect_stats(self.nodes(), self._meter, self.resident_bound)
 
     def log_stats_every(self, seconds: float | None, logger: Any = None,
                         level: int | None = None) -> None:
@@ -152,15 +161,24 @@ class InSituLoader(Loader):
         if level is not None:
             meter.level = level
 
-    snapshot_id: str | None = None  # icechunk snapshot being read, checked on load
-    allow_snapshot_change: bool = False
-
+    # -- states -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self._it is None:
             self._it = _ExactIterator(self)
-        return self._tag(json.loads(json.dumps(super().state_dict())))
+        state = super().state_dict()
+        return json.loads(json.dumps(self.snapshot(state[self._it.ROOT_KEY],
+                                                   state[self._it.NUM_YIELDED_KEY])))
 
-    def _tag(self, state: dict[str, Any]) -> dict[str, Any]:
+    def snapshot(self, root_state: dict[str, Any], num_yielded: int) -> dict[str, Any]:
+        """The loader state for the graph state ``root_state`` after ``num_yielded`` batches:
+        the nested node states, the format version, the progress ``merge_rank_states``
+        reads (when the graph has the standard stages) and the icechunk snapshot."""
+        state: dict[str, Any] = {LoaderIterator.ROOT_KEY: root_state,
+                                 LoaderIterator.NUM_YIELDED_KEY: num_yielded,
+                                 FORMAT_KEY: STATE_FORMAT}
+        progress = state_progress(self.nodes(), root_state)
+        if progress is not None:
+            state[PROGRESS_KEY] = progress
         if self.snapshot_id is not None:
             state[SNAPSHOT_KEY] = self.snapshot_id
         return state
@@ -179,21 +197,33 @@ class InSituLoader(Loader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a state at the next ``iter()``: one rank's own state, or the output of
         ``merge_rank_states`` (any world size)."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"a loader state is a dict (from state_dict() or "
+                             f"merge_rank_states), got {type(state_dict).__name__}")
         state_dict = json.loads(json.dumps(state_dict))
         self._check_snapshot(state_dict)
+        fmt = state_dict.pop(FORMAT_KEY, 1)
+        if fmt not in (1, STATE_FORMAT):
+            raise ValueError(f"this loader state has format {fmt!r}; this version of "
+                             f"insitubatch_nodes reads formats 1 and {STATE_FORMAT}")
+        state_dict.pop(PROGRESS_KEY, None)
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
         if ELASTIC_KEY in state_dict:
             el = state_dict[ELASTIC_KEY]
             history = [Resumption.from_json(h) for h in el["history"]]
-            self.node(ChunkPermuteNode).arm_elastic(int(el["epoch"]), history)
-            self._next_iter_state_dict = None
-            return
+            state_dict = {LoaderIterator.ROOT_KEY: elastic_root_state(self.nodes(),
+                                                                      int(el["epoch"]), history),
+                          LoaderIterator.NUM_YIELDED_KEY: 0}
+        elif fmt == 1:
+            upgrade_v1(self.nodes(), state_dict.get(LoaderIterator.ROOT_KEY))
         super().load_state_dict(state_dict)
 
-    # -- conveniences -----------------------------------------------------------------
-    def _nodes(self) -> list[BaseNode]:
+    # -- graph ------------------------------------------------------------------------
+    def nodes(self) -> list[BaseNode]:
+        """The graph's nodes from the root (last stage) up to the head, following each
+        stage's ``source``."""
         out, node = [], self.root
         while node is not None:
             out.append(node)
@@ -202,9 +232,11 @@ class InSituLoader(Loader):
                 break
         return out
 
+    _nodes = nodes  # the name earlier versions used
+
     def node(self, kind: type) -> Any:
         """The first node of type ``kind`` in the graph (e.g. ``AsyncFetchNode``)."""
-        found = first_node(self._nodes(), kind)
+        found = first_node(self.nodes(), kind)
         if found is None:
             raise LookupError(f"no {kind.__name__} in this loader's graph")
         return found
@@ -214,230 +246,118 @@ class InSituLoader(Loader):
         """The epoch the current (or, before ``iter``, the next) pass belongs to."""
         return self.node(ChunkPermuteNode).epoch
 
-    def close(self) -> None:
-        """Stop background threads now instead of at garbage collection."""
-        for n in self._nodes():
-            close = getattr(n, "close", None)
-            if callable(close):
-                close()
+    def shutdown(self) -> None:
+        """Stop the graph's background threads now (instead of at garbage collection).
+
+        Every stage of this package passes ``shutdown()`` upstream; it is called on each
+        node here too, so a foreign node in between (torchdata 0.11's ``Prefetcher`` has
+        no ``shutdown``) does not hide the fetch thread behind it. Idempotent.
+        """
+        for node in self.nodes():
+            shutdown_source(node)
+
+    close = shutdown
 
     def __enter__(self) -> InSituLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.shutdown()
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+def _nested_key(node: BaseNode) -> str | None:
+    """Where ``node``'s state keeps its upstream's state, for the stages of this package
+    (a foreign node nests it its own way, e.g. torchdata's ``Prefetcher``)."""
+    if isinstance(node, (ShuffleBufferNode, ReadPlanNode, GatherNode, PinOrCudaNode,
+                         AsyncFetchNode, TransformNode)):
+        return node.SOURCE_KEY
+    return None
 
 
-def parse_bytes(value: int | str) -> int:
-    """``4_000_000``, ``"4GB"``, ``"512MiB"`` -> bytes."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read a byte size from {value!r}; write e.g. 4GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
+    """Epoch, windows finished, draws taken in the head window and the elastic history,
+    read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
+    the graph lacks a stage that says so."""
+    d: Any = root_state
+    offset = None
+    for node in nodes:
+        if not isinstance(d, dict):
+            return None
+        if isinstance(node, ShuffleBufferNode):
+            offset = d.get(node.OFFSET_KEY)
+        if isinstance(node, ChunkPermuteNode):
+            if offset is None:
+                return None
+            return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
+                    "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
+        key = _nested_key(node)
+        if key is None:
+            return None
+        d = d.get(key)
+    return None
 
 
-def build_loader(
-    source: Source,
-    manifest: SplitManifest,
-    split: str,
-    *,
-    batch_size: int = 32,
-    block_chunks: int = 16,
-    seed: int = 0,
-    max_inflight: int = 32,
-    rank: int | None = None,
-    world_size: int | None = None,
-    device: str | torch.device | None = None,
-    drop_last: bool = False,
-    prefetch_windows: int | None = None,
-    decode_threads: int | None = None,
-    memory_budget: int | str | None = None,
-    uneven: str = "pad",
-    keep_states: int = 0,
-    retry: RetryPolicy | None = None,
-    allow_snapshot_change: bool = False,
-    log_every_s: float | None = None,
-    window: SampleWindow | None = None,
-    stats: Stats | None = None,
-    dtype: torch.dtype | None = None,
-    channels: Sequence[str | tuple[str, Any]] | None = None,
-    static: Mapping[str, Any] | None = None,
-    patch_size: Sequence[int] | None = None,
-    patch_stride: Sequence[int] | None = None,
-    ring_size: int = DEFAULT_RING_SIZE,
-    decode: str | FrameDecoder = "cpu",
-) -> InSituLoader:
-    """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
-    PinOrCuda and wrap it in a loader; each ``iter(loader)`` is one epoch.
-
-    ``memory_budget`` caps resident decoded data (windows held plus prefetched); a budget
-    too small for ``block_chunks`` is an error that names the largest value that fits.
-    ``rank``/``world_size`` default to the initialised ``torch.distributed`` group (else 0/1);
-    ``uneven`` keeps ranks at equal step counts: ``"pad"`` (default: repeats a few samples of
-    the rank's own last window), ``"drop"`` (cuts every rank to the smallest share) or
-    ``"none"`` (unequal; never with DDP, whose last all-reduce would hang).
-    ``window=SampleWindow(history, lead, stride)`` makes each sample a time window: the batch
-    holds ``name`` (batch, history, ...) inputs and ``"target/name"`` (batch, n_leads, ...)
-    targets, and windows are runs of adjacent chunks so that neighbours are resident.
-    ``stats`` (from ``compute_stats``) standardises every variable it covers and ``dtype``
-    (e.g. ``torch.bfloat16``) casts every variable, in a ``NormalizeNode`` before the device
-    copy.
-    ``channels=["t2m", ("z", 500)]`` stacks variables and chosen levels into ``"channels"``
-    (and ``"target/channels"``), in that order, on the axis before the spatial ones.
-    ``static={"lsm": array}`` (see ``open_static``) adds fields without a sample axis to every
-    batch as ``"static/lsm"``; ``patch_size=(64, 64)`` (``patch_stride``) cuts every sample
-    into spatial patches, each (sample, patch) pair once, with ``"patch"`` their corners.
-    ``ring_size`` is the number of reused pinned host buffers on the CUDA path.
-    ``decode="gpu"`` (with ``device="cuda"``; extra ``gpu-cu12`` or ``gpu-cu13``) decodes each
-    window's zstd / LZ4 / gzip / blosc (lz4 or zstd streams) / uncompressed chunks in one
-    nvCOMP batch per codec on the GPU and gathers the batches there; other chains (sharding,
-    filters, blosclz) stay on the CPU, logged once per variable.
-    ``prefetch_windows`` (windows fetched ahead of the one being drawn) defaults to 1 for
-    local stores and 2 for object stores, where a window boundary would otherwise expose the
-    request latency (measured: 0.73x vs 0.91x of the no-latency throughput at +50 ms).
-    ``loader.stats()`` reads the per-stage metrics at any time; ``log_every_s`` logs their
-    summary (logger ``insitubatch_nodes``, INFO) at most that often.
-    """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not isinstance(block_chunks, int) or block_chunks < 1:
-        raise ValueError(f"block_chunks must be an integer >= 1, got {block_chunks!r}")
-    if split not in manifest.names:
-        raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
-    manifest.check_source(source, allow_snapshot_change)
-    if window is not None and window.is_single_step:
-        window = None
-    grid = source.grid if window is None else window.grid(source.grid)
-    n_chunks = len(manifest.chunk_ids(split))
-    if n_chunks == 0:
-        raise ValueError(
-            f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "
-            f"splits with chunks: {[n for n in manifest.names if len(manifest.chunk_ids(n))]}"
-        )
-    rank, world_size = resolve_rank(rank, world_size)
-    if prefetch_windows is None:
-        prefetch_windows = default_prefetch_windows(source)
-    contiguous = window is not None
-    units = n_units(ScheduleContext(manifest.chunk_ids(split), grid, seed, block_chunks, uneven,
-                                    contiguous))
-    if world_size > units:
-        raise ValueError(
-            f"world_size={world_size} exceeds the {units} "
-            f"{'blocks' if contiguous else 'chunks'} of split {split!r}: a chunk "
-            "is served by one rank, so some ranks would get nothing. Use at most "
-            f"{units} ranks, or a split with more chunks."
-        )
-    need = _resident_bound(source, block_chunks, prefetch_windows, batch_size, window)
-    if memory_budget is not None:
-        budget = parse_bytes(memory_budget)
-        if need > budget:
-            fits = largest_block_chunks(source, budget, prefetch_windows, batch_size,
-                                        block_chunks - 1, window)
-            hint = (f"block_chunks={fits} fits" if fits else
-                    "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
+def elastic_root_state(nodes: list[BaseNode], epoch: int,
+                       history: list[Resumption]) -> dict[str, Any]:
+    """The graph state that starts ``epoch`` after ``history`` (an elastic resume): the
+    ``ChunkPermuteNode``'s start state, wrapped by each stage above it through its own
+    ``start_state``; restored by the ordinary ``reset(state)`` of every stage."""
+    idx = next((i for i, n in enumerate(nodes) if isinstance(n, ChunkPermuteNode)), None)
+    if idx is None:
+        raise ValueError("an elastic (merged) state needs a ChunkPermuteNode in the graph")
+    state: dict[str, Any] = ChunkPermuteNode.start_state(epoch, history)
+    for node in reversed(nodes[:idx]):
+        if not isinstance(node, Resumable):
             raise ValueError(
-                f"memory_budget={memory_budget!r} ({budget:,} B) is below the {need:,} B that "
-                f"block_chunks={block_chunks} with prefetch_windows={prefetch_windows} can hold "
-                f"resident; {hint}"
-            )
-
-    frame_decoder = resolve_decode(decode, device)
-    ledger = MemoryLedger()
-    node: BaseNode = SplitNode(manifest, split)
-    offsets = None if window is None else window.offsets
-    node = ChunkPermuteNode(node, grid, seed=seed, rank=rank, world_size=world_size,
-                            contiguous=contiguous,
-                            block_chunks=block_chunks, uneven=uneven)
-    node = ReadPlanNode(node, source.variables, offsets=offsets)
-    node = AsyncFetchNode(node, source, max_inflight=max_inflight,
-                          prefetch_windows=prefetch_windows, decode_threads=decode_threads,
-                          ledger=ledger, retry=retry, device_decode=frame_decoder)
-    node = ShuffleBufferNode(node, source.variables, batch_size, drop_last=drop_last)
-    node = GatherNode(node, source.variables, window=window, coords=source.batch_coords())
-    if stats is not None or dtype is not None:
-        node = NormalizeNode(node, stats if stats is not None else Stats("", ()),
-                             source.variables, dtype=dtype)
-    if static:
-        node = StaticFieldsNode(node, static, device=resolve_device(device))
-    if channels:
-        node = StackChannelsNode(node, resolve_channels(source, channels))
-    if patch_size is not None:
-        spatial = source.variables[0].sample_shape[-len(patch_size):]
-        # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
-        # patch corners once
-        node = PatchNode(node, patch_size, patch_stride, spatial_shape=spatial)
-    node = PinOrCudaNode(node, device=device, ring_size=ring_size)
-    loader = InSituLoader(node, keep_states=keep_states, log_every_s=log_every_s)
-    loader.snapshot_id = source.snapshot_id
-    loader.allow_snapshot_change = allow_snapshot_change
-    loader.ledger = ledger
-    loader.shuffle_quality = shuffle_quality(n_chunks, source.grid.chunk_size, block_chunks,
-                                             batch_size)
-    loader.resident_bound = need
-    return loader
+                f"cannot resume a merged state through {type(node).__name__}: an elastic "
+                "resume needs every stage below ChunkPermuteNode to have start_state()")
+        state = node.start_state(state)
+    return state
 
 
-def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
-                   ) -> FrameDecoder | None:
-    """``"cpu"`` -> None; ``"gpu"`` -> nvCOMP on ``device`` (which must be CUDA); a
-    ``FrameDecoder`` object is used as given (tests pass ``HostFrameDecoder``)."""
-    if not isinstance(decode, str):
-        if not hasattr(decode, "decode") or not hasattr(decode, "device"):
-            raise TypeError(f"decode must be 'cpu', 'gpu' or a FrameDecoder, got {decode!r}")
-        return decode
-    if decode == "cpu":
-        return None
-    if decode != "gpu":
-        raise ValueError(f"decode must be 'cpu' or 'gpu', got {decode!r}")
-    dev = resolve_device(device)
-    if dev is None or dev.type != "cuda":
-        raise ValueError(f"decode='gpu' needs device='cuda' (got device={device!r}): the "
-                         "batches are decoded and gathered on that GPU")
-    return NvcompFrameDecoder(dev)
+def upgrade_v1(nodes: list[BaseNode], root_state: Any) -> None:
+    """Format 1 -> 2, in place: ``ReadPlanNode`` counted windows and ``ChunkPermuteNode``
+    chunks; now the scheduler counts windows and the planner keeps no counter."""
+    d = root_state
+    for node in nodes:
+        if not isinstance(d, dict):
+            return
+        if isinstance(node, ReadPlanNode) and "window" in d:
+            upstream = d.get(node.SOURCE_KEY)
+            if isinstance(upstream, dict):
+                upstream[ChunkPermuteNode.POSITION_KEY] = d.pop("window")
+            return
+        key = _nested_key(node)
+        if key is None:
+            return
+        d = d.get(key)
 
 
-def default_prefetch_windows(source: Source) -> int:
-    """1 window ahead on local disks; 2 on object stores, where a window edge would otherwise
-    expose a round trip (README "Latency")."""
-    remote = any(not isinstance(a.store_path.store, zarr.storage.LocalStore)
-                 for a in source.arrays)
-    return 2 if remote else 1
+def build_loader(source: Source, manifest: SplitManifest, split: str,
+                 config: LoaderConfig | None = None, **options: Any) -> InSituLoader:
+    """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
+    PinOrCuda (``graph.py``) and wrap it in a loader; each ``iter(loader)`` is one epoch.
 
+    ``config`` (a ``LoaderConfig``) holds every option by concern; keywords override it and
+    are the same as ever (``config.py`` documents each group):
 
-def largest_block_chunks(source: Source, budget: int, prefetch_windows: int, batch_size: int,
-                         hi: int, window: SampleWindow | None = None) -> int | None:
-    """Largest ``block_chunks`` in ``[1, hi]`` whose resident bound fits ``budget``. A scan,
-    not a bisection: the bound is not monotone where batches span several windows."""
-    fits = [b for b in range(1, hi + 1)
-            if _resident_bound(source, b, prefetch_windows, batch_size, window) <= budget]
-    return fits[-1] if fits else None
-
-
-def _resident_bound(source: Source, block_chunks: int, prefetch_windows: int,
-                    batch_size: int, window: SampleWindow | None = None) -> int:
-    """Decoded bytes that can be resident: the window being drawn, the prefetched ones, and
-    the stripes of the previous window that a batch straddling the edge still needs (each
-    with its halo of neighbouring chunks when samples are time windows)."""
-    halo = 0 if window is None else -(-max(window.before, window.after) // source.grid.chunk_size)
-    window_bytes = max_window_nbytes(source.grid, source.variables, block_chunks + 2 * halo)
-    window_samples = block_chunks * source.grid.chunk_size
-    if batch_size > window_samples:
-        # A batch spans whole windows: all of them (and the one it starts in) stay resident
-        # until the batch is gathered, besides the prefetched ones.
-        spans = -(-batch_size // window_samples) + 1
-        return (spans + prefetch_windows) * window_bytes
-    straddle = max_window_nbytes(source.grid, source.variables,
-                                 min(batch_size, block_chunks) + 2 * halo)
-    return (1 + prefetch_windows) * window_bytes + straddle
-
-
-def _fraction(manifest: SplitManifest, split: str) -> str:
-    if manifest.fractions and len(manifest.fractions) == len(manifest.names):
-        return str(manifest.fractions[manifest.names.index(split)])
-    return "unknown"
+    - sampling: ``batch_size``, ``block_chunks`` (chunks per shuffle window), ``seed``,
+      ``drop_last``, ``rank``/``world_size`` (default: the ``torch.distributed`` group),
+      ``uneven`` (equal steps per rank: ``"pad"``, ``"drop"`` or ``"none"``);
+    - fetch: ``max_inflight``, ``prefetch_windows`` (1 local, 2 object stores),
+      ``decode_threads``, ``memory_budget`` (refused with the largest ``block_chunks`` that
+      fits), ``retry``, ``decode`` (``"gpu"`` with ``device="cuda"``: nvCOMP per window);
+    - sample: ``window=SampleWindow(history, lead, stride)`` (time steps: ``name`` inputs and
+      ``"target/name"`` targets), ``stats`` (standardise), ``dtype`` (cast),
+      ``channels=["t2m", ("z", 500)]`` (stacked into ``"channels"``), ``static`` (fields
+      without a sample axis, ``"static/name"``), ``patch_size``/``patch_stride``;
+    - device: ``device``, ``ring_size`` (pinned buffers on CUDA);
+    - checkpoint: ``keep_states`` (``state_dict_at``), ``allow_snapshot_change``,
+      ``log_every_s`` (``stats().summary()`` logged at most that often).
+    """
+    cfg = (config if config is not None else LoaderConfig()).replace(**options)
+    resolved = resolve(source, manifest, split, cfg)
+    graph = build_graph(source, manifest, split, resolved)
+    return InSituLoader(graph.root, keep_states=cfg.checkpoint.keep_states,
+                        log_every_s=cfg.checkpoint.log_every_s, resolved=resolved,
+                        ledger=graph.ledger, snapshot_id=source.snapshot_id)

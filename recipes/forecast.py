@@ -71,10 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     split = ib.split_by_coordinate(source, {"train": tuple(args.train), "val": tuple(args.val)},
                                    window=window)
     stats = ib.compute_stats(source, split, "train")
-    common = dict(window=window, stats=stats, channels=list(VARIABLES),
-                  batch_size=args.batch_size, block_chunks=8, seed=args.seed)
-    train = ib.build_loader(source, split, "train", **common)
-    val = ib.build_loader(source, split, "val", **common)
+    # One config for both loaders: same samples, channels and normalisation.
+    config = ib.LoaderConfig(
+        sampling=ib.SamplingConfig(batch_size=args.batch_size, block_chunks=8, seed=args.seed),
+        sample=ib.SampleConfig(steps=window, stats=stats, channels=tuple(VARIABLES)),
+    )
+    train = ib.build_loader(source, split, "train", config)
+    val = ib.build_loader(source, split, "val", config)
     model = Forecaster(len(VARIABLES), window.history)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     print(f"train {split.n_samples_in('train')} / val {split.n_samples_in('val')} anchors; "

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stores import Var
 
+from insitubatch_nodes.io.codec_chain import classify
+from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import (
     DeviceChain,
     HostOnly,
@@ -89,6 +91,62 @@ def test_stored_frames_pass_their_checks(store_factory):
         assert files, case
         for f in files:
             chain.check(f.read_bytes(), nbytes)
+
+
+CHAINS = {
+    # case: (short text, inspect label, plain, stored byte order)
+    "blosc-lz4-noshuffle": ("bytes -> blosc", "bytes -> blosc(lz4)", True, "little"),
+    "crc32c": ("bytes -> zstd -> crc32c", "bytes -> zstd -> crc32c", True, "little"),
+    "big-endian": ("bytes -> zstd", "bytes -> zstd", True, "big"),
+    "big-endian-uint8": ("bytes", "bytes", True, None),  # one-byte items have no order
+    "sharded": ("sharding", "sharding[bytes -> zstd]", False, None),
+    "v2-raw": ("v2:raw", "v2:raw", True, "little"),
+    "v2-blosc-zlib": ("v2:blosc", "v2:blosc", True, "little"),
+    "v2-filters": ("v2:zstd", "v2:delta -> zstd", False, "little"),
+    "v2-fortran": ("v2:zstd", "v2:zstd", False, "little"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAINS))
+def test_classify_describes_the_chain(store_factory, case):
+    path, _ = store_factory([CASES[case][0]])
+    chain = classify(zarr.open_array(path / "a"))
+    assert (chain.text, chain.label, chain.plain, chain.byteorder) == CHAINS[case]
+    # v2 too is described as v3 would write it: filters, one serializer, then compressors
+    roles = [c.role for c in chain.codecs]
+    assert roles.count("array-bytes") == 1
+    assert roles == sorted(roles, key=["array-array", "array-bytes", "bytes-bytes"].index)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_and_device_read_the_same_classification(store_factory, case):
+    """decoder_for and device_chain_for derive from one CodecChain: the same chain name,
+    the same byte order, and every chain the device takes is one the host decodes too (its
+    fallback for frames nvCOMP cannot take)."""
+    path, _ = store_factory([CASES[case][0]])
+    arr = zarr.open_array(path / "a")
+    chain = classify(arr)
+    host, device = decoder_for(arr), device_chain_for(arr)
+    assert (host is not None) == chain.plain
+    assert device.chain == chain.text
+    if host is not None:
+        assert (host.chain, host.byteswap) == (chain.text, chain.byteswap)
+    if isinstance(device, DeviceChain):
+        assert host is not None
+
+
+def test_a_wrapped_codec_is_left_to_zarr(store_factory):
+    """A numcodecs codec wrapped for zarr v3 is not zarr's own ZstdCodec: neither the host
+    nor the device decoder takes it, though its name reads the same."""
+    from zarr.codecs.numcodecs import Zstd
+
+    path, _ = store_factory([Var("a", (20, 4), (8, 4), compressors=Zstd(level=1))])
+    arr = zarr.open_array(path / "a")
+    chain = classify(arr)
+    assert chain.text == "bytes -> zstd" and chain.compressors[0].numcodecs is None
+    assert decoder_for(arr) is None
+    got = device_chain_for(arr)
+    assert isinstance(got, HostOnly) and "not one of zarr's own" in got.reason
 
 
 payloads = st.tuples(st.integers(1, 300_000), st.integers(0, 2 ** 31), st.sampled_from(

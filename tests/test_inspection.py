@@ -8,8 +8,8 @@ import zarr
 from stores import BLOSC, Var
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.budget import resident_bound
 from insitubatch_nodes.inspection import format_report, inspect_source, recommend
-from insitubatch_nodes.loader import _resident_bound
 from insitubatch_nodes.quality import recommend_block_chunks, shuffle_quality
 
 VARS = [
@@ -85,14 +85,16 @@ def test_recommendation_follows_the_quality_model(store, quality, batch, want):
     assert rec.block_chunks == rec.block_chunks_for_quality == want
     assert rec.quality == pytest.approx(shuffle_quality(15, 8, want, batch))
     assert rec.block_chunks_memory_cap is None
-    assert rec.resident_bound_bytes == _resident_bound(source, want, 1, batch)
+    assert rec.resident_bound_bytes == resident_bound(source.grid, source.variables, want, 1,
+                                                      batch)
 
 
 def test_memory_budget_caps_and_the_result_builds(store):
     source = ib.open_source(store[0])
     manifest = ib.split_by_chunk(source, fractions=(1.0,))
     free = recommend(source, 1.0, None, batch_size=32)
-    budget = _resident_bound(source, 4, 1, 32) + 10  # room for 4 chunks, not 5
+    # room for 4 chunks, not 5
+    budget = resident_bound(source.grid, source.variables, 4, 1, 32) + 10
     rec = recommend(source, 1.0, budget, batch_size=32)
     assert rec.block_chunks_memory_cap == 4 and rec.block_chunks == 4 < free.block_chunks
     assert rec.quality < 1.0 and "caps block_chunks at 4" in rec.note
@@ -112,7 +114,7 @@ def test_cap_is_the_largest_that_builds_when_batches_span_windows(tmp_path):
     write_store(tmp_path / "g.zarr", [Var("x", (200, 4), (1, 4))])
     source = ib.open_source(tmp_path / "g.zarr")
     manifest = ib.split_by_chunk(source, fractions=(1.0,))
-    budget = _resident_bound(source, 15, 1, 100)
+    budget = resident_bound(source.grid, source.variables, 15, 1, 100)
     rec = recommend(source, 1.0, budget, batch_size=100, prefetch_windows=1)
     cap = rec.block_chunks_memory_cap
     assert cap >= 15

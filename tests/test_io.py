@@ -86,6 +86,39 @@ def test_memory_store_goes_through_zarr_store_api():
     np.testing.assert_array_equal(got["a"], np.arange(60, dtype="float32").reshape(20, 3))
 
 
+@pytest.mark.parametrize("case,mode,groups", [("raw", "local", True),
+                                              ("sharded", "zarr", False),
+                                              ("memory", "zarr-store", False)])
+def test_read_paths_group_only_local_files(store_factory, case, mode, groups):
+    """One read path per reader: its name is ``mode``, and only local files read several
+    stripes in one pool task; ``read_group`` fills the same stripes either way."""
+    if case == "memory":
+        g = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
+        g.create_array("a", shape=(37, 5), chunks=(8, 5), dtype="float32")[:] = \
+            np.arange(185, dtype="float32").reshape(37, 5)
+        src, want = ib.open_source(g), np.arange(185, dtype="float32").reshape(37, 5)
+    else:
+        path, data = store_factory([CASES[case]])
+        src, want = ib.open_source(path), data["a"]
+    geom = src.variables[0]
+    reader = StripeReader(src.arrays[0], geom, src.url)
+    assert (reader.mode, reader.groups_reads) == (mode, groups)
+    pool = ThreadPoolExecutor(2)
+    loop = asyncio.new_event_loop()
+    try:
+        idx = list(range(geom.n_sample_chunks))
+        outs = [np.full(geom.stripe_shape, 77, dtype=geom.dtype) for _ in idx]
+        attempts = loop.run_until_complete(reader.read_group(idx, outs, loop, pool))
+    finally:
+        loop.close()
+        pool.shutdown()
+    assert attempts == len(idx)
+    np.testing.assert_array_equal(np.concatenate(outs)[: geom.shape[0]], want)
+    if not groups:
+        with pytest.raises(TypeError, match="not from local files"):
+            reader.read_local(0, outs[0])
+
+
 def test_corrupt_chunk_raises_codec_error(tmp_path):
     write_store(tmp_path / "s.zarr", [Var("a", (16, 4), (8, 4))])
     (tmp_path / "s.zarr" / "a" / "c" / "1" / "0").write_bytes(b"not zstd at all")

@@ -10,11 +10,10 @@ import torch
 from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.graph import build_graph, resolve
+from insitubatch_nodes.items import BatchDraw, DecodedWindow, ScheduledWindow
 from insitubatch_nodes.nodes import (
-    AsyncFetchNode,
     ChunkPermuteNode,
-    EpochChunk,
-    GatherNode,
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
@@ -34,37 +33,22 @@ def setup(tmp_path_factory):
 
 
 def build(src, m, upto, seed=5):
-    node = SplitNode(m, "train")
-    if upto == "split":
-        return node
-    node = ChunkPermuteNode(node, src.grid, seed=seed, rank=0, world_size=1, block_chunks=3)
-    if upto == "permute":
-        return node
-    node = ReadPlanNode(node, src.variables)
-    if upto == "plan":
-        return node
-    node = AsyncFetchNode(node, src, max_inflight=4)
-    if upto == "fetch":
-        return node
-    node = ShuffleBufferNode(node, src.variables, batch_size=7)
-    if upto == "shuffle":
-        return node
-    node = GatherNode(node, src.variables)
-    if upto == "gather":
-        return node
-    return PinOrCudaNode(node, device=None)
+    """The standard graph (graph.py, as build_loader wires it), up to stage ``upto``."""
+    cfg = ib.LoaderConfig.of(seed=seed, block_chunks=3, max_inflight=4, batch_size=7,
+                             rank=0, world_size=1)
+    return build_graph(src, m, "train", resolve(src, m, "train", cfg), upto=upto).root
 
 
 def key(item):
     """A comparable rendering of any node's output."""
-    if isinstance(item, EpochChunk):
-        return (item.epoch, item.chunk, item.last)
+    if isinstance(item, ScheduledWindow):
+        return (item.epoch, item.index, tuple(item.chunk_ids.tolist()))
     if isinstance(item, ib.ReadPlan):
         return (item.epoch, item.window, item.chunk_ids, item.draw_order.tolist(), item.reads)
-    if hasattr(item, "plan"):  # DecodedWindow
+    if isinstance(item, DecodedWindow):
         return (key(item.plan),
                 tuple(sorted((i, a.tobytes()) for i, a in d.items()) for d in item.arrays))
-    if hasattr(item, "parts"):  # BatchDraw
+    if isinstance(item, BatchDraw):
         return item.sample_index.tolist()
     if isinstance(item, dict):
         return tuple(sorted((k, v.numpy().tobytes()) for k, v in item.items()))
@@ -109,7 +93,7 @@ def test_permute_node_deals_rank_shares(setup):
     for r in range(3):
         node = ChunkPermuteNode(SplitNode(m, "train"), src.grid, seed=1, rank=r, world_size=3,
                                 uneven="none")
-        shares.append([c.chunk for c in node])
+        shares.append([c for w in node for c in w.chunk_ids.tolist()])
     flat = sorted(sum(shares, []))
     assert flat == m.chunk_ids("train").tolist()
 

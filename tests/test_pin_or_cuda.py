@@ -444,27 +444,14 @@ def test_ring_never_hands_out_a_slot_with_a_copy_in_flight(size, steps):
 # -- GatherNode writes into the ring slot (CPU, fake ops) ---------------------------------
 
 def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None):
-    from insitubatch_nodes.nodes import (
-        AsyncFetchNode,
-        ChunkPermuteNode,
-        GatherNode,
-        NormalizeNode,
-        ReadPlanNode,
-        ShuffleBufferNode,
-        SplitNode,
-    )
-    grid = src.grid if window is None else window.grid(src.grid)
-    node = SplitNode(m, "train")
-    node = ChunkPermuteNode(node, grid, seed=4, rank=0, world_size=1, block_chunks=2,
-                            contiguous=window is not None)
-    node = ReadPlanNode(node, src.variables, offsets=None if window is None else window.offsets)
-    node = AsyncFetchNode(node, src, max_inflight=4)
-    node = ShuffleBufferNode(node, src.variables, batch_size=6)
-    node = GatherNode(node, src.variables, window=window)
-    if normalize_dtype is not None:
-        node = NormalizeNode(node, ib.compute_stats(src, m, "train"), src.variables,
+    """The standard graph (graph.py) with the CUDA calls of PinOrCudaNode replaced by ``ops``."""
+    from insitubatch_nodes.graph import build_graph, resolve
+
+    stats = ib.compute_stats(src, m, "train") if normalize_dtype is not None else None
+    cfg = ib.LoaderConfig.of(seed=4, rank=0, world_size=1, block_chunks=2, max_inflight=4,
+                             batch_size=6, window=window, ring_size=ring_size, stats=stats,
                              dtype=normalize_dtype)
-    return PinOrCudaNode(node, ops=ops, ring_size=ring_size)
+    return build_graph(src, m, "train", resolve(src, m, "train", cfg), ops=ops).root
 
 
 def run_graph(node, epochs=2):
@@ -531,17 +518,21 @@ def test_gather_into_slot_fails_loudly_if_the_ring_lied(store):
 def test_gather_into_slot_only_through_stages_that_keep_the_batch(store):
     """A cast makes new tensors: the gather must not fill pinned buffers nobody copies. A
     stage that only adds keys (static fields) keeps the in-place gather."""
+    from insitubatch_nodes.graph import connect_staging
     from insitubatch_nodes.nodes.static import StaticFieldsNode
 
     src, m, _ = store
     cast = fake_cuda_graph(src, m, FakeOps(eager=True), 2, normalize_dtype=torch.bfloat16)
     run_graph(cast, epochs=1)
-    assert cast._gather is None and cast._stager.bytes_in_place == 0
+    assert cast.staging is None and cast._stager.bytes_in_place == 0
     plain = fake_cuda_graph(src, m, FakeOps(eager=True), 2)
-    static = PinOrCudaNode(StaticFieldsNode(plain.source, {"lsm": np.ones((3,), np.float32)}),
-                           ops=FakeOps(eager=True), ring_size=2)
+    gather = plain.source
+    fields = StaticFieldsNode(gather, {"lsm": np.ones((3,), np.float32)})
+    static = PinOrCudaNode(fields, ops=FakeOps(eager=True), ring_size=2,
+                           staging=connect_staging(gather, [fields]))
     got = run_graph(static, epochs=1)
-    assert static._gather is plain.source and static._stager.bytes_in_place > 0
+    assert static.staging is gather.staging is not None
+    assert static._stager.bytes_in_place > 0
     assert all(np.array_equal(b["static/lsm"], np.ones((len(b["x"]), 3))) for b in got)
 
 
@@ -559,12 +550,16 @@ class _TransposeX(TransformNode):
 
 def test_a_view_of_the_slot_in_another_layout_is_copied_safely(store):
     src, m, _ = store
+    from insitubatch_nodes.graph import connect_staging
+
     gpu = fake_cuda_graph(src, m, FakeOps(eager=False), 2)
-    gpu = PinOrCudaNode(_TransposeX(gpu.source), ops=gpu._ops, ring_size=2)
+    transposed = _TransposeX(gpu.source)
+    gpu = PinOrCudaNode(transposed, ops=gpu._ops, ring_size=2,
+                        staging=connect_staging(gpu.source, [transposed]))
     cpu = _cpu_graph(src, m, None, None)
     cpu = PinOrCudaNode(_TransposeX(cpu.source), device=None)
     got, want = run_graph(gpu), run_graph(cpu)
-    assert gpu._gather is not None and gpu._stager.bytes_in_place > 0  # h, y still in place
+    assert gpu.staging is not None and gpu._stager.bytes_in_place > 0  # h, y still in place
     assert len(got) == len(want) and got[0]["x"].shape[0] == 3
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g["x"], w["x"])

@@ -8,19 +8,15 @@ returns ``None`` and is read through zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numcodecs
 import numcodecs.blosc
 import numpy as np
 import zarr
-import zarr.codecs as zc
 
 from .blosc_frame import check_header
-
-_NATIVE = sys.byteorder
+from .codec_chain import CodecChain, classify
 
 
 @dataclass(frozen=True)
@@ -57,44 +53,20 @@ def _copy_bytes(src: object, out: np.ndarray) -> None:
     dst[...] = raw
 
 
-def _v3_bytes_codec(codec: object) -> numcodecs.abc.Codec | None:
-    if isinstance(codec, zc.BloscCodec):
-        return numcodecs.Blosc()  # blosc frames are self-describing: no parameters needed
-    if isinstance(codec, zc.ZstdCodec):
-        return numcodecs.Zstd(level=codec.level, checksum=codec.checksum)
-    if isinstance(codec, zc.GzipCodec):
-        return numcodecs.GZip(level=codec.level)
-    if isinstance(codec, zc.Crc32cCodec):
-        from numcodecs.checksum32 import CRC32C
-
-        return CRC32C()
-    return None
-
-
 def decoder_for(arr: zarr.Array) -> ChunkDecoder | None:
     """A fast decoder for this array's codec chain, or ``None`` to use zarr's path."""
-    meta = arr.metadata
-    itemsize = np.dtype(arr.dtype).itemsize
-    if meta.zarr_format == 3:
-        codecs: Sequence[object] = meta.codecs
-        if not codecs or not isinstance(codecs[0], zc.BytesCodec):
-            return None  # sharding, transpose or another array-to-array/bytes codec
-        endian = codecs[0].endian
-        out: list[numcodecs.abc.Codec] = []
-        for c in codecs[1:]:
-            nc = _v3_bytes_codec(c)
-            if nc is None:
-                return None
-            out.append(nc)
-        swap = endian is not None and itemsize > 1 and endian.value != _NATIVE
-        names = ["bytes"] + [type(c).__name__.replace("Codec", "").lower() for c in codecs[1:]]
-        return ChunkDecoder(tuple(out), swap, " -> ".join(names))
-    # zarr v2: an optional compressor, no filters, C order.
-    if meta.filters or meta.order != "C":
+    return decoder_from(classify(arr))
+
+
+def decoder_from(chain: CodecChain) -> ChunkDecoder | None:
+    """``decoder_for`` of an already classified chain: plain chunks whose every
+    bytes-to-bytes codec has a numcodecs equivalent (sharding, transpose, filters and codecs
+    only zarr knows return ``None``)."""
+    if not chain.plain:
         return None
-    dt = np.dtype(arr.dtype)
-    swap = itemsize > 1 and dt.byteorder not in ("=", "|") and (
-        (dt.byteorder == "<") != (_NATIVE == "little"))
-    comp = meta.compressor
-    chain = "v2:" + (comp.codec_id if comp is not None else "raw")
-    return ChunkDecoder((comp,) if comp is not None else (), swap, chain)
+    codecs = []
+    for c in chain.compressors:
+        if c.numcodecs is None:
+            return None
+        codecs.append(numcodecs.get_codec(dict(c.numcodecs)))
+    return ChunkDecoder(tuple(codecs), chain.byteswap, chain.text)

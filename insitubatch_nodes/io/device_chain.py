@@ -11,15 +11,12 @@ that the reader retries and names by chunk key, as on the CPU path.
 from __future__ import annotations
 
 import struct
-import sys
 from dataclasses import dataclass
 
-import numcodecs
-import numpy as np
 import zarr
-import zarr.codecs as zc
 
 from .blosc_frame import UnsupportedFrame, parse_blosc
+from .codec_chain import CodecChain, classify
 
 
 @dataclass(frozen=True)
@@ -62,60 +59,45 @@ class HostOnly:
     chain: str
 
 
-_LITTLE = sys.byteorder == "little"
+_DEVICE_ALGORITHMS = {"zstd": 0, "lz4": 4, "gzip": 0, "blosc": 0}  # name -> bytes skipped
 
 
 def device_chain_for(arr: zarr.Array) -> DeviceChain | HostOnly:
     """Classify ``arr``'s codec chain for GPU decoding."""
-    meta = arr.metadata
-    dt = np.dtype(arr.dtype)
-    if meta.zarr_format == 3:
-        codecs = list(meta.codecs)
-        names = " -> ".join(type(c).__name__.replace("Codec", "").lower() for c in codecs)
-        if not codecs or not isinstance(codecs[0], zc.BytesCodec):
-            return HostOnly("sharding, transpose and other array-to-array codecs are decoded "
-                            "by zarr on the host", names)
-        endian = codecs[0].endian
-        if dt.itemsize > 1 and endian is not None and endian.value != "little":
-            return HostOnly("big-endian bytes would need a byte swap on the device", names)
-        rest = codecs[1:]
-        if not rest:
-            return DeviceChain(None, 0, names)
-        if len(rest) > 1:
-            return HostOnly("more than one bytes-to-bytes codec", names)
-        c = rest[0]
-        if isinstance(c, zc.ZstdCodec):
-            if c.checksum:
-                return HostOnly("nvCOMP does not verify zstd content checksums", names)
-            return DeviceChain("zstd", 0, names)
-        if isinstance(c, zc.GzipCodec):
-            return DeviceChain("gzip", 0, names)
-        if isinstance(c, zc.BloscCodec):
-            why = _blosc_host_only(c.cname.value)
-            return HostOnly(why, names) if why else DeviceChain("blosc", 0, names)
-        return HostOnly(f"nvCOMP has no decoder for {type(c).__name__}", names)
-    comp = meta.compressor
-    names = "v2:" + (comp.codec_id if comp is not None else "raw")
-    if meta.filters:
-        return HostOnly("zarr v2 filters are decoded on the host", names)
-    if meta.order != "C":
+    return device_chain_from(classify(arr))
+
+
+def device_chain_from(chain: CodecChain) -> DeviceChain | HostOnly:
+    """``device_chain_for`` of an already classified chain: plain little-endian chunks under
+    at most one codec that nvCOMP decodes (and whose frames the host can check)."""
+    names = chain.text
+    serializer = chain.serializer
+    if serializer is None or serializer.name != "bytes" or chain.filters:
+        return HostOnly("zarr v2 filters are decoded on the host" if chain.zarr_format == 2
+                        else "sharding, transpose and other array-to-array codecs are decoded "
+                             "by zarr on the host", names)
+    if chain.order != "C":
         return HostOnly("Fortran-ordered chunks are reordered by zarr on the host", names)
-    if dt.itemsize > 1 and (dt.byteorder == ">" or (dt.byteorder == "=" and not _LITTLE)):
+    if chain.byteorder == "big":
         return HostOnly("big-endian bytes would need a byte swap on the device", names)
-    if comp is None:
+    rest = chain.compressors
+    if not rest:
         return DeviceChain(None, 0, names)
-    if isinstance(comp, numcodecs.Zstd):
-        if getattr(comp, "checksum", False):
-            return HostOnly("nvCOMP does not verify zstd content checksums", names)
-        return DeviceChain("zstd", 0, names)
-    if isinstance(comp, numcodecs.LZ4):
-        return DeviceChain("lz4", 4, names)
-    if isinstance(comp, numcodecs.GZip):
-        return DeviceChain("gzip", 0, names)
-    if isinstance(comp, numcodecs.Blosc):
-        why = _blosc_host_only(comp.cname)
-        return HostOnly(why, names) if why else DeviceChain("blosc", 0, names)
-    return HostOnly(f"nvCOMP has no decoder for {comp.codec_id}", names)
+    if len(rest) > 1:
+        return HostOnly("more than one bytes-to-bytes codec", names)
+    c = rest[0]
+    if c.numcodecs is None:
+        return HostOnly(f"{c.name} is a wrapper or plugin codec, not one of zarr's own: zarr "
+                        "decodes it on the host", names)
+    if c.name not in _DEVICE_ALGORITHMS:
+        return HostOnly(f"nvCOMP has no decoder for {c.name}", names)
+    if c.name == "zstd" and c.checksum:
+        return HostOnly("nvCOMP does not verify zstd content checksums", names)
+    if c.name == "blosc":
+        why = _blosc_host_only(c.cname or "")
+        if why:
+            return HostOnly(why, names)
+    return DeviceChain(c.name, _DEVICE_ALGORITHMS[c.name], names)
 
 
 def _blosc_host_only(cname: str) -> str | None:

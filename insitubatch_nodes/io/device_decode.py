@@ -20,13 +20,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ..counters import ReadTimes
 from ..dtypes import bits, torch_dtype
-from ..metrics import ReadTimes
 from .blosc_frame import HEADER, BloscFrame, UnsupportedFrame, parse_blosc
 from .device_chain import DeviceChain
 from .reader import Frames, StripeReader
@@ -37,6 +37,7 @@ _ALIGN = 16  # nvCOMP wants 8-byte aligned inputs and outputs (zstd, gzip); 16 i
 _ALIGN_OUT = {"zstd": 8, "lz4": 4}
 
 
+@runtime_checkable
 class FrameDecoder(Protocol):
     """Decodes ``src[src_offsets[i] : + src_sizes[i]]`` into ``dst[dst_offsets[i] :
     + dst_sizes[i]]`` for every i, as one batch, queued on ``stream`` (``None`` on CPU).

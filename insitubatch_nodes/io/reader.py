@@ -1,10 +1,10 @@
 """Reading one variable's sample-axis stripe (all inner chunks of it) into a buffer.
 
-Three ways to get bytes, chosen per store: a plain file read on a pool thread (local
-stores: one hand-off does fetch and decode), obstore's async get on the event loop
-(object stores: many requests in flight without threads), or zarr's async store API
-(any other store). Decoding goes through ``ChunkDecoder`` when the codec chain allows,
-else the whole stripe is read through zarr's own ``getitem``.
+How the stored bytes arrive is a ``read_paths.ReadPath`` chosen once per variable: a plain
+file read on a pool thread (local stores: one hand-off does fetch and decode), obstore's
+async get on the event loop (object stores), zarr's async store API (any other store), or
+zarr's own ``getitem`` when ``ChunkDecoder`` does not take the codec chain. The reader keeps
+what every path shares: chunk keys, decoding into the stripe buffer, and retries.
 """
 
 from __future__ import annotations
@@ -15,37 +15,22 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import zarr
-import zarr.storage
-from zarr.core.buffer import default_buffer_prototype
 
+from ..counters import ReadTimes
 from ..geometry import VariableGeometry
-from ..metrics import ReadTimes
-from .decode import ChunkDecoder, decoder_for
-from .retry import NO_RETRY, RetryPolicy, classify
+from .codec_chain import CodecChain, classify
+from .decode import ChunkDecoder, decoder_from
+from .read_paths import FrameCheck, Frames, LocalFiles, ReadPath, read_path_for
+from .retry import NO_RETRY, RetryPolicy
+from .retry import classify as classify_error
+
+__all__ = ["FrameCheck", "Frames", "StripeReader"]
 
 T = TypeVar("T")
-Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
-FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
-
-
-def _check_all(check: FrameCheck, keys: list[str],
-               datas: list[bytes | memoryview | None]) -> None:
-    for key, data in zip(keys, datas, strict=True):
-        _checked(check, data, key)
-
-
-def _checked(check: FrameCheck, data: bytes | memoryview | None, key: str) -> None:
-    if data is None:
-        return
-    try:
-        check(data)
-    except ValueError as e:
-        raise ValueError(f"chunk {key!r}: {e}") from None
 
 
 class StripeReader:
@@ -55,23 +40,11 @@ class StripeReader:
         self.arr = arr
         self.geom = geom
         self.source_url = source_url
-        self.decoder: ChunkDecoder | None = decoder_for(arr)
+        self.codec_chain: CodecChain = classify(arr)
+        self.decoder: ChunkDecoder | None = decoder_from(self.codec_chain)
         self.times = ReadTimes()  # store / decode / pool-queue stripe-seconds (metrics)
-        store = arr.store_path.store
+        self._path: ReadPath = read_path_for(arr, decodes=self.decoder is not None)
         self._prefix = arr.store_path.path.strip("/")
-        self._root: Path | None = None
-        self._obstore = None
-        if isinstance(store, zarr.storage.LocalStore):
-            self._root = Path(store.root)
-            self.mode = "local"
-        elif isinstance(store, zarr.storage.ObjectStore):
-            self._obstore = store.store
-            self.mode = "object"
-        else:
-            self.mode = "zarr-store"
-        if self.decoder is None:
-            self.mode = "zarr"
-        self._store = store
         fill = arr.metadata.fill_value
         self.fill_value = np.asarray(fill if fill is not None else 0).astype(geom.dtype)
         self.inner = list(itertools.product(*(range(n) for n in geom.inner_grid)))
@@ -79,10 +52,30 @@ class StripeReader:
         self.direct = geom.chunks[1:] == geom.shape[1:]
         self.chunk_nbytes = int(np.prod(geom.chunks, dtype=np.int64)) * geom.dtype.itemsize
 
+    @property
+    def mode(self) -> str:
+        """The read path's name: ``"local"``, ``"object"``, ``"zarr-store"`` or ``"zarr"``."""
+        return self._path.name
+
+    @property
+    def groups_reads(self) -> bool:
+        """Several stripes can be read in one pool task (``read_group``): local files,
+        where the per-task hand-off dominates small stripes."""
+        return self._path.groups_reads
+
     # -- keys and regions -------------------------------------------------------------
     def chunk_key(self, coords: tuple[int, ...]) -> str:
         key = self.arr.metadata.encode_chunk_key(coords)
         return f"{self._prefix}/{key}" if self._prefix else key
+
+    def keys(self, index: int) -> list[str]:
+        """The store keys of stripe ``index``'s inner chunks, in inner-chunk order."""
+        return [self.chunk_key((index, *inner)) for inner in self.inner]
+
+    def rows(self, index: int) -> slice:
+        """Stripe ``index``'s rows along the sample axis."""
+        n = self.geom.chunks[0]
+        return slice(index * n, min((index + 1) * n, self.geom.shape[0]))
 
     def describe(self, index: int) -> str:
         """Names the array and chunk for error notes (never credentials)."""
@@ -100,8 +93,11 @@ class StripeReader:
             src.append(slice(0, stop - start))
         return tuple(dst), tuple(src)
 
-    def _place(self, data: bytes | memoryview | None, inner: tuple[int, ...],
-               out: np.ndarray) -> None:
+    # -- decoding into the stripe buffer ----------------------------------------------
+    def place(self, data: bytes | memoryview | None, inner: tuple[int, ...],
+              out: np.ndarray) -> None:
+        """Decode one stored inner chunk (``None``: never written) into its region of
+        ``out``."""
         if data is None:  # a chunk never written reads as the fill value, as in zarr
             dst, _ = self.region(inner)
             out[dst] = self.fill_value
@@ -115,53 +111,98 @@ class StripeReader:
         dst, src = self.region(inner)
         out[dst] = tmp[src]
 
-    # -- local: fetch and decode in one pool task -------------------------------------
-    def _read_file(self, key: str) -> bytes | None:
-        assert self._root is not None
-        try:
-            with open(self._root / key, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+    def place_all(self, datas: Frames, out: np.ndarray, submitted: float | None = None) -> None:
+        """``place`` every inner chunk of a stripe, counting the decode (and the time queued
+        for the pool since ``submitted``, a ``perf_counter`` time)."""
+        t0 = time.perf_counter()
+        for inner, data in zip(self.inner, datas, strict=True):
+            self.place(data, inner, out)
+        self.times.add(0.0, time.perf_counter() - t0,
+                       t0 - submitted if submitted is not None else 0.0)
+
+    # -- local stores: fetch and decode on the calling thread -------------------------
+    def _local(self) -> LocalFiles:
+        if not isinstance(self._path, LocalFiles):
+            raise TypeError(f"variable {self.geom.name!r} of {self.source_url} is read by the "
+                            f"{self.mode!r} path, not from local files")
+        return self._path
 
     def read_local(self, index: int, out: np.ndarray, submitted: float | None = None) -> None:
-        """Read and decode stripe ``index`` into ``out`` on this thread.
+        """Read and decode stripe ``index`` into ``out`` on this thread (local stores).
 
         ``submitted`` (a ``perf_counter`` time) is when the read was handed to the pool, to
         count the time it queued.
         """
-        t0 = time.perf_counter()
-        store = 0.0
-        for inner in self.inner:
-            key = self.chunk_key((index, *inner))
-            t1 = time.perf_counter()
-            data = self._read_file(key)
-            t2 = time.perf_counter()
-            store += t2 - t1
-            self._place(data, inner, out)
-        self.times.add(store, time.perf_counter() - t0 - store,
-                       t0 - submitted if submitted is not None else 0.0)
+        self._local().read_blocking(self, index, out, submitted)
 
     def read_local_many(self, indices: list[int], outs: list[np.ndarray],
                         submitted: float | None = None) -> None:
         """Several stripes in one pool task: small chunks are dominated by the per-task
         hand-off (~0.1 ms), so a window's small stripes are read in a few groups."""
-        for index, out in zip(indices, outs, strict=True):
-            self.read_local(index, out, submitted)
-            submitted = None
+        self._local().read_many_blocking(self, indices, outs, submitted)
+
+    def _read_file(self, key: str) -> bytes | None:
+        """One stored object of a local store (``benchmarks/bench_gpu_decode.py``)."""
+        return self._local().get(key)
+
+    # -- reads with retries ----------------------------------------------------------
+    async def read(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
+                   pool: Executor, retry: RetryPolicy = NO_RETRY) -> int:
+        """Fill ``out`` with stripe ``index``, retrying transient failures; returns attempts.
+
+        The error that ends the retries keeps its type and gets a note naming the array,
+        the chunk key, the store (without credentials) and the number of attempts.
+        """
+        _, attempts = await self._retrying(
+            index, retry, lambda: self._path.read(self, index, out, loop, pool))
+        return attempts
 
     async def read_group(self, indices: list[int], outs: list[np.ndarray],
                          loop: asyncio.AbstractEventLoop, pool: Executor,
                          retry: RetryPolicy = NO_RETRY) -> int:
-        """``read`` for several stripes of a local store in one hand-off (``_grouped``)."""
+        """``read`` for several stripes: in one pool hand-off where ``groups_reads`` (see
+        ``_grouped``), else one after another. Returns attempts."""
         out_of = dict(zip(indices, outs, strict=True))
-        _, attempts = await self._grouped(
-            indices,
-            lambda: loop.run_in_executor(pool, self.read_local_many, indices, outs,
-                                         time.perf_counter()),
-            lambda i: self._retrying(i, retry, lambda: self._read_once(i, out_of[i], loop,
-                                                                       pool)))
+
+        def one(i: int) -> Awaitable[tuple[None, int]]:
+            return self._retrying(i, retry, lambda: self._path.read(self, i, out_of[i], loop,
+                                                                    pool))
+
+        if self.groups_reads:
+            _, attempts = await self._grouped(
+                indices, lambda: self._path.read_many(self, indices, outs, loop, pool), one)
+        else:
+            _, attempts = await self._each(indices, one)
         return attempts
+
+    async def read_frames(self, indices: list[int], check: FrameCheck,
+                          loop: asyncio.AbstractEventLoop, pool: Executor,
+                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
+        """The stored (compressed) chunks of stripes ``indices``, one list per stripe in
+        inner-chunk order (``None``: never written), each checked by ``check(frame)`` (a
+        ``ValueError`` gets the chunk key), for decoding on the device.
+
+        Where ``groups_reads``, the group is read in one pool task; a failure there falls
+        back to one stripe at a time, each with its own retries and error note. Returns
+        (frames, attempts)."""
+        def one(i: int) -> Awaitable[tuple[Frames, int]]:
+            return self._retrying(i, retry, lambda: self._path.frames(self, i, check, loop,
+                                                                      pool))
+
+        if self.groups_reads and len(indices) > 1:
+            return await self._grouped(
+                indices, lambda: self._path.frames_many(self, indices, check, loop, pool), one)
+        return await self._each(indices, one)
+
+    async def _each(self, indices: list[int],
+                    one: Callable[[int], Awaitable[tuple[T, int]]]) -> tuple[list[T], int]:
+        """``one(index)`` for each stripe in turn: (results, attempts)."""
+        results, attempts = [], 0
+        for index in indices:
+            result, n = await one(index)
+            results.append(result)
+            attempts += n
+        return results, attempts
 
     async def _grouped(self, indices: list[int], group: Callable[[], Awaitable[Any]],
                        one: Callable[[int], Awaitable[tuple[T, int]]]) -> tuple[Any, int]:
@@ -173,44 +214,8 @@ class StripeReader:
         except asyncio.CancelledError:
             raise
         except Exception:
-            results, attempts = [], len(indices)
-            for index in indices:
-                result, n = await one(index)
-                results.append(result)
-                attempts += n
-            return results, attempts
-
-    # -- async paths ------------------------------------------------------------------
-    async def _get_all(self, index: int) -> tuple[list[str], list[bytes | memoryview | None]]:
-        """Every stored chunk of stripe ``index``, fetched concurrently (async stores)."""
-        keys = [self.chunk_key((index, *inner)) for inner in self.inner]
-        t0 = time.perf_counter()
-        datas = await asyncio.gather(*(self._get_async(k) for k in keys))
-        self.times.add(time.perf_counter() - t0, 0.0)
-        return keys, list(datas)
-
-    async def _get_async(self, key: str) -> bytes | memoryview | None:
-        if self._obstore is not None:
-            import obstore
-
-            try:
-                resp = await obstore.get_async(self._obstore, key)
-            except FileNotFoundError:
-                return None
-            return memoryview(await resp.bytes_async())
-        buf = await self._store.get(key, prototype=default_buffer_prototype())
-        return None if buf is None else buf.as_numpy_array().data
-
-    async def read(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
-                   pool: Executor, retry: RetryPolicy = NO_RETRY) -> int:
-        """Fill ``out`` with stripe ``index``, retrying transient failures; returns attempts.
-
-        The error that ends the retries keeps its type and gets a note naming the array,
-        the chunk key, the store (without credentials) and the number of attempts.
-        """
-        _, attempts = await self._retrying(
-            index, retry, lambda: self._read_once(index, out, loop, pool))
-        return attempts
+            results, attempts = await self._each(indices, one)
+            return results, attempts + len(indices)
 
     async def _retrying(self, index: int, retry: RetryPolicy,
                         once: Callable[[], Awaitable[T]]) -> tuple[T, int]:
@@ -224,7 +229,7 @@ class StripeReader:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                kind = classify(e)
+                kind = classify_error(e)
                 decode_failures += kind == "decode"
                 give_up = (kind == "permanent" or attempt >= retry.attempts
                            or decode_failures >= retry.decode_attempts)
@@ -235,83 +240,3 @@ class StripeReader:
                     raise
                 rng = rng or random.Random()
                 await asyncio.sleep(retry.delay(attempt, rng))
-
-    # -- compressed frames, for decoding on the device ------------------------------------
-    async def read_frames(self, indices: list[int], check: FrameCheck,
-                          loop: asyncio.AbstractEventLoop, pool: Executor,
-                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
-        """The stored (compressed) chunks of stripes ``indices``, one list per stripe in
-        inner-chunk order (``None``: never written), each checked by ``check(frame)`` (a
-        ``ValueError`` gets the chunk key).
-
-        A local store reads the group in one pool task; a failure there falls back to one
-        stripe at a time, each with its own retries and error note. Returns (frames,
-        attempts)."""
-        def one(i: int) -> Awaitable[tuple[Frames, int]]:
-            return self._retrying(i, retry, lambda: self._frames_once(i, check, loop, pool))
-
-        if self.mode == "local" and len(indices) > 1:
-            return await self._grouped(
-                indices, lambda: loop.run_in_executor(pool, self._frames_local_many, indices,
-                                                      check), one)
-        out, attempts = [], 0
-        for index in indices:
-            frames, n = await one(index)
-            out.append(frames)
-            attempts += n
-        return out, attempts
-
-    async def _frames_once(self, index: int, check: FrameCheck,
-                           loop: asyncio.AbstractEventLoop, pool: Executor) -> Frames:
-        if self.mode == "local":
-            return await loop.run_in_executor(pool, self._frames_local, index, check)
-        keys, datas = await self._get_all(index)
-        # The checks walk frames in Python: on the pool, not on the loop driving the GETs.
-        await loop.run_in_executor(pool, _check_all, check, keys, datas)
-        return datas
-
-    def _frames_local(self, index: int, check: FrameCheck) -> Frames:
-        t0 = time.perf_counter()
-        out = []
-        for inner in self.inner:
-            key = self.chunk_key((index, *inner))
-            data = self._read_file(key)
-            _checked(check, data, key)
-            out.append(data)
-        self.times.add(time.perf_counter() - t0, 0.0)
-        return out
-
-    def _frames_local_many(self, indices: list[int], check: FrameCheck) -> list[Frames]:
-        return [self._frames_local(i, check) for i in indices]
-
-    async def _read_once(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
-                         pool: Executor) -> None:
-        if self.mode == "local":
-            await loop.run_in_executor(pool, self.read_local, index, out, time.perf_counter())
-        elif self.mode == "zarr":
-            sel = (slice(index * self.geom.chunks[0],
-                         min((index + 1) * self.geom.chunks[0], self.geom.shape[0])),)
-            t0 = time.perf_counter()
-            data = await self.arr.async_array.getitem(sel)  # zarr fetches *and* decodes here
-            self.times.add(time.perf_counter() - t0, 0.0)
-            rows = int(data.shape[0])
-            # Pass the pooled view itself, not a slice: a slice's base is the pool's array,
-            # so it would not keep the view (and its place in the pool) alive if this read
-            # were cancelled while the copy still runs.
-            await loop.run_in_executor(pool, self._copy_rows, out, rows, data,
-                                       time.perf_counter())
-        else:
-            _, datas = await self._get_all(index)
-            await loop.run_in_executor(pool, self._place_all, datas, out, time.perf_counter())
-
-    def _copy_rows(self, out: np.ndarray, rows: int, src: np.ndarray, submitted: float) -> None:
-        t0 = time.perf_counter()
-        np.copyto(out[:rows], src)
-        self.times.add(0.0, time.perf_counter() - t0, t0 - submitted)
-
-    def _place_all(self, datas: list, out: np.ndarray, submitted: float | None = None) -> None:
-        t0 = time.perf_counter()
-        for inner, data in zip(self.inner, datas, strict=True):
-            self._place(data, inner, out)
-        self.times.add(0.0, time.perf_counter() - t0,
-                       t0 - submitted if submitted is not None else 0.0)

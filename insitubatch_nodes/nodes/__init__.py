@@ -1,16 +1,23 @@
-"""The seven stages of the standard graph, one module each."""
+"""The seven stages of the standard graph, one module each, plus the per-batch stages.
 
-from .async_fetch import AsyncFetchNode, DecodedWindow, FetchStats
-from .chunk_permute import ChunkPermuteNode, EpochChunk
+Item types live in ``items`` and counters in ``counters``; they are re-exported here for
+code that imported them from the nodes.
+"""
+
+from ..counters import FetchStats, GatherStats, ShuffleStats
+from ..items import BatchDraw, DecodedWindow, GatherPart, ScheduledWindow
+from .async_fetch import AsyncFetchNode
+from .chunk_permute import ChunkPermuteNode
 from .gather import GatherNode
 from .normalize import NormalizeNode
 from .pin_or_cuda import PinOrCudaNode
 from .read_plan import ReadPlanNode
-from .shuffle_buffer import BatchDraw, GatherPart, ShuffleBufferNode
+from .shuffle_buffer import ShuffleBufferNode
 from .split_node import SplitNode
+from .transform import TransformNode
 
 __all__ = [
-    "AsyncFetchNode", "BatchDraw", "ChunkPermuteNode", "DecodedWindow", "EpochChunk",
-    "FetchStats", "GatherNode", "GatherPart", "NormalizeNode", "PinOrCudaNode", "ReadPlanNode",
-    "ShuffleBufferNode", "SplitNode",
+    "AsyncFetchNode", "BatchDraw", "ChunkPermuteNode", "DecodedWindow", "FetchStats",
+    "GatherNode", "GatherPart", "GatherStats", "NormalizeNode", "PinOrCudaNode", "ReadPlanNode",
+    "ScheduledWindow", "ShuffleBufferNode", "ShuffleStats", "SplitNode", "TransformNode",
 ]

@@ -14,55 +14,25 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..counters import FetchStats
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
+from ..items import DecodedWindow
 from ..memory import BufferPool, MemoryLedger
-from ..metrics import ReadTimes
 from ..plan import ReadPlan
 from ..source import Source
+from .state import require, shutdown_source
 
 _thread_ids = itertools.count()
 log = logging.getLogger("insitubatch_nodes")
-
-
-@dataclass(frozen=True, eq=False)
-class DecodedWindow:
-    """A window's plan and its decoded stripes: ``arrays[v][stripe index] -> buffer``, a
-    numpy array (CPU decode) or a device tensor (``decode="gpu"``)."""
-
-    plan: ReadPlan
-    arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...]
-
-
-@dataclass
-class FetchStats:
-    """Counters kept by the fetcher; cheap enough to stay on (see ``metrics.LoaderStats``).
-
-    Loop-thread counters (stripes, bytes, in flight, slot waits) and consumer-thread timers
-    (``next_s``, ``wait_s``) are each written by one thread only; ``read`` is shared by the
-    readers' pool threads and takes a lock.
-    """
-
-    windows: int = 0  # windows fully fetched
-    chunks: int = 0  # sample-grid chunks of those windows
-    stripes: int = 0  # stripe reads completed
-    bytes_decoded: int = 0  # decoded bytes of those stripes (the "bytes fetched")
-    wait_s: float = 0.0  # time the consumer blocked on a window that was not ready
-    next_s: float = 0.0  # consumer time inside next() (wait_s, planning, submitting)
-    retries: int = 0  # stripe reads that needed another attempt
-    in_flight: int = 0  # stripe reads holding an in-flight slot now
-    peak_in_flight: int = 0
-    slot_wait_s: float = 0.0  # stripe-seconds waiting for an in-flight slot
-    read: ReadTimes = field(default_factory=ReadTimes)  # store / decode / pool-queue times
 
 
 class _LoopThread:
@@ -118,7 +88,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     why. Plans, order and state do not change, so neither do resume and exactly-once.
     """
 
-    def __init__(self, source: BaseNode[ReadPlan], src: Source, *, max_inflight: int = 32,
+    SOURCE_KEY = "source"  # upstream state as of the last window delivered
+
+    def __init__(self, source: BaseNode[ReadPlan], dataset: Source, *, max_inflight: int = 32,
                  prefetch_windows: int = 1, decode_threads: int | None = None,
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
@@ -129,7 +101,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if prefetch_windows < 0:
             raise ValueError(f"prefetch_windows must be >= 0, got {prefetch_windows}")
         self.source = source
-        self.src = src
+        self.dataset = dataset
         self.max_inflight = int(max_inflight)
         self.prefetch_windows = int(prefetch_windows)
         self.decode_threads = int(decode_threads or min(4, os.cpu_count() or 2))
@@ -138,14 +110,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.retry = retry if retry is not None else RetryPolicy()
         self.stats = FetchStats()
         self._pid: int | None = None
-        self.readers = tuple(StripeReader(a, g, src.url)
-                             for a, g in zip(src.arrays, src.variables, strict=True))
+        self.readers = tuple(StripeReader(a, g, dataset.url)
+                             for a, g in zip(dataset.arrays, dataset.variables, strict=True))
         for r in self.readers:
             r.times = self.stats.read
         self.window_decoder: WindowDecoder | None = None
         if device_decode is not None:
             chains: dict[int, DeviceChain] = {}
-            for v, (reader, arr) in enumerate(zip(self.readers, src.arrays, strict=True)):
+            for v, (reader, arr) in enumerate(zip(self.readers, dataset.arrays, strict=True)):
                 chain = device_chain_for(arr)
                 if isinstance(chain, HostOnly):
                     log.warning("insitubatch: variable %r decodes on the CPU, not on %s: %s "
@@ -162,6 +134,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._delivered: dict | None = None
         self._exhausted = False
         self._error: BaseException | None = None
+        self._shut_down = False
 
     # -- lifecycle --------------------------------------------------------------------
     def _check_process(self) -> None:
@@ -183,20 +156,30 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
     def _ensure_loop(self) -> _LoopThread:
         self._check_process()
+        if self._shut_down:
+            raise RuntimeError("this AsyncFetchNode was shut down (loader.shutdown(), "
+                               "close() or the end of a with block): build a new loader")
         if self._lt is None:
             self._pid = os.getpid()
             self._lt = _LoopThread(self.decode_threads, self.window_decoder is not None)
             self._finalizer = weakref.finalize(self, _LoopThread.stop, self._lt)
         return self._lt
 
-    def close(self) -> None:
-        """Cancel in-flight reads and stop the loop thread and decode pool."""
+    def shutdown(self) -> None:
+        """Cancel in-flight reads, stop the loop thread and decode pool for good, and shut
+        the upstream down (torchdata's ``shutdown()`` protocol: called by the node or
+        loader downstream). A later ``next()`` is an error, not a restarted thread: a
+        torchdata ``Prefetcher`` still pulling must not bring the loop back."""
+        self._shut_down = True
         self._cancel_all()
         if self._finalizer is not None:
             self._finalizer()
         self._lt = None
         self._finalizer = None
         self._sem = None
+        shutdown_source(self.source)
+
+    close = shutdown  # the name earlier versions used
 
     def _cancel_all(self) -> None:
         while self._fifo:
@@ -209,7 +192,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._cancel_all()
         self._error = None
         self._exhausted = False
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.source.reset(None if initial_state is None
+                          else require(initial_state, self.SOURCE_KEY, self))
         self._delivered = copy.deepcopy(self.source.state_dict())
 
     # -- fetching ---------------------------------------------------------------------
@@ -268,7 +252,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         jobs = []
         for v, reads in enumerate(plan.reads):
             reader = self.readers[v]
-            if reader.mode == "local" and len(reads) > 2 * self.decode_threads:
+            if reader.groups_reads and len(reads) > 2 * self.decode_threads:
                 # Enough groups to keep every decode thread busy, at most ~4 MB each.
                 by_size = max(1, (4 << 20) // max(1, reader.geom.stripe_nbytes))
                 size = max(1, min(by_size, -(-len(reads) // (2 * self.decode_threads))))
@@ -368,4 +352,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return len(futs), sum(f.done() for f in futs)
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": copy.deepcopy(self._delivered)}
+        return {self.SOURCE_KEY: copy.deepcopy(self._delivered)}
+
+    def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
+        """The state of this node before its first window, over ``upstream``'s state."""
+        return {self.SOURCE_KEY: upstream}

@@ -3,41 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..geometry import SampleGrid
-from ..schedule import RankSchedule, Resumption, ScheduleContext, WindowSpec, rank_schedule
+from ..items import ScheduledWindow
+from ..schedule import RankSchedule, Resumption, ScheduleContext, rank_schedule
+from .state import require, shutdown_source
 
 
-@dataclass(frozen=True)
-class EpochChunk:
-    """A chunk id with the window it was scheduled into (which knows its epoch).
-
-    ``last`` marks the window's last chunk, so the planner knows when a window is complete
-    without reading ahead.
-    """
-
-    chunk: int
-    window: WindowSpec
-    last: bool
-
-    @property
-    def epoch(self) -> int:
-        return self.window.epoch
-
-
-class ChunkPermuteNode(BaseNode[EpochChunk]):
+class ChunkPermuteNode(BaseNode[ScheduledWindow]):
     """Permutes the split's chunks by (seed, epoch), deals this rank's share, keeps ranks at
-    equal sample counts (``uneven``), and tags each chunk with its window.
+    equal sample counts (``uneven``), and yields the share cut into windows.
 
     The epoch advances on each ``reset(None)`` once this epoch has started (torchdata's
-    ``Loader`` resets on every ``iter()``). State: epoch, position, and the elastic-resume
-    history of the current epoch (empty unless the world size changed mid-epoch).
+    ``Loader`` resets on every ``iter()``). State: epoch, windows yielded, and the
+    elastic-resume history of the current epoch (empty unless the world size changed
+    mid-epoch; a state with a history and position 0 is how an elastic resume starts).
     """
+
+    EPOCH_KEY = "epoch"
+    POSITION_KEY = "position"  # windows of this epoch's schedule already yielded
+    HISTORY_KEY = "history"
 
     def __init__(self, source: BaseNode[int], grid: SampleGrid, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, block_chunks: int = 16, uneven: str = "pad",
@@ -58,15 +47,9 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
         self.epoch = int(epoch)
         self.history: tuple[Resumption, ...] = ()
         self.schedule: RankSchedule | None = None
-        self._armed: tuple[int, tuple[Resumption, ...]] | None = None
         self._ctx: ScheduleContext | None = None
         self._started = False
-        self._starts = np.zeros(1, dtype=np.int64)
         self._pos = 0
-
-    def arm_elastic(self, epoch: int, history: Sequence[Resumption]) -> None:
-        """Make the next ``reset(None)`` continue ``epoch`` after the given resumptions."""
-        self._armed = (int(epoch), tuple(history))
 
     def _context(self) -> ScheduleContext:
         self.source.reset(None)
@@ -79,16 +62,11 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         if initial_state is not None:
-            self.epoch = int(initial_state["epoch"])
-            self._pos = int(initial_state["position"])
+            self.epoch = int(require(initial_state, self.EPOCH_KEY, self))
+            self._pos = int(require(initial_state, self.POSITION_KEY, self))
             self.history = tuple(Resumption.from_json(h)
-                                 for h in initial_state.get("history", ()))
+                                 for h in initial_state.get(self.HISTORY_KEY, ()))
             # A restored run counts as started: the next reset(None) is the next epoch.
-            self._started = True
-        elif self._armed is not None:
-            self.epoch, self.history = self._armed
-            self._armed = None
-            self._pos = 0
             self._started = True
         else:
             if self._started:
@@ -98,28 +76,29 @@ class ChunkPermuteNode(BaseNode[EpochChunk]):
             self._started = False
         self.schedule = rank_schedule(self._context(), self.epoch, self.rank, self.world_size,
                                       self.history)
-        sizes = [w.chunk_ids.size for w in self.schedule.windows]
-        self._starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-        self._total = int(self._starts[-1])
-        self._cursor: tuple[int, list[int]] | None = None  # (window, its chunk ids)
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return 0 if self.schedule is None else len(self.schedule.windows)
 
-    def next(self) -> EpochChunk:
+    def next(self) -> ScheduledWindow:
         self._started = True
-        if self._pos >= self._total:
+        assert self.schedule is not None, "reset() before next()"
+        if self._pos >= len(self.schedule.windows):
             raise StopIteration
-        cur = self._cursor
-        if cur is None or self._pos >= int(self._starts[cur[0] + 1]):
-            # Entering a window (or restoring mid-schedule): look it up once, not per chunk.
-            w = int(np.searchsorted(self._starts, self._pos, side="right")) - 1
-            cur = self._cursor = (w, self.schedule.windows[w].chunk_ids.tolist())
-        w, ids = cur
-        j = self._pos - int(self._starts[w])
         self._pos += 1
-        return EpochChunk(ids[j], self.schedule.windows[w], last=j == len(ids) - 1)
+        return ScheduledWindow(self._pos - 1, self.schedule.windows[self._pos - 1])
+
+    @classmethod
+    def start_state(cls, epoch: int, history: Sequence[Resumption] = ()) -> dict[str, Any]:
+        """The state that starts ``epoch`` after the given elastic resumptions (what
+        ``merge_rank_states`` leads to): restoring it re-deals what is left of the epoch."""
+        return {cls.EPOCH_KEY: int(epoch), cls.POSITION_KEY: 0,
+                cls.HISTORY_KEY: [h.to_json() for h in history]}
 
     def get_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self._pos,
-                "history": [h.to_json() for h in self.history]}
+        return {self.EPOCH_KEY: self.epoch, self.POSITION_KEY: self._pos,
+                self.HISTORY_KEY: [h.to_json() for h in self.history]}
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: pass it upstream (torchdata's protocol)."""
+        shutdown_source(self.source)

@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..counters import GatherStats
 from ..dtypes import bits, torch_dtype
 from ..geometry import VariableGeometry
+from ..items import BatchDraw, GatherPart
 from ..memory import BufferPool
+from ..staging import StagingSeam
 from ..windows import SampleWindow
-from .shuffle_buffer import BatchDraw, GatherPart
-
-
-@dataclass
-class GatherStats:
-    """Batches made, their rows and variable bytes; consumer time in ``next()`` and, inside
-    it, waiting on upstream (``upstream_s``)."""
-
-    batches: int = 0
-    samples: int = 0
-    nbytes: int = 0  # bytes of the variables' tensors (not sample_index, not coordinates)
-    next_s: float = 0.0
-    upstream_s: float = 0.0
+from .state import require, shutdown_source
 
 
 class GatherNode(BaseNode[dict[str, torch.Tensor]]):
@@ -43,35 +33,42 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     geometry, so clipping never changes a value.
     """
 
+    SOURCE_KEY = "source"
+
     def __init__(self, source: BaseNode[BatchDraw], variables: Sequence[VariableGeometry],
-                 pool: BufferPool | None = None, *, window: SampleWindow | None = None,
-                 coords: Mapping[str, np.ndarray] | None = None) -> None:
+                 pool: BufferPool | None = None, *, steps: SampleWindow | None = None,
+                 coords: Mapping[str, np.ndarray] | None = None,
+                 staging: StagingSeam | None = None,
+                 window: SampleWindow | None = None) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
-        # With a time window, "name" holds the inputs (batch, history, ...) and
+        # ``window=`` is the name earlier versions used for ``steps``.
+        steps = steps if steps is not None else window
+        # With time steps, "name" holds the inputs (batch, history, ...) and
         # "target/name" the targets (batch, n_leads, ...).
-        self.window = None if window is None or window.is_single_step else window
+        self.steps = None if steps is None or steps.is_single_step else steps
         # Per-sample coordinates (e.g. "time" as int64 ns), looked up by sample index.
         self.coords = dict(coords or {})
         self.pool = pool if pool is not None else BufferPool()
         for v in self.variables:
             torch_dtype(v.dtype)  # fail at build time, naming the dtype, not mid-epoch
         self.stats = GatherStats()
-        # Set by a CUDA PinOrCudaNode downstream: gather into its pinned ring slot instead
-        # of pageable pool memory (saves one host copy per batch). See ``_out``.
-        self.staging: Any = None
+        # Shared with a CUDA PinOrCudaNode downstream by the graph builder: gather into its
+        # pinned ring slot instead of pageable pool memory (saves one host copy per batch).
+        self.staging = staging
 
     def _out(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if self.staging is not None:
-            arr = self.staging.staging_array(key, shape, dtype)
+            arr = self.staging.array(key, shape, dtype)
             if arr is not None:
                 return arr
         return self.pool.take(shape, dtype)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.source.reset(None if initial_state is None
+                          else require(initial_state, self.SOURCE_KEY, self))
 
     def next(self) -> dict[str, torch.Tensor]:
         stats = self.stats
@@ -87,7 +84,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
         nbytes = 0
-        win = self.window
+        win = self.steps
         for var, parts in zip(self.variables, draw.parts, strict=True):
             if parts and isinstance(parts[0].array, torch.Tensor):
                 nbytes += self._gather_tensors(var, parts, n, batch)
@@ -128,7 +125,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         dev, dtype = first.device, first.dtype
         offsets = np.concatenate([p.offsets for p in parts]).astype(np.int64, copy=False)
         index = torch.from_numpy(offsets).to(dev)
-        win = self.window
+        win = self.steps
         pos = 0
         if win is None:
             out = torch.empty((n, *var.sample_shape), dtype=dtype, device=dev)
@@ -157,4 +154,12 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         return (ins.numel() + outs.numel()) * ins.element_size()
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}
+        return {self.SOURCE_KEY: self.source.state_dict()}
+
+    def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
+        """The state of this node before its first batch, over ``upstream``'s state."""
+        return {self.SOURCE_KEY: upstream}
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: pass it upstream (torchdata's protocol)."""
+        shutdown_source(self.source)

@@ -12,8 +12,8 @@ k+1 overlaps the model's work on batch k:
    still running, wait for its event (with ``ring_size`` >= the prefetch depth this almost
    never waits);
 2. ``GatherNode`` writes the batch's variables straight into the slot's pinned buffers
-   (``staging``); anything else in the batch (``sample_index``, tensors a transform made)
-   is copied into the slot (host memcpy);
+   (through the ``StagingSeam`` the graph builder handed to both stages); anything else
+   in the batch (``sample_index``, tensors a transform made) is copied into the slot;
 3. on the side stream, allocate the device tensors and issue the H2D copies, then record an
    event on the side stream and store it with the slot (the slot is not written again until
    that event has completed);
@@ -35,6 +35,8 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..ring import HostRing, Lease
+from ..staging import StagingSeam
+from .state import require, shutdown_source
 
 DEFAULT_RING_SIZE = 3
 
@@ -186,20 +188,6 @@ class CudaStager:
         self.ring.synchronize()
 
 
-def _upstream_gather(node: Any) -> Any:
-    """The node that makes the batches (``GatherNode``, or any node with a ``staging``
-    attribute) upstream of ``node``, reached only through stages that keep the batch's
-    memory (``TransformNode.keeps_batch_memory``): it can then write the variables into the
-    ring slot instead of pageable memory. ``None`` otherwise."""
-    while node is not None:
-        if hasattr(node, "staging"):
-            return node
-        if not getattr(node, "keeps_batch_memory", False):
-            return None
-        node = getattr(node, "source", None)
-    return None
-
-
 class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
     """On CPU, a pass-through (no copy, never a CUDA-only API); on CUDA, stages each batch
     in a ring of ``ring_size`` reused pinned buffers and copies it to the device
@@ -210,9 +198,12 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
     the node waits for that only when the ring wraps around onto a copy still running.
     """
 
+    SOURCE_KEY = "source"
+
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]],
                  device: str | torch.device | None = None, *,
-                 ring_size: int = DEFAULT_RING_SIZE, ops: Any = None) -> None:
+                 ring_size: int = DEFAULT_RING_SIZE, ops: Any = None,
+                 staging: StagingSeam | None = None) -> None:
         super().__init__()
         if not isinstance(ring_size, int) or ring_size < 1:
             raise ValueError(f"ring_size must be an integer >= 1, got {ring_size!r}")
@@ -222,7 +213,9 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
         self.ring_size = ring_size
         self._ops = ops
         self._stager: CudaStager | None = None  # made on the first CUDA batch
-        self._gather: Any = None  # the upstream GatherNode that gathers into the ring
+        # Shared with the GatherNode upstream (by the graph builder, only when every stage
+        # between keeps the batch's tensors): the gather then writes into the ring slot.
+        self.staging = staging
 
     @property
     def ring(self) -> HostRing | None:
@@ -231,7 +224,8 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.source.reset(None if initial_state is None
+                          else require(initial_state, self.SOURCE_KEY, self))
 
     def next(self) -> dict[str, torch.Tensor]:
         if self.device is not None and self.device.type == "cuda":
@@ -245,11 +239,10 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
     def _cuda_next(self) -> dict[str, torch.Tensor]:
         if self._stager is None:
             self._stager = CudaStager(self._ops or CudaOps(self.device), self.ring_size)
-            self._gather = _upstream_gather(self.source)
-            if self._gather is not None:
-                self._gather.staging = self._stager
+            if self.staging is not None:
+                self.staging.attach(self._stager)
         stager = self._stager
-        if self._gather is not None:
+        if self.staging is not None:
             stager.open()
         try:
             batch = next(self.source)
@@ -264,4 +257,14 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
             self._stager.synchronize()
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}
+        return {self.SOURCE_KEY: self.source.state_dict()}
+
+    def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
+        """The state of this node before its first batch, over ``upstream``'s state."""
+        return {self.SOURCE_KEY: upstream}
+
+    def shutdown(self) -> None:
+        """Wait for the copies in flight (their pinned slots must outlive them), then pass
+        ``shutdown()`` upstream."""
+        self.synchronize()
+        shutdown_source(self.source)

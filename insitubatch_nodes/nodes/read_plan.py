@@ -9,44 +9,46 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
+from ..items import ScheduledWindow
 from ..plan import ReadPlan
 from ..schedule import plan_window
-from .chunk_permute import EpochChunk
+from .state import require, shutdown_source
 
 
 class ReadPlanNode(BaseNode[ReadPlan]):
-    """Collects one window's chunks and yields its ``ReadPlan``: the deduplicated stripe reads
-    of every variable and the seeded draw order.
+    """Turns each scheduled window into its ``ReadPlan``: the deduplicated stripe reads of
+    every variable and the seeded draw order.
 
-    State: windows planned so far and the upstream state; plans are pure functions of the
-    schedule, so nothing else is needed to rebuild them.
+    Stateless beyond its upstream: a plan is a pure function of the scheduled window, so
+    the scheduler's position is all a restore needs.
     """
 
-    def __init__(self, source: BaseNode[EpochChunk], variables: Sequence[VariableGeometry],
+    SOURCE_KEY = "source"
+
+    def __init__(self, source: BaseNode[ScheduledWindow], variables: Sequence[VariableGeometry],
                  offsets: Sequence[int] | np.ndarray | None = None) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
         # Steps each sample reads relative to its index (time windows): reads cover them all.
         self.offsets = None if offsets is None else np.asarray(offsets, dtype=np.int64)
-        self._window = 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        if initial_state is not None:
-            self._window = int(initial_state["window"])
-            self.source.reset(initial_state["source"])
-        else:
-            self._window = 0
-            self.source.reset(None)
+        self.source.reset(None if initial_state is None
+                          else require(initial_state, self.SOURCE_KEY, self))
 
     def next(self) -> ReadPlan:
         item = next(self.source)
-        while not item.last:
-            item = next(self.source)
-        plan = plan_window(item.window, self.variables, self._window, self.offsets)
-        self._window += 1
-        return plan
+        return plan_window(item.spec, self.variables, item.index, self.offsets)
 
     def get_state(self) -> dict[str, Any]:
-        return {"window": self._window, "source": self.source.state_dict()}
+        return {self.SOURCE_KEY: self.source.state_dict()}
+
+    def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
+        """The state of this node before its first plan, over ``upstream``'s state."""
+        return {self.SOURCE_KEY: upstream}
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: pass it upstream (torchdata's protocol)."""
+        shutdown_source(self.source)

@@ -10,35 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from torchdata.nodes import BaseNode
 
+from ..counters import ShuffleStats
 from ..geometry import VariableGeometry
-from .async_fetch import DecodedWindow
-
-
-@dataclass(frozen=True, eq=False)
-class GatherPart:
-    """Rows ``[start, stop)`` of a batch come from ``array`` at ``offsets`` (sample axis);
-    ``array`` is a numpy stripe, or a device tensor when the window was decoded there."""
-
-    array: np.ndarray | torch.Tensor
-    offsets: np.ndarray
-    start: int
-    stop: int
-    step: int = 0  # which step of a time-window sample (0 without windows)
-
-
-@dataclass(frozen=True, eq=False)
-class BatchDraw:
-    """Which resident stripe and offset every row of a batch comes from, per variable.
-
-    Rows are in ascending sample order, so each stripe's rows are one contiguous run of the
-    batch for every variable and a gather is one ``np.take`` per stripe per variable.
-    """
-
-    sample_index: np.ndarray
-    parts: tuple[tuple[GatherPart, ...], ...]
+from ..items import BatchDraw, DecodedWindow, GatherPart
+from .state import require, shutdown_source
 
 
 def _runs(samples: np.ndarray, steps: np.ndarray, sample_chunk: int,
@@ -59,16 +36,6 @@ def _runs(samples: np.ndarray, steps: np.ndarray, sample_chunk: int,
 
 
 @dataclass
-class ShuffleStats:
-    """Consumer time in ``next()`` (``next_s``) and, inside it, pulling windows from upstream
-    (``upstream_s``); the difference is this stage's own work."""
-
-    next_s: float = 0.0
-    upstream_s: float = 0.0
-    windows: int = 0  # windows pulled
-
-
-@dataclass
 class _Resident:
     window: DecodedWindow
     snapshot: dict  # upstream state before this window was pulled
@@ -83,6 +50,9 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     dropped as soon as its last sample is drawn. State: upstream state before the head
     window, and how many of its samples were drawn.
     """
+
+    SOURCE_KEY = "source"  # upstream state before the head window was pulled
+    OFFSET_KEY = "offset"  # draws already taken from the head window
 
     def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
                  batch_size: int, drop_last: bool = False) -> None:
@@ -111,8 +81,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._resident.clear()
         self._exhausted = False
         if initial_state is not None:
-            self.source.reset(initial_state["source"])
-            self._skip = int(initial_state["offset"])
+            self.source.reset(require(initial_state, self.SOURCE_KEY, self))
+            self._skip = int(require(initial_state, self.OFFSET_KEY, self))
         else:
             self.source.reset(None)
             self._skip = 0
@@ -211,5 +181,14 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     def get_state(self) -> dict[str, Any]:
         if self._resident:
             head = self._resident[0]
-            return {"source": copy.deepcopy(head.snapshot), "offset": head.offset}
-        return {"source": copy.deepcopy(self.source.state_dict()), "offset": self._skip}
+            return {self.SOURCE_KEY: copy.deepcopy(head.snapshot), self.OFFSET_KEY: head.offset}
+        return {self.SOURCE_KEY: copy.deepcopy(self.source.state_dict()),
+                self.OFFSET_KEY: self._skip}
+
+    def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
+        """The state of this node before its first draw, over ``upstream``'s state."""
+        return {self.SOURCE_KEY: upstream, self.OFFSET_KEY: 0}
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: pass it upstream (torchdata's protocol)."""
+        shutdown_source(self.source)

@@ -7,6 +7,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from ..split import SplitManifest
+from .state import require
 
 
 class SplitNode(BaseNode[int]):
@@ -15,6 +16,8 @@ class SplitNode(BaseNode[int]):
     Its only state is a position, so the split itself always comes from the manifest and a
     checkpoint never carries chunk lists.
     """
+
+    POSITION_KEY = "position"
 
     def __init__(self, manifest: SplitManifest, split: str) -> None:
         super().__init__()
@@ -29,7 +32,7 @@ class SplitNode(BaseNode[int]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._pos = int(initial_state["position"]) if initial_state else 0
+        self._pos = int(require(initial_state, self.POSITION_KEY, self)) if initial_state else 0
 
     def next(self) -> int:
         if self._pos >= len(self._ids):
@@ -38,4 +41,7 @@ class SplitNode(BaseNode[int]):
         return self._ids[self._pos - 1]
 
     def get_state(self) -> dict[str, Any]:
-        return {"position": self._pos}
+        return {self.POSITION_KEY: self._pos}
+
+    def shutdown(self) -> None:
+        """The head of the graph: nothing to stop."""

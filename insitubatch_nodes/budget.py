@@ -1,0 +1,78 @@
+"""The resident-memory bound of a loader configuration, and byte sizes written by humans.
+
+Pure index math: ``build_loader`` refuses a configuration whose bound exceeds
+``memory_budget`` and ``insitubatch inspect`` recommends a ``block_chunks`` from the same
+function, so a recommendation always builds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from .geometry import SampleGrid, VariableGeometry
+from .plan import max_window_nbytes
+from .windows import SampleWindow
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``4_000_000``, ``"4GB"``, ``"512MiB"`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read a byte size from {value!r}; write e.g. 4GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], block_chunks: int,
+                   prefetch_windows: int, batch_size: int,
+                   steps: SampleWindow | None = None) -> int:
+    """Decoded bytes that can be resident: the window being drawn, the prefetched ones, and
+    the stripes of the previous window that a batch straddling the edge still needs (each
+    with its halo of neighbouring chunks when a sample spans several time ``steps``)."""
+    halo = 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
+    window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo)
+    window_samples = block_chunks * grid.chunk_size
+    if batch_size > window_samples:
+        # A batch spans whole windows: all of them (and the one it starts in) stay resident
+        # until the batch is gathered, besides the prefetched ones.
+        spans = -(-batch_size // window_samples) + 1
+        return (spans + prefetch_windows) * window_bytes
+    straddle = max_window_nbytes(grid, variables, min(batch_size, block_chunks) + 2 * halo)
+    return (1 + prefetch_windows) * window_bytes + straddle
+
+
+def largest_block_chunks(grid: SampleGrid, variables: Sequence[VariableGeometry], budget: int,
+                         prefetch_windows: int, batch_size: int, hi: int,
+                         steps: SampleWindow | None = None) -> int | None:
+    """Largest ``block_chunks`` in ``[1, hi]`` whose resident bound fits ``budget``. A scan,
+    not a bisection: the bound is not monotone where batches span several windows."""
+    fits = [b for b in range(1, hi + 1)
+            if resident_bound(grid, variables, b, prefetch_windows, batch_size, steps) <= budget]
+    return fits[-1] if fits else None
+
+
+def check_budget(grid: SampleGrid, variables: Sequence[VariableGeometry],
+                 memory_budget: int | str | None, block_chunks: int, prefetch_windows: int,
+                 batch_size: int, steps: SampleWindow | None = None) -> int:
+    """The resident bound of this configuration; a ``ValueError`` naming the largest
+    ``block_chunks`` that fits when it exceeds ``memory_budget``."""
+    need = resident_bound(grid, variables, block_chunks, prefetch_windows, batch_size, steps)
+    if memory_budget is None:
+        return need
+    budget = parse_bytes(memory_budget)
+    if need > budget:
+        fits = largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size,
+                                    block_chunks - 1, steps)
+        hint = (f"block_chunks={fits} fits" if fits else
+                "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
+        raise ValueError(
+            f"memory_budget={memory_budget!r} ({budget:,} B) is below the {need:,} B that "
+            f"block_chunks={block_chunks} with prefetch_windows={prefetch_windows} can hold "
+            f"resident; {hint}"
+        )
+    return need

@@ -1,0 +1,216 @@
+"""The loader's configuration: frozen dataclasses grouped by concern, each checking itself.
+
+``build_loader(source, manifest, split, config=None, **overrides)`` takes a ``LoaderConfig``
+and/or the flat keywords it always took (``batch_size=``, ``device=``...), which land in the
+group that owns them. A config is plain data: share one between train and val loaders, keep
+it with an experiment, derive variants with ``config.replace(block_chunks=8)``.
+Checks that need the store (world size against the split, the memory budget) happen in
+``graph.resolve``; the ones here need nothing but the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .io.device_decode import FrameDecoder
+from .io.retry import RetryPolicy
+from .schedule import UNEVEN_POLICIES
+from .stats import Stats
+from .windows import SampleWindow
+
+DEFAULT_RING_SIZE = 3
+
+
+def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Which samples, in what order, on which rank: batch size, shuffle window, seed, ranks.
+
+    ``rank``/``world_size`` default to the initialised ``torch.distributed`` group (else
+    0/1); ``uneven`` keeps ranks at equal step counts (``"pad"``, ``"drop"`` or ``"none"``).
+    """
+
+    batch_size: int = 32
+    block_chunks: int = 16
+    seed: int = 0
+    drop_last: bool = False
+    uneven: str = "pad"
+    rank: int | None = None
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("sampling", "batch_size", self.batch_size)
+        _positive_int("sampling", "block_chunks", self.block_chunks)
+        if self.uneven not in UNEVEN_POLICIES:
+            raise ValueError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
+                             f"got {self.uneven!r}")
+        # rank/world_size are checked together with the process group (permute.resolve_rank)
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How windows are read: reads in flight, windows fetched ahead, decode threads and
+    where decoding runs, the resident-memory budget and the retry policy.
+
+    ``prefetch_windows=None`` means 1 on local disks and 2 on object stores (where a window
+    edge would otherwise expose a round trip). ``decode`` is ``"cpu"``, ``"gpu"`` or a
+    ``FrameDecoder`` object (tests pass ``HostFrameDecoder``).
+    """
+
+    max_inflight: int = 32
+    prefetch_windows: int | None = None
+    decode_threads: int | None = None
+    memory_budget: int | str | None = None
+    retry: RetryPolicy | None = None
+    decode: str | FrameDecoder = "cpu"
+
+    def __post_init__(self) -> None:
+        _positive_int("fetch", "max_inflight", self.max_inflight)
+        if self.prefetch_windows is not None:
+            _positive_int("fetch", "prefetch_windows", self.prefetch_windows, minimum=0)
+        if self.decode_threads is not None:
+            _positive_int("fetch", "decode_threads", self.decode_threads)
+        if isinstance(self.decode, str) and self.decode not in ("cpu", "gpu"):
+            raise ValueError(f"fetch.decode must be 'cpu' or 'gpu', got {self.decode!r} "
+                             "(or pass a FrameDecoder object)")
+        if self.retry is not None and not isinstance(self.retry, RetryPolicy):
+            raise TypeError(f"fetch.retry must be a RetryPolicy, got {self.retry!r}")
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """What one batch row holds: a sample's time steps (``steps``, a ``SampleWindow``;
+    the keyword ``window=`` of ``build_loader``), normalisation and cast, channels stacked,
+    static fields, spatial patches."""
+
+    steps: SampleWindow | None = None
+    stats: Stats | None = None
+    dtype: torch.dtype | None = None
+    channels: tuple[str | tuple[str, Any], ...] | None = None
+    static: Mapping[str, Any] | None = None
+    patch_size: tuple[int, ...] | None = None
+    patch_stride: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and not isinstance(self.steps, SampleWindow):
+            raise TypeError(f"sample.steps (window=) must be a SampleWindow, got {self.steps!r}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"sample.dtype must be a torch.dtype such as torch.bfloat16, "
+                            f"got {self.dtype!r}")
+        for name in ("channels", "patch_size", "patch_stride"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                if isinstance(value, str) or not isinstance(value, Sequence):
+                    raise TypeError(f"sample.{name} must be a sequence, got {value!r}")
+                object.__setattr__(self, name, tuple(value))
+        if self.patch_stride is not None and self.patch_size is None:
+            raise ValueError("sample.patch_stride needs patch_size")
+
+    @property
+    def time_steps(self) -> SampleWindow | None:
+        """``steps``, or ``None`` when each sample is one step (nothing to window)."""
+        if self.steps is None or self.steps.is_single_step:
+            return None
+        return self.steps
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where batches end up: ``device`` (``None``/``"cpu"``: no copy) and, on CUDA, the
+    number of reused pinned host buffers the copies go through."""
+
+    device: str | torch.device | None = None
+    ring_size: int = DEFAULT_RING_SIZE
+
+    def __post_init__(self) -> None:
+        _positive_int("device", "ring_size", self.ring_size)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What a training loop needs besides batches: states kept for trainers that read ahead
+    (``keep_states``), whether a moved icechunk branch may be resumed on, stats logging."""
+
+    keep_states: int = 0
+    allow_snapshot_change: bool = False
+    log_every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint", "keep_states", self.keep_states, minimum=0)
+        if self.log_every_s is not None and not self.log_every_s > 0:
+            raise ValueError(f"checkpoint.log_every_s must be > 0 (or None), "
+                             f"got {self.log_every_s!r}")
+
+
+_GROUPS: dict[str, type] = {"sampling": SamplingConfig, "fetch": FetchConfig,
+                            "sample": SampleConfig, "device": DeviceConfig,
+                            "checkpoint": CheckpointConfig}
+# build_loader's flat keywords that are spelled differently from their field
+_ALIASES = {"window": ("sample", "steps")}
+
+
+def _owner(key: str) -> tuple[str, str]:
+    if key in _ALIASES:
+        return _ALIASES[key]
+    for group, cls in _GROUPS.items():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return group, key
+    known = sorted([*_ALIASES, *(f.name for c in _GROUPS.values() for f in dataclasses.fields(c))])
+    raise TypeError(f"build_loader got an unknown option {key!r}; options: {', '.join(known)}")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Every option of ``build_loader``, by concern. ``LoaderConfig.of(batch_size=64)``
+    builds one from flat keywords; ``replace`` derives a variant the same way."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _GROUPS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"LoaderConfig.{name} must be a {cls.__name__}, "
+                                f"got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, **options: Any) -> LoaderConfig:
+        """A config from ``build_loader``'s flat keywords (unknown ones are a TypeError
+        listing the known options)."""
+        return cls().replace(**options)
+
+    def replace(self, **options: Any) -> LoaderConfig:
+        """This config with the given flat keywords (or whole groups) changed."""
+        groups: dict[str, dict[str, Any]] = {}
+        whole: dict[str, Any] = {}
+        for key, value in options.items():
+            # ``device=`` is both a group and its main option: a DeviceConfig is the group
+            if key in _GROUPS and (key != "device" or isinstance(value, DeviceConfig)):
+                whole[key] = value
+                continue
+            group, name = _owner(key)
+            groups.setdefault(group, {})[name] = value
+        out = dataclasses.replace(self, **whole) if whole else self
+        changed = {g: dataclasses.replace(getattr(out, g), **kv) for g, kv in groups.items()}
+        return dataclasses.replace(out, **changed) if changed else out
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The flat keywords that rebuild this config (``build_loader(..., **kwargs)``)."""
+        out: dict[str, Any] = {}
+        for group in _GROUPS:
+            for f in dataclasses.fields(getattr(self, group)):
+                out[f.name] = getattr(getattr(self, group), f.name)
+        out["window"] = out.pop("steps")
+        return out

@@ -1,0 +1,224 @@
+"""The standard graph, built from a ``LoaderConfig``: the one place that wires the stages.
+
+``resolve`` turns a config into the numbers the graph needs (rank, prefetch depth, the
+resident bound, the decoder) and raises every configuration error before a thread starts;
+``build_graph`` wires the stages from that. ``build_loader``, the tests and the benchmarks
+all go through here, so they cannot drift apart.
+
+    SplitNode -> ChunkPermuteNode -> ReadPlanNode -> AsyncFetchNode -> ShuffleBufferNode
+    -> GatherNode -> [NormalizeNode] [StaticFieldsNode] [StackChannelsNode] [PatchNode]
+    -> PinOrCudaNode
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zarr.storage
+from torchdata.nodes import BaseNode
+
+from .budget import check_budget
+from .config import LoaderConfig
+from .geometry import SampleGrid
+from .io.device_decode import FrameDecoder, NvcompFrameDecoder
+from .memory import MemoryLedger
+from .nodes import (
+    AsyncFetchNode,
+    ChunkPermuteNode,
+    GatherNode,
+    NormalizeNode,
+    PinOrCudaNode,
+    ReadPlanNode,
+    ShuffleBufferNode,
+    SplitNode,
+    TransformNode,
+)
+from .nodes.channels import StackChannelsNode, resolve_channels
+from .nodes.patches import PatchNode
+from .nodes.pin_or_cuda import resolve_device
+from .nodes.static import StaticFieldsNode
+from .permute import resolve_rank
+from .quality import shuffle_quality
+from .schedule import ScheduleContext, n_units
+from .source import Source
+from .split import SplitManifest
+from .staging import StagingSeam
+from .stats import Stats
+
+STAGES = ("split", "permute", "plan", "fetch", "shuffle", "gather", "pin")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a config means for one source and split: the values ``build_graph`` wires."""
+
+    config: LoaderConfig
+    rank: int
+    world_size: int
+    prefetch_windows: int
+    grid: SampleGrid  # the sample grid, or the anchor grid when samples are time windows
+    n_chunks: int  # chunks of the split
+    resident_bound: int  # bytes of decoded data that can be resident (memory.py's ledger)
+    shuffle_quality: float  # the model's score for this configuration (1.0: global shuffle)
+    frame_decoder: FrameDecoder | None  # decode="gpu": the device decoder
+
+
+def default_prefetch_windows(source: Source) -> int:
+    """1 window ahead on local disks; 2 on object stores, where a window edge would otherwise
+    expose a round trip (README "Latency")."""
+    remote = any(not isinstance(a.store_path.store, zarr.storage.LocalStore)
+                 for a in source.arrays)
+    return 2 if remote else 1
+
+
+def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
+                   ) -> FrameDecoder | None:
+    """``"cpu"`` -> None; ``"gpu"`` -> nvCOMP on ``device`` (which must be CUDA); a
+    ``FrameDecoder`` object is used as given (tests pass ``HostFrameDecoder``)."""
+    if not isinstance(decode, str):
+        if not isinstance(decode, FrameDecoder):
+            raise TypeError(f"decode must be 'cpu', 'gpu' or a FrameDecoder, got {decode!r}")
+        return decode
+    if decode == "cpu":
+        return None
+    if decode != "gpu":
+        raise ValueError(f"decode must be 'cpu' or 'gpu', got {decode!r}")
+    dev = resolve_device(device)
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"decode='gpu' needs device='cuda' (got device={device!r}): the "
+                         "batches are decoded and gathered on that GPU")
+    return NvcompFrameDecoder(dev)
+
+
+def _fraction(manifest: SplitManifest, split: str) -> str:
+    if manifest.fractions and len(manifest.fractions) == len(manifest.names):
+        return str(manifest.fractions[manifest.names.index(split)])
+    return "unknown"
+
+
+def resolve(source: Source, manifest: SplitManifest, split: str,
+            config: LoaderConfig) -> Resolved:
+    """Check ``config`` against the source and split and size the graph; every error a
+    configuration can have is raised here, naming the value and what would be valid."""
+    s, f = config.sampling, config.fetch
+    if split not in manifest.names:
+        raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
+    manifest.check_source(source, config.checkpoint.allow_snapshot_change)
+    steps = config.sample.time_steps
+    grid = source.grid if steps is None else steps.grid(source.grid)
+    chunk_ids = manifest.chunk_ids(split)
+    if len(chunk_ids) == 0:
+        raise ValueError(
+            f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "
+            f"splits with chunks: {[n for n in manifest.names if len(manifest.chunk_ids(n))]}"
+        )
+    rank, world_size = resolve_rank(s.rank, s.world_size)
+    prefetch = (default_prefetch_windows(source) if f.prefetch_windows is None
+                else f.prefetch_windows)
+    contiguous = steps is not None
+    units = n_units(ScheduleContext(chunk_ids, grid, s.seed, s.block_chunks, s.uneven,
+                                    contiguous))
+    if world_size > units:
+        raise ValueError(
+            f"world_size={world_size} exceeds the {units} "
+            f"{'blocks' if contiguous else 'chunks'} of split {split!r}: a chunk "
+            "is served by one rank, so some ranks would get nothing. Use at most "
+            f"{units} ranks, or a split with more chunks."
+        )
+    bound = check_budget(source.grid, source.variables, f.memory_budget, s.block_chunks,
+                         prefetch, s.batch_size, steps)
+    return Resolved(
+        config=config, rank=rank, world_size=world_size, prefetch_windows=prefetch, grid=grid,
+        n_chunks=len(chunk_ids), resident_bound=bound,
+        shuffle_quality=shuffle_quality(len(chunk_ids), source.grid.chunk_size, s.block_chunks,
+                                        s.batch_size),
+        frame_decoder=resolve_decode(f.decode, config.device.device),
+    )
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A built graph: its last node (hand it to a ``Loader``), the named stages, and the
+    ledger counting its resident decoded bytes."""
+
+    root: BaseNode
+    stages: dict[str, BaseNode]
+    ledger: MemoryLedger
+
+
+def connect_staging(gather: GatherNode, between: Sequence[BaseNode]) -> StagingSeam | None:
+    """A staging seam for ``gather`` and the ``PinOrCudaNode`` after ``between``, if every
+    stage between keeps the batch's tensors (else the gather would fill pinned buffers
+    that a cast or stacking then leaves unused). Sets ``gather.staging``."""
+    if not all(isinstance(n, TransformNode) and n.keeps_batch_memory for n in between):
+        return None
+    seam = StagingSeam()
+    gather.staging = seam
+    return seam
+
+
+def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: Resolved, *,
+                upto: str | None = None, ops: Any = None) -> Graph:
+    """Wire the standard graph for ``resolved`` (from ``resolve``). ``upto`` stops after a
+    stage of ``STAGES`` (tests drive single stages); ``ops`` replaces the CUDA calls of
+    ``PinOrCudaNode`` (tests run the CUDA path on CPU with fakes)."""
+    if upto is not None and upto not in STAGES:
+        raise ValueError(f"upto must be one of {STAGES}, got {upto!r}")
+    cfg = resolved.config
+    s, f, sm, d = cfg.sampling, cfg.fetch, cfg.sample, cfg.device
+    steps = sm.time_steps
+    ledger = MemoryLedger()
+    stages: dict[str, BaseNode] = {}
+
+    def done(name: str, node: BaseNode) -> bool:
+        stages[name] = node
+        return name == upto
+
+    node: BaseNode = SplitNode(manifest, split)
+    if done("split", node):
+        return Graph(node, stages, ledger)
+    node = ChunkPermuteNode(node, resolved.grid, seed=s.seed, rank=resolved.rank,
+                            world_size=resolved.world_size, block_chunks=s.block_chunks,
+                            uneven=s.uneven, contiguous=steps is not None)
+    if done("permute", node):
+        return Graph(node, stages, ledger)
+    node = ReadPlanNode(node, source.variables, offsets=None if steps is None else steps.offsets)
+    if done("plan", node):
+        return Graph(node, stages, ledger)
+    node = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
+                          prefetch_windows=resolved.prefetch_windows,
+                          decode_threads=f.decode_threads, ledger=ledger, retry=f.retry,
+                          device_decode=resolved.frame_decoder)
+    if done("fetch", node):
+        return Graph(node, stages, ledger)
+    node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last)
+    if done("shuffle", node):
+        return Graph(node, stages, ledger)
+    gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords())
+    if done("gather", gather):
+        return Graph(gather, stages, ledger)
+    node, between = gather, []
+    if sm.stats is not None or sm.dtype is not None:
+        node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
+                             source.variables, dtype=sm.dtype)
+        between.append(node)
+    if sm.static:
+        node = StaticFieldsNode(node, sm.static, device=resolve_device(d.device))
+        between.append(node)
+    if sm.channels:
+        node = StackChannelsNode(node, resolve_channels(source, sm.channels))
+        between.append(node)
+    if sm.patch_size is not None:
+        spatial = source.variables[0].sample_shape[-len(sm.patch_size):]
+        # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
+        # patch corners once
+        node = PatchNode(node, sm.patch_size, sm.patch_stride, spatial_shape=spatial)
+        between.append(node)
+    dev = ops.device if ops is not None else resolve_device(d.device)
+    seam = connect_staging(gather, between) if dev is not None and dev.type == "cuda" else None
+    node = PinOrCudaNode(node, device=d.device, ring_size=d.ring_size, ops=ops, staging=seam)
+    stages["pin"] = node
+    return Graph(node, stages, ledger)

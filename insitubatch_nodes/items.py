@@ -1,0 +1,69 @@
+"""The items that flow between the stages of the graph, in one leaf module.
+
+Each stage imports the type it consumes from here, never from the stage that produces it,
+so any stage can be swapped for another that yields the same item.
+
+    SplitNode -> int -> ChunkPermuteNode -> ScheduledWindow -> ReadPlanNode -> ReadPlan
+    -> AsyncFetchNode -> DecodedWindow -> ShuffleBufferNode -> BatchDraw -> GatherNode
+    -> dict[str, Tensor] -> PinOrCudaNode
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .plan import ReadPlan
+from .schedule import WindowSpec
+
+
+@dataclass(frozen=True)
+class ScheduledWindow:
+    """One window of this rank's epoch schedule: its position in the schedule (``index``,
+    which seeds nothing but names the plan) and its chunks and draws (``spec``)."""
+
+    index: int
+    spec: WindowSpec
+
+    @property
+    def epoch(self) -> int:
+        return self.spec.epoch
+
+    @property
+    def chunk_ids(self) -> np.ndarray:
+        return self.spec.chunk_ids
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedWindow:
+    """A window's plan and its decoded stripes: ``arrays[v][stripe index] -> buffer``, a
+    numpy array (CPU decode) or a device tensor (``decode="gpu"``)."""
+
+    plan: ReadPlan
+    arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class GatherPart:
+    """Rows ``[start, stop)`` of a batch come from ``array`` at ``offsets`` (sample axis);
+    ``array`` is a numpy stripe, or a device tensor when the window was decoded there."""
+
+    array: np.ndarray | torch.Tensor
+    offsets: np.ndarray
+    start: int
+    stop: int
+    step: int = 0  # which step of a time-window sample (0 without windows)
+
+
+@dataclass(frozen=True, eq=False)
+class BatchDraw:
+    """Which resident stripe and offset every row of a batch comes from, per variable.
+
+    Rows are in ascending sample order, so each stripe's rows are one contiguous run of the
+    batch for every variable and a gather is one ``np.take`` per stripe per variable.
+    """
+
+    sample_index: np.ndarray
+    parts: tuple[tuple[GatherPart, ...], ...]

@@ -1,0 +1,233 @@
+"""The package's structure holds: imports point one way, no private names cross modules,
+nodes do not probe each other, and a torchdata node that shuts the graph down stops it."""
+
+import ast
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from stores import Var, write_store
+from torchdata.nodes import BaseNode, Loader, Prefetcher
+
+import insitubatch_nodes as ib
+
+PKG = Path(ib.__file__).parent
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        if name.endswith(".__init__"):
+            name = name[: -len(".__init__")]
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Every package module -> the package modules it imports (at any depth of the file,
+    function-level imports included: a cycle hidden in a function is still a cycle)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, tree in mods.items():
+        is_pkg = (PKG.parent / Path(*name.split(".")) / "__init__.py").exists()
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, node, is_pkg)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                           for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name and t.startswith("insitubatch_nodes"):
+                    graph[name].add(t)
+    return graph
+
+
+def _is_type_checking(tree: ast.Module) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in ast.walk(node):
+                lines.add(getattr(sub, "lineno", -1))
+    return lines
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle():
+    graph = _imports(_modules())
+    # A package's __init__ re-exports its children: an edge from a child to its own package
+    # is the child importing a sibling through the package, not a cycle through it.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# What may import what, bottom to top (DESIGN.md "Layers"): a module may import its own
+# layer and the layers below, never one above.
+LAYERS = [
+    {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute",
+     "schedule", "distributed", "memory", "ring", "budget", "staging", "items"},
+    {"io", "storage", "source", "stats", "split"},
+    {"config"},
+    {"nodes"},
+    {"metrics", "graph"},
+    {"loader", "inspection", "synthetic", "demo", "testing"},
+    {"cli", "bench", ""},
+]
+
+
+def _layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    for i, layer in enumerate(LAYERS):
+        if part in layer:
+            return i
+    raise AssertionError(f"module {module} is in no layer of this test: add it to LAYERS "
+                         "(and to DESIGN.md)")
+
+
+def test_imports_point_one_way():
+    graph = _imports(_modules())
+    bad = []
+    for m, targets in graph.items():
+        for t in targets:
+            if m.startswith(t + "."):
+                continue  # a child importing its package's __init__ (re-exports)
+            if _layer(t) > _layer(m):
+                bad.append(f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_another_modules_private_name():
+    bad = []
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or
+                                                     (node.module or "").startswith(
+                                                         "insitubatch_nodes")):
+                bad += [f"{name}: from {'.' * node.level}{node.module} import {a.name}"
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_nodes_do_not_probe_each_other_with_hasattr():
+    bad = []
+    for name, tree in _modules().items():
+        if not name.startswith("insitubatch_nodes.nodes"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "hasattr":
+                bad.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def _fetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("insitubatch-fetch")]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("structure") / "s.zarr"
+    write_store(path, [Var("x", (96, 3), (8, 3))])
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (1.0,))
+
+
+class _ShutsDownItsSource(BaseNode):
+    """torchdata's main branch: ``shutdown()`` on a node calls ``source.shutdown()``
+    (0.11, pinned here, lacks it), so this is what a newer Prefetcher/Loader does."""
+
+    def __init__(self, source: BaseNode) -> None:
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state=None):
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+
+    def next(self):
+        return next(self.source)
+
+    def get_state(self):
+        return self.source.state_dict()
+
+    def shutdown(self) -> None:
+        self.source.shutdown()
+
+
+def test_a_torchdata_prefetcher_over_the_graph_is_shut_down_through_it(small):
+    src, m = small
+    before = set(_fetch_threads())
+    loader = ib.build_loader(src, m, "train", batch_size=4, block_chunks=2)
+    # A torchdata Prefetcher between our graph and a node that shuts its source down.
+    outer = _ShutsDownItsSource(Prefetcher(loader.root, prefetch_factor=2))
+    # Prefetcher (0.11) has no shutdown(); the torchdata convention on main is that it
+    # passes it to its source: emulate that one method, nothing else.
+    outer.source.shutdown = lambda: (outer.source._it._shutdown(),  # its own thread
+                                     loader.root.shutdown())
+    it = iter(Loader(outer))
+    for _ in range(3):
+        next(it)
+    mine = [t for t in _fetch_threads() if t not in before]
+    assert mine and all(t.is_alive() for t in mine)
+    outer.shutdown()
+    time.sleep(0.05)
+    assert not any(t.is_alive() for t in mine)
+
+
+def test_loader_shutdown_stops_the_fetch_thread_through_a_prefetcher(small):
+    """InSituLoader over a graph with a torchdata Prefetcher inside: ``shutdown()`` (and
+    ``close()``, ``with``) reaches the fetch thread through it."""
+    src, m = small
+    before = set(_fetch_threads())
+    inner = ib.build_loader(src, m, "train", batch_size=4, block_chunks=2)
+    loader = ib.InSituLoader(Prefetcher(inner.root, prefetch_factor=2))
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    mine = [t for t in _fetch_threads() if t not in before]
+    assert mine
+    loader.shutdown()
+    time.sleep(0.05)
+    assert not any(t.is_alive() for t in mine)
