@@ -35,6 +35,7 @@ from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
 from .source import Source, open_icechunk, open_source
 from .split import SplitManifest, split_by_chunk, split_by_coordinate
+from .staging import StagingSeam
 from .stats import Stats, VariableStats, compute_stats
 from .windows import SampleWindow
 
@@ -49,5 +50,5 @@ __all__ = [
     "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
     "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
-    "CheckpointConfig",
+    "CheckpointConfig", "StagingSeam",
 ]

@@ -40,8 +40,11 @@ def make_loader(source: ib.Source, manifest: ib.SplitManifest, seed: int,
     decoder = NvcompFrameDecoder(device) if gpu_decode else None
     node = AsyncFetchNode(node, source, max_inflight=32, device_decode=decoder)
     node = ShuffleBufferNode(node, source.variables, batch_size=32)
-    node = GatherNode(node, source.variables)
-    node = PinOrCudaNode(node, device=device)
+    # On CUDA the gather writes straight into PinOrCudaNode's pinned buffers: hand both the
+    # same seam (only when every stage between keeps the batch's tensors, as here).
+    staging = ib.StagingSeam() if device.type == "cuda" else None
+    node = GatherNode(node, source.variables, staging=staging)
+    node = PinOrCudaNode(node, device=device, staging=staging)
     return ib.InSituLoader(node)
 
 

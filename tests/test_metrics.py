@@ -29,10 +29,12 @@ def source(store_factory):
 
 def _planned(source, manifest, split, **kw):
     """The read plans the standard graph makes for one epoch."""
-    node = SplitNode(manifest, split)
-    node = ChunkPermuteNode(node, source.grid, seed=kw.get("seed", 0), rank=0, world_size=1,
-                            block_chunks=kw["block_chunks"])
-    node = ReadPlanNode(node, source.variables)
+    from insitubatch_nodes.graph import build_graph, resolve
+
+    cfg = ib.LoaderConfig.of(seed=kw.get("seed", 0), rank=0, world_size=1,
+                             block_chunks=kw["block_chunks"])
+    node = build_graph(source, manifest, split, resolve(source, manifest, split, cfg),
+                       upto="plan").root
     node.reset()
     return list(node)
 
