@@ -24,6 +24,7 @@ from .budget import check_budget
 from .config import LoaderConfig
 from .geometry import SampleGrid
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
+from .layout import build_layout
 from .memory import MemoryLedger
 from .nodes import (
     AsyncFetchNode,
@@ -197,19 +198,25 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last)
     if done("shuffle", node):
         return Graph(node, stages, ledger)
-    gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords())
+    channels = resolve_channels(source, sm.channels) if sm.channels else None
+    # Host gathers write channels straight into their slice of "channels"; batches gathered
+    # on a GPU (decode="gpu") are stacked afterwards.
+    layout = (build_layout(source.variables, channels)
+              if channels and resolved.frame_decoder is None else None)
+    gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords(),
+                        layout=layout)
     if done("gather", gather):
         return Graph(gather, stages, ledger)
     node, between = gather, []
     if sm.stats is not None or sm.dtype is not None:
         node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
-                             source.variables, dtype=sm.dtype)
+                             source.variables, dtype=sm.dtype, layout=layout)
         between.append(node)
     if sm.static:
         node = StaticFieldsNode(node, sm.static, device=resolve_device(d.device))
         between.append(node)
-    if sm.channels:
-        node = StackChannelsNode(node, resolve_channels(source, sm.channels))
+    if channels and layout is None:
+        node = StackChannelsNode(node, channels)
         between.append(node)
     if sm.patch_size is not None:
         spatial = source.variables[0].sample_shape[-len(sm.patch_size):]

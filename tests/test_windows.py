@@ -212,8 +212,12 @@ def test_channels_stack_levels_in_the_given_order(weather):
     assert plain["channels"].shape == (4, 1, 5, 6)
     with pytest.raises(KeyError, match=r"level=700.*\[500, 850, 1000\]"):
         ib.build_loader(src, m, "train", channels=[("z", 700)])
-    with pytest.raises(ValueError, match="give \\(name, level\\)"):
-        ib.build_loader(src, m, "train", channels=["z"])
+    # A name alone stacks every level, in the order of the level coordinate.
+    whole = next(iter(ib.build_loader(src, m, "train", batch_size=4, channels=["z", "t2m"])))
+    rows = whole["sample_index"].numpy()
+    assert whole["channels"].shape == (4, 4, 5, 6)
+    np.testing.assert_array_equal(whole["channels"][:, :3].numpy(), data["z"][rows])
+    np.testing.assert_array_equal(whole["channels"][:, 3].numpy(), data["t2m"][rows])
 
 
 def test_a_level_pick_needs_level_y_x_samples(tmp_path):

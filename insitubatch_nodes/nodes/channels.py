@@ -3,29 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..layout import Channel
 from ..source import Source
 from .transform import TransformNode
 
 
-@dataclass(frozen=True)
-class Channel:
-    """One channel: a variable, and (for a variable with a level axis) which level."""
-
-    variable: str
-    index: int | None = None  # the level, on the sample's first axis
-    label: str = ""
-
-
 def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) -> list[Channel]:
-    """``["t2m", ("z", 500), ("t", 850)]`` -> channels, looking levels up by coordinate value
-    (the variable's second dimension, e.g. ``level``). The order given is the channel order."""
+    """``["t2m", "z", ("t", 850)]`` -> channels: a name alone is the variable (every level
+    of it, in the order of its level coordinate, when it has a level axis), a pair picks one
+    level by coordinate value (the variable's second dimension, e.g. ``level``). The order
+    given is the channel order."""
     out = []
     shapes = set()
     for item in channels:
@@ -33,8 +26,17 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
         var = source.variable(name)
         if level is None:
             if len(var.sample_shape) > 2 and var.sample_shape[0] > 1:
-                raise ValueError(f"variable {name!r} has a level axis "
-                                 f"{var.dimension_names}: give (name, level)")
+                if len(var.sample_shape) != 3:
+                    raise ValueError(f"stacking the levels of {name!r} needs samples shaped "
+                                     f"(level, y, x); its dims are {var.dimension_names}")
+                dim = var.dimension_names[1] if var.dimension_names else "level"
+                try:
+                    values = source.coordinate(dim).tolist()
+                except (KeyError, ValueError):
+                    values = list(range(var.sample_shape[0]))
+                out += [Channel(name, k, f"{name}@{v}") for k, v in enumerate(values)]
+                shapes.add(var.sample_shape[1:])
+                continue
             out.append(Channel(name, label=name))
             shapes.add(var.sample_shape[-2:])
             continue

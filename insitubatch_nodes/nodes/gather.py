@@ -14,6 +14,7 @@ from ..counters import GatherStats
 from ..dtypes import bits, torch_dtype
 from ..geometry import VariableGeometry
 from ..items import BatchDraw, GatherPart
+from ..layout import BatchLayout, build_layout, row_view, sample_part
 from ..memory import BufferPool
 from ..staging import StagingSeam
 from ..windows import SampleWindow
@@ -38,7 +39,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     def __init__(self, source: BaseNode[BatchDraw], variables: Sequence[VariableGeometry],
                  pool: BufferPool | None = None, *, steps: SampleWindow | None = None,
                  coords: Mapping[str, np.ndarray] | None = None,
-                 staging: StagingSeam | None = None,
+                 staging: StagingSeam | None = None, layout: BatchLayout | None = None,
                  window: SampleWindow | None = None) -> None:
         super().__init__()
         self.source = source
@@ -51,6 +52,10 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         # Per-sample coordinates (e.g. "time" as int64 ns), looked up by sample index.
         self.coords = dict(coords or {})
         self.pool = pool if pool is not None else BufferPool()
+        # Where each variable lands: its own key, or a channel range of "channels" (then
+        # the gather is the stacking, no later pass). Default: every variable as itself.
+        self.layout = layout if layout is not None else build_layout(self.variables)
+        assert self.layout is not None
         for v in self.variables:
             torch_dtype(v.dtype)  # fail at build time, naming the dtype, not mid-epoch
         self.stats = GatherStats()
@@ -84,30 +89,11 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
         nbytes = 0
-        win = self.steps
-        for var, parts in zip(self.variables, draw.parts, strict=True):
-            if parts and isinstance(parts[0].array, torch.Tensor):
-                nbytes += self._gather_tensors(var, parts, n, batch)
-                continue
-            if win is None:
-                out = self._out(var.name, (n, *var.sample_shape), var.dtype)
-                for p in parts:
-                    np.take(p.array, p.offsets, axis=0, out=out[p.start : p.stop], mode="clip")
-                batch[var.name] = torch.from_numpy(out)
-                nbytes += out.nbytes
-                continue
-            h = win.history
-            ins = self._out(var.name, (n, h, *var.sample_shape), var.dtype)
-            outs = (self._out(f"target/{var.name}", (n, len(win.lead), *var.sample_shape),
-                              var.dtype) if win.lead else None)
-            for p in parts:
-                dst, col = (ins, p.step) if p.step < h else (outs, p.step - h)
-                np.take(p.array, p.offsets, axis=0, out=dst[p.start : p.stop, col], mode="clip")
-            batch[var.name] = torch.from_numpy(ins)
-            nbytes += ins.nbytes
-            if outs is not None:
-                batch[f"target/{var.name}"] = torch.from_numpy(outs)
-                nbytes += outs.nbytes
+        on_device = {v for v, parts in enumerate(draw.parts)
+                     if parts and isinstance(parts[0].array, torch.Tensor)}
+        for v in sorted(on_device):  # stripes decoded on a GPU: gathered there
+            nbytes += self._gather_tensors(self.variables[v], draw.parts[v], n, batch)
+        nbytes += self._gather_arrays(draw, n, batch, skip=on_device)
         batch["sample_index"] = torch.from_numpy(draw.sample_index.astype(np.int64, copy=False))
         for name, values in self.coords.items():
             batch[name] = torch.from_numpy(values[draw.sample_index])
@@ -116,6 +102,50 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         stats.nbytes += nbytes
         stats.next_s += time.perf_counter() - t0
         return batch
+
+    def _gather_arrays(self, draw: BatchDraw, n: int, batch: dict[str, torch.Tensor],
+                       skip: set[int]) -> int:
+        """The host gather: each key of the layout allocated once, then per stripe per
+        placement one copy straight into its final place (a channel range included).
+        Variables in ``skip`` were gathered on a device."""
+        steps = self.steps
+        h = steps.history if steps is not None else 1
+        used = {pl.key for v, ps in enumerate(self.layout.placements) if v not in skip
+                for pl in ps}
+        dsts: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+        for spec in self.layout.keys:
+            if spec.name not in used:
+                continue
+            if steps is None:
+                dsts[spec.name] = (self._out(spec.name, (n, *spec.row_shape), spec.dtype), None)
+                continue
+            ins = self._out(spec.name, (n, h, *spec.row_shape), spec.dtype)
+            outs = (self._out(f"target/{spec.name}", (n, len(steps.lead), *spec.row_shape),
+                              spec.dtype) if steps.lead else None)
+            dsts[spec.name] = (ins, outs)
+        for v, (parts, placements) in enumerate(zip(draw.parts, self.layout.placements,
+                                                    strict=True)):
+            if v in skip:
+                continue
+            for pl in placements:
+                ins, outs = dsts[pl.key]
+                for p in parts:
+                    if steps is None:
+                        dst = ins[p.start : p.stop]
+                    elif p.step < h:
+                        dst = ins[p.start : p.stop, p.step]
+                    else:
+                        assert outs is not None
+                        dst = outs[p.start : p.stop, p.step - h]
+                    _take(sample_part(p.array, pl), p.offsets, row_view(dst, pl))
+        nbytes = 0
+        for name, (ins, outs) in dsts.items():
+            batch[name] = torch.from_numpy(ins)
+            nbytes += ins.nbytes
+            if outs is not None:
+                batch[f"target/{name}"] = torch.from_numpy(outs)
+                nbytes += outs.nbytes
+        return nbytes
 
     def _gather_tensors(self, var: VariableGeometry, parts: Sequence[GatherPart], n: int,
                         batch: dict[str, torch.Tensor]) -> int:
@@ -163,3 +193,14 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     def shutdown(self) -> None:
         """Nothing of its own to stop: pass it upstream (torchdata's protocol)."""
         shutdown_source(self.source)
+
+
+def _take(src: np.ndarray, offsets: np.ndarray, dst: np.ndarray) -> None:
+    """``dst[k] = src[offsets[k]]``, written in place. ``np.take(out=, mode="clip")`` when
+    ``dst`` is contiguous (one call); a channel range of a batch is not, and ``np.take``
+    would buffer it through a temporary, so those rows are copied one by one."""
+    if dst.flags.c_contiguous:
+        np.take(src, offsets, axis=0, out=dst, mode="clip")
+        return
+    for k, off in enumerate(offsets.tolist()):
+        dst[k] = src[off]
