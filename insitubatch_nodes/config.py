@@ -63,7 +63,9 @@ class FetchConfig:
 
     ``prefetch_windows=None`` means 1 on local disks and 2 on object stores (where a window
     edge would otherwise expose a round trip). ``decode`` is ``"cpu"``, ``"gpu"`` or a
-    ``FrameDecoder`` object (tests pass ``HostFrameDecoder``).
+    ``FrameDecoder`` object (tests pass ``HostFrameDecoder``). ``in_place`` decodes every
+    chunk straight into its batch row (one sample per chunk, CPU decode, no time steps):
+    ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.
     """
 
     max_inflight: int = 32
@@ -72,6 +74,7 @@ class FetchConfig:
     memory_budget: int | str | None = None
     retry: RetryPolicy | None = None
     decode: str | FrameDecoder = "cpu"
+    in_place: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
@@ -82,6 +85,8 @@ class FetchConfig:
         if isinstance(self.decode, str) and self.decode not in ("cpu", "gpu"):
             raise ValueError(f"fetch.decode must be 'cpu' or 'gpu', got {self.decode!r} "
                              "(or pass a FrameDecoder object)")
+        if self.in_place not in (None, True, False):
+            raise ValueError(f"fetch.in_place must be None, True or False, got {self.in_place!r}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise TypeError(f"fetch.retry must be a RetryPolicy, got {self.retry!r}")
 

@@ -20,12 +20,13 @@ import torch
 import zarr.storage
 from torchdata.nodes import BaseNode
 
+from .arena import BatchArena
 from .budget import check_budget
 from .config import LoaderConfig
 from .geometry import SampleGrid
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
-from .layout import build_layout
-from .memory import MemoryLedger
+from .layout import BatchLayout, Channel, build_layout
+from .memory import BufferPool, MemoryLedger
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -48,6 +49,7 @@ from .source import Source
 from .split import SplitManifest
 from .staging import StagingSeam
 from .stats import Stats
+from .windows import SampleWindow
 
 STAGES = ("split", "permute", "plan", "fetch", "shuffle", "gather", "pin")
 
@@ -65,6 +67,9 @@ class Resolved:
     resident_bound: int  # bytes of decoded data that can be resident (memory.py's ledger)
     shuffle_quality: float  # the model's score for this configuration (1.0: global shuffle)
     frame_decoder: FrameDecoder | None  # decode="gpu": the device decoder
+    channels: tuple[Channel, ...] | None  # sample.channels resolved against the source
+    layout: BatchLayout | None  # where each variable lands in a host-gathered batch
+    in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
 
 
 def default_prefetch_windows(source: Source) -> int:
@@ -129,15 +134,53 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
             "is served by one rank, so some ranks would get nothing. Use at most "
             f"{units} ranks, or a split with more chunks."
         )
+    decoder = resolve_decode(f.decode, config.device.device)
+    sm = config.sample
+    channels = tuple(resolve_channels(source, sm.channels)) if sm.channels else None
+    # Host gathers write channels straight into their slice of "channels"; batches gathered
+    # on a GPU (decode="gpu") are stacked afterwards.
+    layout = (build_layout(source.variables, channels) if decoder is None
+              else None)
+    why_not = _not_in_place(source, steps, decoder, layout)
+    if f.in_place and why_not:
+        raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
+                         f"batches: {why_not}. Leave in_place=None to decide per store.")
+    in_place = f.in_place is not False and why_not is None
     bound = check_budget(source.grid, source.variables, f.memory_budget, s.block_chunks,
-                         prefetch, s.batch_size, steps)
+                         prefetch, s.batch_size, steps, in_place)
     return Resolved(
         config=config, rank=rank, world_size=world_size, prefetch_windows=prefetch, grid=grid,
         n_chunks=len(chunk_ids), resident_bound=bound,
         shuffle_quality=shuffle_quality(len(chunk_ids), source.grid.chunk_size, s.block_chunks,
                                         s.batch_size),
-        frame_decoder=resolve_decode(f.decode, config.device.device),
+        frame_decoder=decoder, channels=channels, layout=layout, in_place=in_place,
     )
+
+
+def decodes_in_place(source: Source) -> bool:
+    """Whether ``build_loader`` with its defaults decodes ``source`` straight into batches
+    (every variable one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores)."""
+    return _not_in_place(source, None, None, build_layout(source.variables)) is None
+
+
+def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDecoder | None,
+                  layout: BatchLayout | None) -> str | None:
+    """Why the chunks cannot be decoded straight into batch rows (``None``: they can)."""
+    several = [v.name for v in source.variables if v.sample_chunk != 1]
+    if several:
+        return (f"variables {several} hold several samples per chunk (a chunk feeds many "
+                "batches; it is decoded once into the window and gathered)")
+    if steps is not None:
+        return "samples are time windows (a chunk feeds several rows)"
+    if decoder is not None:
+        return "decode='gpu' decodes on the device"
+    if layout is None:
+        return "the channels differ in dtype (stacked after the gather)"
+    split = [v.name for i, v in enumerate(source.variables) if layout.direct(i) is None]
+    if split:
+        return (f"channels take only some levels of {split} (a chunk is split across "
+                "channels); stack all their levels or none")
+    return None
 
 
 @dataclass(frozen=True)
@@ -186,23 +229,25 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                             uneven=s.uneven, contiguous=steps is not None)
     if done("permute", node):
         return Graph(node, stages, ledger)
-    node = ReadPlanNode(node, source.variables, offsets=None if steps is None else steps.offsets)
+    node = ReadPlanNode(node, source.variables, offsets=None if steps is None else steps.offsets,
+                        batch_size=s.batch_size if resolved.in_place else None,
+                        drop_last=s.drop_last)
     if done("plan", node):
         return Graph(node, stages, ledger)
+    pool = BufferPool(ledger)
+    layout = resolved.layout
+    arena = BatchArena(layout, pool) if resolved.in_place and layout is not None else None
     node = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                           prefetch_windows=resolved.prefetch_windows,
-                          decode_threads=f.decode_threads, ledger=ledger, retry=f.retry,
-                          device_decode=resolved.frame_decoder)
+                          decode_threads=f.decode_threads, ledger=ledger, pool=pool,
+                          retry=f.retry, device_decode=resolved.frame_decoder, arena=arena)
     if done("fetch", node):
         return Graph(node, stages, ledger)
-    node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last)
+    node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last,
+                             arena=arena)
     if done("shuffle", node):
         return Graph(node, stages, ledger)
-    channels = resolve_channels(source, sm.channels) if sm.channels else None
-    # Host gathers write channels straight into their slice of "channels"; batches gathered
-    # on a GPU (decode="gpu") are stacked afterwards.
-    layout = (build_layout(source.variables, channels)
-              if channels and resolved.frame_decoder is None else None)
+    channels = resolved.channels
     gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords(),
                         layout=layout)
     if done("gather", gather):

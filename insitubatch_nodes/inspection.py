@@ -18,7 +18,7 @@ import numpy as np
 import zarr
 
 from .budget import largest_block_chunks, parse_bytes, resident_bound
-from .graph import default_prefetch_windows
+from .graph import decodes_in_place, default_prefetch_windows
 from .io.device_chain import HostOnly, device_chain_from
 from .io.reader import StripeReader
 from .quality import recommend_block_chunks, shuffle_quality
@@ -142,7 +142,8 @@ def _gpu_verdict(reader: StripeReader) -> str:
 
 
 def recommend(source: Source, quality: float, memory_budget: int | str | None = None,
-              batch_size: int = 32, prefetch_windows: int | None = None) -> Recommendation:
+              batch_size: int = 32, prefetch_windows: int | None = None,
+              in_place: bool | None = None) -> Recommendation:
     """``block_chunks`` for a target shuffle quality, capped by a memory budget (with the
     loader's own default ``prefetch_windows`` for this store unless given)."""
     if not 0 < quality <= 1:
@@ -153,10 +154,13 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     want = recommend_block_chunks(n_chunks, cs, batch_size, quality)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     grid, variables = source.grid, source.variables
-    cap = (largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size, n_chunks)
+    if in_place is None:  # what build_loader decides with its defaults for this store
+        in_place = decodes_in_place(source)
+    cap = (largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size, n_chunks,
+                                None, in_place)
            if budget is not None else None)
     if budget is not None and cap is None:
-        need = resident_bound(grid, variables, 1, prefetch_windows, batch_size)
+        need = resident_bound(grid, variables, 1, prefetch_windows, batch_size, None, in_place)
         return Recommendation(quality, budget, batch_size, prefetch_windows, want, None, None,
                               None, None,
                               f"even block_chunks=1 needs {need:,} B resident, above the "
@@ -172,7 +176,8 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     else:
         note = f"reaches the target {quality}"
     return Recommendation(quality, budget, batch_size, prefetch_windows, want, cap, block, q,
-                          resident_bound(grid, variables, block, prefetch_windows, batch_size),
+                          resident_bound(grid, variables, block, prefetch_windows, batch_size,
+                                         None, in_place),
                           note)
 
 

@@ -16,16 +16,18 @@ import numpy as np
 import torch
 
 from .plan import ReadPlan
-from .schedule import WindowSpec
+from .schedule import RankSchedule, WindowSpec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScheduledWindow:
     """One window of this rank's epoch schedule: its position in the schedule (``index``,
-    which seeds nothing but names the plan) and its chunks and draws (``spec``)."""
+    which seeds nothing but names the plan), its chunks and draws (``spec``), and the whole
+    schedule (where its draws land in the epoch's batches depends on its neighbours)."""
 
     index: int
     spec: WindowSpec
+    schedule: RankSchedule
 
     @property
     def epoch(self) -> int:
@@ -67,3 +69,6 @@ class BatchDraw:
 
     sample_index: np.ndarray
     parts: tuple[tuple[GatherPart, ...], ...]
+    # The batch already decoded in place (one sample per chunk): its arrays by batch key,
+    # rows in ``sample_index`` order; then there is nothing to gather.
+    ready: dict[str, np.ndarray] | None = None

@@ -51,6 +51,7 @@ class BufferPool:
         self.ledger = ledger
         self._lock = threading.Lock()
         self._free: dict[tuple, list[np.ndarray]] = {}
+        self._owned: dict[int, weakref.finalize] = {}  # id(view) -> its give-back
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         key = (tuple(shape), np.dtype(dtype).str)
@@ -60,11 +61,23 @@ class BufferPool:
         if base is None:
             base = np.empty(shape, dtype=dtype)
         view = base.view()
-        weakref.finalize(view, self._give_back, key, base)
+        fin = weakref.finalize(view, self._give_back, key, base, id(view))
+        with self._lock:
+            self._owned[id(view)] = fin
         if self.ledger is not None:
             self.ledger.track(view)
         return view
 
-    def _give_back(self, key: tuple, base: np.ndarray) -> None:
+    def _give_back(self, key: tuple, base: np.ndarray, ident: int) -> None:
         with self._lock:
+            self._owned.pop(ident, None)
             self._free.setdefault(key, []).append(base)
+
+    def disown(self, view: np.ndarray) -> None:
+        """Never recycle ``view``'s memory: work that cannot be stopped (a decode already
+        running on a pool thread) may still write into slices of it, and slices keep only
+        the base array alive, not the view. The memory is freed by GC instead."""
+        with self._lock:
+            fin = self._owned.pop(id(view), None)
+        if fin is not None:
+            fin.detach()

@@ -16,6 +16,22 @@ from .geometry import SampleGrid, VariableGeometry
 
 
 @dataclass(frozen=True, eq=False)
+class BatchSlots:
+    """Where a window's draws land in the epoch's batches (``schedule.batch_slots``):
+    ``batch[j]``, ``row[j]`` for draw ``j`` (batch -1: a short last batch that is dropped),
+    with the batch size and the epoch's total draws (the last batch may be short)."""
+
+    batch: np.ndarray
+    row: np.ndarray
+    batch_size: int
+    total: int
+
+    def rows_in(self, b: int) -> int:
+        """Rows of batch ``b``."""
+        return min(self.batch_size, self.total - b * self.batch_size)
+
+
+@dataclass(frozen=True, eq=False)
 class ReadPlan:
     """One window: which chunks, in what order samples are drawn, and what to read.
 
@@ -34,6 +50,9 @@ class ReadPlan:
     nbytes: int
     uses: tuple[tuple[int, ...], ...] = ()
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    # (batch, row) of every draw, aligned with draw_order, when the window is decoded
+    # straight into its batches (schedule.batch_slots); batch -1: a dropped short batch
+    slots: BatchSlots | None = None
 
     def rows(self, samples: np.ndarray) -> np.ndarray:
         """Every row (step) the given samples read, flattened."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -100,6 +101,12 @@ class WindowSpec:
             return int(self.draws.size)
         return self.ctx.grid.n_samples_of(self.chunk_ids)
 
+    @property
+    def n_final(self) -> int:
+        """``final_draws().size``, without drawing the permutation."""
+        n = self.n_base if self.limit is None else min(self.n_base, self.limit)
+        return n + (0 if self.extra is None else int(self.extra.size))
+
     def final_draws(self) -> np.ndarray:
         d = self.base_draws()
         if self.limit is not None:
@@ -117,6 +124,49 @@ class RankSchedule:
     own_samples: int  # this rank's real samples
     target: int  # samples it yields after equal-steps adjustment
     counts: tuple[int, ...]  # every rank's real samples, for reports and errors
+
+    @cached_property
+    def draw_starts(self) -> np.ndarray:
+        """Where each window's draws start in the epoch's draw sequence (and its length
+        last): batches are that sequence cut every ``batch_size`` draws."""
+        sizes = [w.n_final for w in self.windows]
+        return np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+
+
+def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last: bool,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(batch, row) of every draw of ``window``, in draw order: the epoch's draws are cut
+    into batches of ``batch_size`` across window edges and each batch's rows sorted by
+    sample index (as ``ShuffleBufferNode`` hands them out). A draw of the short last batch
+    that ``drop_last`` drops gets batch -1. Pure: where a sample will land is known before
+    it is read, so it can be decoded straight into its row."""
+    starts = schedule.draw_starts
+    total = int(starts[-1])
+    g0, g1 = int(starts[window]), int(starts[window + 1])
+    batch = np.empty(g1 - g0, dtype=np.int64)
+    row = np.empty(g1 - g0, dtype=np.int64)
+    if g1 == g0:
+        return batch, row
+    own = schedule.windows[window].final_draws()
+    for b in range(g0 // batch_size, (g1 - 1) // batch_size + 1):
+        lo, hi = b * batch_size, min((b + 1) * batch_size, total)
+        if lo >= g0 and hi <= g1:
+            draws = own[lo - g0 : hi - g0]
+        else:  # the batch runs across window edges: collect its draws from each
+            pieces = []
+            for k in range(int(np.searchsorted(starts, lo, side="right")) - 1, len(starts) - 1):
+                s0 = int(starts[k])
+                if s0 >= hi:
+                    break
+                d = own if k == window else schedule.windows[k].final_draws()
+                pieces.append(d[max(lo - s0, 0) : hi - s0])
+            draws = np.concatenate(pieces)
+        rank = np.empty(hi - lo, dtype=np.int64)
+        rank[np.argsort(draws, kind="stable")] = np.arange(hi - lo)
+        a, z = max(lo, g0), min(hi, g1)
+        batch[a - g0 : z - g0] = -1 if drop_last and hi - lo < batch_size else b
+        row[a - g0 : z - g0] = rank[a - lo : z - lo]
+    return batch, row
 
 
 def contiguous_blocks(ctx: ScheduleContext) -> list[np.ndarray]:

@@ -106,23 +106,30 @@ def test_memory_budget_caps_and_the_result_builds(store):
     assert recommend(source, 1.0, "1GB", 32).block_chunks == free.block_chunks
 
 
-def test_cap_is_the_largest_that_builds_when_batches_span_windows(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cap_is_the_largest_that_builds_when_batches_span_windows(tmp_path, in_place):
     """With one-sample chunks and batches larger than a window the bound is not monotone in
-    block_chunks: the cap must still be the largest value build_loader accepts."""
+    block_chunks (windows held whole): the cap must still be the largest value build_loader
+    accepts, with and without decoding straight into the batches."""
     from stores import write_store
 
     write_store(tmp_path / "g.zarr", [Var("x", (200, 4), (1, 4))])
     source = ib.open_source(tmp_path / "g.zarr")
     manifest = ib.split_by_chunk(source, fractions=(1.0,))
-    budget = resident_bound(source.grid, source.variables, 15, 1, 100)
-    rec = recommend(source, 1.0, budget, batch_size=100, prefetch_windows=1)
+    budget = resident_bound(source.grid, source.variables, 15, 1, 100, None, in_place)
+    rec = recommend(source, 1.0, budget, batch_size=100, prefetch_windows=1, in_place=in_place)
     cap = rec.block_chunks_memory_cap
     assert cap >= 15
     ib.build_loader(source, manifest, "train", batch_size=100, block_chunks=cap,
-                    prefetch_windows=1, memory_budget=budget).close()
+                    prefetch_windows=1, memory_budget=budget, in_place=in_place).close()
     with pytest.raises(ValueError, match=f"block_chunks={cap} fits"):
         ib.build_loader(source, manifest, "train", batch_size=100, block_chunks=cap + 1,
-                        prefetch_windows=1, memory_budget=budget)
+                        prefetch_windows=1, memory_budget=budget, in_place=in_place)
+    # left to decide, the loader and the recommendation agree on decoding in place
+    assert recommend(source, 1.0, budget, batch_size=100, prefetch_windows=1
+                     ).block_chunks_memory_cap == (cap if in_place else
+                                                   recommend(source, 1.0, budget, 100, 1,
+                                                             True).block_chunks_memory_cap)
 
 
 def test_budget_too_small_for_anything(store):

@@ -107,7 +107,7 @@ def test_no_import_cycle():
 # layer and the layers below, never one above.
 LAYERS = [
     {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute",
-     "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout"},
+     "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout", "arena"},
     {"io", "storage", "source", "stats", "split"},
     {"config"},
     {"nodes"},

@@ -20,12 +20,14 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..arena import BatchArena
 from ..counters import FetchStats
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..items import DecodedWindow
+from ..layout import row_view
 from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
@@ -94,7 +96,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  prefetch_windows: int = 1, decode_threads: int | None = None,
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
-                 device_decode: FrameDecoder | None = None) -> None:
+                 device_decode: FrameDecoder | None = None,
+                 arena: BatchArena | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -108,6 +111,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.pool = pool if pool is not None else BufferPool(self.ledger)
         self.retry = retry if retry is not None else RetryPolicy()
+        # Plans with batch slots are decoded straight into these batches (graph.py decides).
+        self.arena = arena
         self.stats = FetchStats()
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, dataset.url)
@@ -190,6 +195,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         super().reset(initial_state)
         self._check_process()
         self._cancel_all()
+        if self.arena is not None:
+            self.arena.clear()
         self._error = None
         self._exhausted = False
         self.source.reset(None if initial_state is None
@@ -197,16 +204,18 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._delivered = copy.deepcopy(self.source.state_dict())
 
     # -- fetching ---------------------------------------------------------------------
-    async def _read(self, v: int, idxs: list[int]) -> list[np.ndarray]:
+    async def _read(self, v: int, idxs: list[int],
+                    outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """Read stripes ``idxs`` of variable ``v``: one stripe, or several of a local store
         in one pool task (``read_group``). Either way one ``max_inflight`` slot: a group
         reads its stripes one after another. Errors carry the reader's note (array, chunk
-        key, attempts)."""
+        key, attempts). ``outs``: where to decode (batch rows); default fresh buffers."""
         assert self._lt is not None
         reader = self.readers[v]
         lt = self._lt
         async with self._slot():
-            bufs = [self.pool.take(reader.geom.stripe_shape, reader.geom.dtype) for _ in idxs]
+            bufs = outs if outs is not None else [
+                self.pool.take(reader.geom.stripe_shape, reader.geom.dtype) for _ in idxs]
             attempts = await (
                 reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
                 else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
@@ -246,11 +255,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
         return frames
 
-    def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
+    def _jobs(self, plan: ReadPlan,
+              reads_of: tuple[tuple[int, ...], ...] | None = None) -> list[tuple[int, list[int]]]:
         """Stripe reads to run, as (variable, stripes) groups: local stores group small
         stripes so a window costs a few pool hand-offs, not one per stripe."""
         jobs = []
-        for v, reads in enumerate(plan.reads):
+        for v, reads in enumerate(plan.reads if reads_of is None else reads_of):
             reader = self.readers[v]
             if reader.groups_reads and len(reads) > 2 * self.decode_threads:
                 # Enough groups to keep every decode thread busy, at most ~4 MB each.
@@ -261,9 +271,51 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 jobs += [(v, [idx]) for idx in reads]
         return jobs
 
+    async def _fetch_in_place(self, plan: ReadPlan) -> DecodedWindow:
+        """Decode every chunk of the window straight into its batch row (one sample per
+        chunk): no window buffer, no gather. A sample drawn twice (padding) is decoded once
+        and copied. Nothing stays resident here: the batches hold the data."""
+        assert self.arena is not None and plan.slots is not None
+        slots, layout = plan.slots, self.arena.layout
+        dest: dict[int, list[tuple[int, int]]] = {}
+        for s, b, r in zip(plan.draw_order.tolist(), slots.batch.tolist(), slots.row.tolist(),
+                           strict=True):
+            if b >= 0:  # -1: a short last batch that drop_last drops
+                dest.setdefault(s, []).append((b, r))
+        batches = {b: self.arena.rows(b, slots.rows_in(b)) for b in
+                   {b for ds in dest.values() for b, _ in ds}}
+        placements = [layout.direct(v) for v in range(len(plan.reads))]
+
+        def at(v: int, b: int, r: int) -> np.ndarray:
+            pl = placements[v]
+            assert pl is not None
+            return row_view(batches[b][pl.key][r : r + 1], pl)
+
+        # With one sample per chunk, stripe index == sample index for every variable.
+        reads = tuple(tuple(i for i in rs if i in dest) for rs in plan.reads)
+        jobs = self._jobs(plan, reads)
+        tasks = [asyncio.ensure_future(self._read(
+            v, idxs, [at(v, *dest[i][0]) for i in idxs])) for v, idxs in jobs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        for v, rs in enumerate(reads):
+            for i in rs:
+                first, *more = dest[i]
+                for b, r in more:
+                    np.copyto(at(v, b, r), at(v, *first))
+        self.stats.windows += 1
+        self.stats.chunks += len(plan.chunk_ids)
+        return DecodedWindow(plan, tuple({} for _ in plan.reads))
+
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
+        if plan.slots is not None and self.arena is not None:
+            return await self._fetch_in_place(plan)
         jobs = self._jobs(plan)
         wd = self.window_decoder
         on_device = wd.chains if wd is not None else {}

@@ -86,7 +86,8 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
         if self._pos >= len(self.schedule.windows):
             raise StopIteration
         self._pos += 1
-        return ScheduledWindow(self._pos - 1, self.schedule.windows[self._pos - 1])
+        return ScheduledWindow(self._pos - 1, self.schedule.windows[self._pos - 1],
+                               self.schedule)
 
     @classmethod
     def start_state(cls, epoch: int, history: Sequence[Resumption] = ()) -> dict[str, Any]:

@@ -89,11 +89,16 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
         nbytes = 0
-        on_device = {v for v, parts in enumerate(draw.parts)
-                     if parts and isinstance(parts[0].array, torch.Tensor)}
-        for v in sorted(on_device):  # stripes decoded on a GPU: gathered there
-            nbytes += self._gather_tensors(self.variables[v], draw.parts[v], n, batch)
-        nbytes += self._gather_arrays(draw, n, batch, skip=on_device)
+        if draw.ready is not None:  # decoded in place: the batch is already made
+            for name, arr in draw.ready.items():
+                batch[name] = torch.from_numpy(arr)
+                nbytes += arr.nbytes
+        else:
+            on_device = {v for v, parts in enumerate(draw.parts)
+                         if parts and isinstance(parts[0].array, torch.Tensor)}
+            for v in sorted(on_device):  # stripes decoded on a GPU: gathered there
+                nbytes += self._gather_tensors(self.variables[v], draw.parts[v], n, batch)
+            nbytes += self._gather_arrays(draw, n, batch, skip=on_device)
         batch["sample_index"] = torch.from_numpy(draw.sample_index.astype(np.int64, copy=False))
         for name, values in self.coords.items():
             batch[name] = torch.from_numpy(values[draw.sample_index])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -10,8 +11,8 @@ from torchdata.nodes import BaseNode
 
 from ..geometry import VariableGeometry
 from ..items import ScheduledWindow
-from ..plan import ReadPlan
-from ..schedule import plan_window
+from ..plan import BatchSlots, ReadPlan
+from ..schedule import batch_slots, plan_window
 from .state import require, shutdown_source
 
 
@@ -26,12 +27,17 @@ class ReadPlanNode(BaseNode[ReadPlan]):
     SOURCE_KEY = "source"
 
     def __init__(self, source: BaseNode[ScheduledWindow], variables: Sequence[VariableGeometry],
-                 offsets: Sequence[int] | np.ndarray | None = None) -> None:
+                 offsets: Sequence[int] | np.ndarray | None = None, *,
+                 batch_size: int | None = None, drop_last: bool = False) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
         # Steps each sample reads relative to its index (time windows): reads cover them all.
         self.offsets = None if offsets is None else np.asarray(offsets, dtype=np.int64)
+        # Given a batch size, plans also say which batch row each draw lands in, so the
+        # fetch can decode straight into the batches (one sample per chunk).
+        self.batch_size = batch_size
+        self.drop_last = drop_last
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -40,7 +46,12 @@ class ReadPlanNode(BaseNode[ReadPlan]):
 
     def next(self) -> ReadPlan:
         item = next(self.source)
-        return plan_window(item.spec, self.variables, item.index, self.offsets)
+        plan = plan_window(item.spec, self.variables, item.index, self.offsets)
+        if self.batch_size is None:
+            return plan
+        batch, row = batch_slots(item.schedule, item.index, self.batch_size, self.drop_last)
+        total = int(item.schedule.draw_starts[-1])
+        return replace(plan, slots=BatchSlots(batch, row, self.batch_size, total))
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}

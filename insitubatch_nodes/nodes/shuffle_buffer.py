@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from ..arena import BatchArena
 from ..counters import ShuffleStats
 from ..geometry import VariableGeometry
 from ..items import BatchDraw, DecodedWindow, GatherPart
@@ -55,7 +56,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     OFFSET_KEY = "offset"  # draws already taken from the head window
 
     def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
-                 batch_size: int, drop_last: bool = False) -> None:
+                 batch_size: int, drop_last: bool = False,
+                 arena: BatchArena | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -63,6 +65,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self.variables = tuple(variables)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
+        # Where windows with batch slots were decoded (the same arena as the fetch's).
+        self.arena = arena
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
@@ -113,6 +117,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         order = res.window.plan.draw_order
         taken = order[res.offset : res.offset + n]
         res.offset += taken.size
+        if res.window.plan.slots is not None:
+            return taken  # decoded straight into the batches: no stripes held here
         rows = res.window.plan.rows(taken)
         per_chunk: dict[int, tuple[list[int], list[int]]] = {}  # variables sharing a chunking
         for v, var in enumerate(self.variables):
@@ -143,6 +149,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     def _next(self) -> BatchDraw:
         pieces: list[np.ndarray] = []
         touched: list[dict[int, np.ndarray]] = [{} for _ in self.variables]
+        batches: set[int] = set()  # with batch slots: the batch these draws were decoded into
         need = self.batch_size
         while need:
             if not self._resident:
@@ -154,6 +161,10 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                 self._resident.append(res)
             head = self._resident[0]
             steps = head.window.plan.offsets  # the same for every window of a loader
+            slots = head.window.plan.slots
+            if slots is not None and head.offset < slots.batch.size:
+                batches.add(int(slots.batch[head.offset]))
+                batches.add(int(slots.batch[min(head.offset + need, slots.batch.size) - 1]))
             taken = self._draw(head, need, touched)
             pieces.append(taken)
             need -= taken.size
@@ -162,7 +173,17 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         if need == self.batch_size or (need and self.drop_last):
             self._resident.clear()
             raise StopIteration
+        if batches:
+            return self._ready_draw(pieces, batches)
         return self._make_draw(pieces, touched, steps)
+
+    def _ready_draw(self, pieces: list[np.ndarray], batches: set[int]) -> BatchDraw:
+        """The batch the fetch decoded these draws into, taken from the arena whole."""
+        if len(batches) != 1 or self.arena is None:
+            raise RuntimeError(f"the draws of one batch were planned into batches "
+                               f"{sorted(batches)}: plans and shuffle buffer disagree (a bug)")
+        samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        return BatchDraw(samples, (), ready=self.arena.take(batches.pop()))
 
     def _make_draw(self, pieces: list[np.ndarray], touched: list[dict[int, np.ndarray]],
                    steps: np.ndarray) -> BatchDraw:
