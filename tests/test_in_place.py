@@ -1,0 +1,204 @@
+"""Decoding straight into batch rows (one sample per chunk) gives bit for bit the batches of
+the window-and-gather path, over every store kind, with exactly-once and exact resume."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numcodecs import Blosc
+from stores import BLOSC, Var, write_store
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.arena import BatchArena
+
+KINDS = {
+    "v3-blosc": [Var("x", (97, 6, 5), (1, 6, 5), compressors=BLOSC),
+                 Var("y", (97, 4), (1, 4), dtype="int16")],
+    "v2-blosc-lz4": [Var("x", (97, 6, 5), (1, 6, 5), zarr_format=2,
+                         compressors=Blosc("lz4", 5, Blosc.SHUFFLE)),
+                     Var("y", (97, 3, 6, 5), (1, 3, 6, 5), zarr_format=2)],
+    "inner-and-edge-chunks": [Var("x", (97, 7, 5), (1, 3, 2), compressors=BLOSC)],
+    "sharded": [Var("x", (96, 6, 5), (1, 6, 5), shards=(8, 6, 5))],
+    "uint16-uncompressed": [Var("x", (97, 6), (1, 6), dtype="uint16", compressors=None)],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def kind(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("inplace") / f"{request.param}.zarr"
+    data = write_store(path, KINDS[request.param])
+    src = ib.open_source(path)
+    return request.param, src, ib.split_by_chunk(src, (0.8, 0.2)), data
+
+
+def epochs(loader, n=2):
+    return [[{k: v.numpy().copy() for k, v in b.items()} for b in loader] for _ in range(n)]
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for eg, ew in zip(got, want, strict=True):
+        assert len(eg) == len(ew) > 0
+        for g, w in zip(eg, ew, strict=True):
+            assert g.keys() == w.keys()
+            for k in g:
+                assert g[k].dtype == w[k].dtype, k
+                np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
+def is_in_place(loader) -> bool:
+    return loader.node(ib.AsyncFetchNode).arena is not None
+
+
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 40), block=st.integers(2, 20), seed=st.integers(0, 99),
+       drop_last=st.booleans())
+def test_equal_to_the_gather_path_over_store_kinds(kind, batch, block, seed, drop_last):
+    _, src, m, data = kind
+    kw = dict(batch_size=batch, block_chunks=block, seed=seed, drop_last=drop_last)
+    with ib.build_loader(src, m, "train", **kw) as new, \
+            ib.build_loader(src, m, "train", in_place=False, **kw) as old:
+        assert is_in_place(new) and not is_in_place(old)
+        got, want = epochs(new), epochs(old)
+    assert_same(got, want)
+    for b in got[0]:  # and the rows are the stored samples
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+
+
+def test_fill_values_of_missing_chunks(tmp_path):
+    g = zarr.open_group(tmp_path / "f.zarr", mode="w")
+    a = g.create_array("x", shape=(40, 3), chunks=(1, 3), dtype="float32", fill_value=-7.5)
+    a[::3] = np.arange(14 * 3, dtype="float32").reshape(14, 3)  # two of three never written
+    src = ib.open_source(tmp_path / "f.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    with ib.build_loader(src, m, "train", batch_size=6) as new, \
+            ib.build_loader(src, m, "train", batch_size=6, in_place=False) as old:
+        got, want = epochs(new, 1), epochs(old, 1)
+    assert_same(got, want)
+    assert any((b["x"] == -7.5).any() for b in got[0])
+
+
+@pytest.fixture(scope="module")
+def weather(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wx") / "w.zarr"
+    dims = ("time", "lat", "lon")
+    data = write_store(path, [
+        Var("t2m", (80, 6, 8), (1, 6, 8), compressors=BLOSC,
+            extra=dict(dimension_names=dims)),
+        Var("z", (80, 3, 6, 8), (1, 3, 6, 8), compressors=BLOSC,
+            extra=dict(dimension_names=("time", "level", *dims[1:])))])
+    g = zarr.open_group(path)
+    g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
+        [500, 850, 1000]
+    src = ib.open_source(path, variables=["t2m", "z"])
+    return src, ib.split_by_chunk(src, (1.0,))
+
+
+@pytest.mark.parametrize("options", [
+    dict(channels=["z", "t2m"]),
+    dict(channels=["t2m", "z"], stats="stats"),
+    dict(channels=["z", "t2m"], stats="stats", dtype=torch.bfloat16),
+    dict(patch_size=(3, 4)),
+    dict(static="static"),
+    dict(rank=1, world_size=3, uneven="pad"),
+    dict(rank=2, world_size=3, uneven="drop"),
+])
+def test_equal_with_sample_options(weather, options):
+    src, m = weather
+    kw = dict(batch_size=7, block_chunks=5, seed=1, **options)
+    if kw.get("stats") == "stats":
+        kw["stats"] = ib.compute_stats(src, m, "train")
+    if kw.get("static") == "static":
+        kw["static"] = {"lsm": np.ones((6, 8), np.float32)}
+    with ib.build_loader(src, m, "train", **kw) as new, \
+            ib.build_loader(src, m, "train", in_place=False, **kw) as old:
+        assert is_in_place(new)
+        got = [[{k: v.float().numpy() for k, v in b.items()} for b in new] for _ in range(2)]
+        want = [[{k: v.float().numpy() for k, v in b.items()} for b in old] for _ in range(2)]
+    assert_same(got, want)
+
+
+def test_channels_that_split_a_chunk_are_not_in_place(weather):
+    src, m = weather
+    with ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"]) as ld:
+        assert not is_in_place(ld)
+    with pytest.raises(ValueError, match=r"in_place=True.*some levels of \['z'\]"):
+        ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"], in_place=True)
+    with pytest.raises(ValueError, match="in_place=True.*time windows"):
+        ib.build_loader(src, m, "train", window=ib.SampleWindow(2, (1,)), in_place=True)
+
+
+def test_several_samples_per_chunk_is_named(tmp_path):
+    write_store(tmp_path / "s.zarr", [Var("x", (40, 3), (4, 3))])
+    src = ib.open_source(tmp_path / "s.zarr")
+    with pytest.raises(ValueError, match=r"variables \['x'\] hold several samples per chunk"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", in_place=True)
+
+
+@settings(max_examples=5, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(2, 17), block=st.integers(1, 9), stop=st.floats(0, 0.999),
+       epoch=st.integers(0, 1))
+def test_exact_resume_and_exactly_once(weather, batch, block, stop, epoch):
+    src, m = weather
+    kw = dict(batch_size=batch, block_chunks=block, seed=4, channels=["z", "t2m"])
+    with ib.build_loader(src, m, "train", **kw) as ref:
+        full = [[b["sample_index"].tolist() for b in ref] for _ in range(epoch + 2)]
+    seen = sorted(i for b in full[epoch] for i in b)
+    assert seen == list(range(80))  # exactly once (the split is the whole store)
+    k = int(stop * len(full[epoch]))
+    with ib.build_loader(src, m, "train", **kw) as a:
+        for _ in range(epoch):
+            list(a)
+        it = iter(a)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(a.state_dict()))
+    with ib.build_loader(src, m, "train", **kw) as b:
+        b.load_state_dict(state)
+        rest = [x["sample_index"].tolist() for x in b]
+        after = [x["sample_index"].tolist() for x in b]
+    assert rest == full[epoch][k:]
+    assert after == full[epoch + 1]
+
+
+def test_elastic_resume_in_place(weather):
+    src, m = weather
+    kw = dict(batch_size=4, block_chunks=3, seed=2)
+    states, seen = [], []
+    for r in range(2):
+        with ib.build_loader(src, m, "train", rank=r, world_size=2, **kw) as ld:
+            it = iter(ld)
+            for _ in range(3):
+                seen += next(it)["sample_index"].tolist()
+            states.append(ld.state_dict())
+    merged = ib.merge_rank_states(states)
+    for r in range(3):
+        with ib.build_loader(src, m, "train", rank=r, world_size=3, uneven="none", **kw) as ld:
+            assert is_in_place(ld)
+            ld.load_state_dict(merged)
+            seen += [i for b in ld for i in b["sample_index"].tolist()]
+    assert sorted(seen) == list(range(80))
+
+
+def test_memory_stays_within_the_bound_and_no_batch_lingers(weather):
+    src, m = weather
+    with ib.build_loader(src, m, "train", batch_size=5, block_chunks=3, seed=0) as ld:
+        arena = ld.node(ib.AsyncFetchNode).arena
+        assert isinstance(arena, BatchArena)
+        for _ in range(2):
+            for _ in ld:
+                assert ld.ledger.resident <= ld.resident_bound
+                assert len(arena) <= 8
+        assert 0 < ld.ledger.peak <= ld.resident_bound
+        it = iter(ld)
+        next(it)
+        ld.load_state_dict(ld.state_dict())  # a restore clears what was being filled
+        next(iter(ld))
+        assert len(arena) <= 8
