@@ -88,7 +88,7 @@ def test_fill_values_of_missing_chunks(tmp_path):
 def weather(tmp_path_factory):
     path = tmp_path_factory.mktemp("wx") / "w.zarr"
     dims = ("time", "lat", "lon")
-    data = write_store(path, [
+    write_store(path, [
         Var("t2m", (80, 6, 8), (1, 6, 8), compressors=BLOSC,
             extra=dict(dimension_names=dims)),
         Var("z", (80, 3, 6, 8), (1, 3, 6, 8), compressors=BLOSC,
