@@ -44,8 +44,8 @@ from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.bench.common import print_machine
-from insitubatch_nodes.demo import VARIABLES, DemoSpec, make_demo_store
 from insitubatch_nodes.io.device_decode import gpu_decode_available
+from insitubatch_nodes.synthetic import VARIABLES, DemoSpec, write_store
 
 H2D_TARGET = 0.8
 STARVATION_TARGET = 0.05
@@ -295,7 +295,7 @@ def open_store(args: argparse.Namespace) -> tuple[ib.Source, ib.SplitManifest]:
     if not (args.reuse and (path / "zarr.json").exists()):
         spec = DemoSpec.for_size(args.size_mb, time_chunk=args.time_chunk)
         t0 = time.perf_counter()
-        make_demo_store(path, spec, progress=False)
+        write_store(path, spec, progress=False)
         print(f"wrote {path} ({spec.nbytes / 1e6:,.0f} MB decoded) in "
               f"{time.perf_counter() - t0:.1f} s")
     source = ib.open_source(path, variables=list(VARIABLES))

@@ -37,12 +37,11 @@ from typing import Any
 import numcodecs
 import numpy as np
 import torch
-import zarr
 import zarr.codecs as zc
 
 import insitubatch_nodes as ib
+from insitubatch_nodes import synthetic
 from insitubatch_nodes.bench.common import print_machine
-from insitubatch_nodes.demo import DemoSpec, _fields, clear_store
 from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import DeviceChain, device_chain_for
 from insitubatch_nodes.io.device_decode import NvcompFrameDecoder, StripeFrames, WindowDecoder
@@ -60,17 +59,12 @@ CODECS: dict[str, dict[str, Any]] = {
 
 
 def write_store(path: Path, codec: str, n_times: int, time_chunk: int) -> Path:
-    spec = DemoSpec(n_times=n_times, n_lat=181, n_lon=360)
+    """One ERA5-like ``t2m`` (``synthetic.write_store``) compressed with ``codec``."""
+    spec = synthetic.DemoSpec(n_times=n_times, n_lat=181, n_lon=360, time_chunk=time_chunk,
+                              variables=("t2m",), coords=False)
     kw = CODECS[codec]
-    clear_store(path)
-    g = zarr.open_group(path, mode="w", zarr_format=kw["zarr_format"])
-    a = g.create_array("t2m", shape=(n_times, 181, 360), chunks=(time_chunk, 181, 360),
-                       dtype="float32", compressors=kw["compressors"])
-    rng = np.random.default_rng(0)
-    for t0 in range(0, n_times, 64):
-        t1 = min(n_times, t0 + 64)
-        a[t0:t1] = _fields(spec, t0, t1, rng)["t2m"]
-    return path
+    return synthetic.write_store(path, spec, compressors=kw["compressors"],
+                                 zarr_format=kw["zarr_format"], progress=False)
 
 
 def chunk_frames(reader: StripeReader) -> list[bytes]:

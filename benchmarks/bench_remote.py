@@ -42,7 +42,7 @@ import psutil
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.bench.common import OtherLoad, machine_info
-from insitubatch_nodes.bench.core import make_store as _make_store
+from insitubatch_nodes.synthetic import DemoSpec, write_store
 from insitubatch_nodes.testing.s3server import start_moto
 
 VAR = "t2m"
@@ -64,8 +64,11 @@ proxy.stop()
 
 # -- store --------------------------------------------------------------------------------
 def make_store(path: Path, shape: tuple[int, int, int], time_chunk: int, seed: int = 0) -> int:
-    """The benchmark store of ``insitubatch bench``; returns its size on disk (bytes)."""
-    _make_store(path, shape, time_chunk, seed, progress=False)
+    """One synthetic variable, ``t2m`` (``synthetic.write_store``); returns its size on disk
+    in bytes."""
+    n_times, n_lat, n_lon = shape
+    write_store(path, DemoSpec(n_times=n_times, n_lat=n_lat, n_lon=n_lon, time_chunk=time_chunk,
+                               seed=seed, variables=(VAR,), coords=False), progress=False)
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 

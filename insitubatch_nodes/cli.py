@@ -205,7 +205,7 @@ def _open(parser: argparse.ArgumentParser, url: str, variables: list[str] | None
 
 
 def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from .demo import VARIABLES, DemoSpec, is_zarr_store, make_demo_store
+    from .synthetic import VARIABLES, DemoSpec, is_zarr_store, write_store
 
     path = Path(args.path)
     if path.exists():
@@ -216,7 +216,7 @@ def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"{str(path)!r} is an existing Zarr store; add --force to replace it")
     spec = DemoSpec.for_size(args.size_mb, n_lat=args.lat, n_lon=args.lon,
                              time_chunk=args.time_chunk, seed=args.seed)
-    make_demo_store(path, spec, progress=not args.quiet)
+    write_store(path, spec, progress=not args.quiet)
     print(f"wrote {path}: {', '.join(VARIABLES)} on (time, lat, lon) = ({spec.n_times}, "
           f"{spec.n_lat}, {spec.n_lon}) float32, {spec.time_chunk} time steps per chunk, "
           f"{spec.nbytes / 1e6:,.0f} MB decoded")

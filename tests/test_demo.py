@@ -49,3 +49,24 @@ def test_the_demo_writer_never_replaces_what_is_not_a_zarr_store(tmp_path):
     make_demo_store(store, DemoSpec(n_times=12, n_lat=4, n_lon=8, time_chunk=4),
                     progress=False)  # a Zarr store is replaced
     assert ib.open_source(store).grid.n_samples == 12
+
+
+def test_one_writer_for_the_demo_and_the_benchmarks(tmp_path, monkeypatch):
+    """Benchmark stores (one variable, no coordinates, any codec) come from the demo's writer,
+    and a seed's data does not depend on how many chunks go into one write."""
+    import zarr
+
+    from insitubatch_nodes import synthetic
+
+    spec = DemoSpec(n_times=20, n_lat=8, n_lon=16, time_chunk=4, variables=("t2m",),
+                    coords=False)
+    whole = synthetic.write_store(tmp_path / "a.zarr", spec, progress=False)
+    monkeypatch.setattr(synthetic, "WRITE_BYTES", 1)  # one chunk per write
+    by_chunk = synthetic.write_store(tmp_path / "b.zarr", spec, compressors=None,
+                                     zarr_format=2, progress=False)
+    x = zarr.open_array(whole / "t2m", mode="r")[:]
+    assert np.array_equal(x, zarr.open_array(by_chunk / "t2m", mode="r")[:])
+    assert sorted(zarr.open_group(whole, mode="r").array_keys()) == ["t2m"]
+    assert ib.open_source(by_chunk).variable("t2m").chunks == (4, 8, 16)
+    with pytest.raises(ValueError, match="t2m, u10, v10, msl"):
+        DemoSpec(n_times=4, variables=("sst",))

@@ -30,7 +30,7 @@ def usage_extra(used: np.ndarray) -> dict[str, float]:
     return {"cpu_s": float(used[0]), "sys_s": float(used[1]), "minor_faults": int(used[2])}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """One timed path: ``samples`` of ``sample_nbytes`` decoded bytes in ``seconds``."""
 
@@ -183,7 +183,7 @@ def local_path(url: str) -> Path | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoaderSettings:
     """The loader options every benchmark takes from the CLI (``bench`` and ``--sweep``)."""
 

@@ -1,8 +1,8 @@
 """Core benchmark: the insitubatch loader against a naive DataLoader and the read floor.
 
-``insitubatch bench URL`` (or, with its own synthetic store, ``python -m
-benchmarks.bench_core``). Everything runs in one process on one store, with a warm page
-cache for local stores, so the numbers compare as ratios: the loader should approach the
+``insitubatch bench URL`` (``python -m benchmarks.bench_core`` runs it on its own synthetic
+store). Everything runs in one process on one store, with a warm page cache for local
+stores, so the numbers compare as ratios: the loader should approach the
 *read floor* (every stripe of the split fetched and decoded once, concurrently, unshuffled,
 on the library's best path) and beat the per-sample ``DataLoader`` people write today by an
 order of magnitude. Also measured: peak RSS, time to first batch (fresh and after resume),
@@ -11,7 +11,6 @@ and the loader's own metrics (``loader.stats()``) per epoch.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,7 +30,6 @@ import insitubatch_nodes as ib
 from insitubatch_nodes.io.reader import StripeReader
 from insitubatch_nodes.metrics import LoaderStats
 
-from ..demo import clear_store
 from .common import (
     LoaderSettings,
     OtherLoad,
@@ -51,7 +49,7 @@ SPLIT = "train"
 RSS_SLACK = 400 * 10**6  # target: peak RSS <= resident bound + this
 
 
-@dataclass
+@dataclass(frozen=True)
 class CoreConfig(LoaderSettings):
     """What ``run_core`` measures; the CLI fills it from its options."""
 
@@ -608,100 +606,3 @@ def write_outputs(result: dict[str, Any], cfg: CoreConfig) -> None:
         png = cfg.out_dir / (Path(cfg.json_name).stem + ".png")
         plot_core(result, png)
         print(f"wrote {png}")
-
-
-# -- benchmarks/bench_core.py: the same benchmark on its own synthetic store --------------
-VAR = "t2m"
-
-
-def _field(t0: int, t1: int, n_lat: int, n_lon: int, rng: np.random.Generator) -> np.ndarray:
-    """A t2m-like field: smooth waves plus small noise, so blosc-zstd compresses it roughly as
-    it compresses real reanalysis (pure noise or constants would flatter or punish decode)."""
-    hours = (np.arange(t0, t1, dtype=np.float32) * 6.0)[:, None, None]
-    rlat = np.deg2rad(np.linspace(-90, 90, n_lat, dtype=np.float32))[None, :, None]
-    rlon = np.deg2rad(np.linspace(0, 360, n_lon, endpoint=False, dtype=np.float32))[None, None, :]
-    season = np.sin(2 * np.pi * hours / (24 * 365.25))
-    wave = np.sin(3 * rlon - 2 * np.pi * hours / 120.0) * np.cos(rlat) ** 2
-    base = 288 - 35 * np.abs(np.sin(rlat)) + 10 * season * np.sin(rlat) + 4 * wave
-    noise = rng.standard_normal((t1 - t0, n_lat, n_lon), dtype=np.float32) * 0.5
-    return (base + noise).astype(np.float32)
-
-
-def store_matches(path: Path, shape: tuple[int, ...], time_chunk: int) -> bool:
-    """Whether ``--reuse`` may keep the store: same variable, shape and time chunking."""
-    import zarr
-
-    try:
-        arr = zarr.open_array(path / VAR, mode="r")
-    except Exception:
-        return False
-    return tuple(arr.shape) == shape and arr.chunks == (time_chunk, *shape[1:])
-
-
-def make_store(path: Path, shape: tuple[int, ...], time_chunk: int, seed: int = 0,
-               progress: bool = True) -> None:
-    """One variable, ``t2m`` on (time, lat, lon) or (time, y, x), blosc-zstd, written chunk by
-    chunk so its creation never holds the whole array."""
-    import zarr
-    import zarr.codecs as zc
-    from tqdm import tqdm
-
-    clear_store(path)
-    g = zarr.open_group(path, mode="w", zarr_format=3)
-    arr = g.create_array(VAR, shape=shape, chunks=(time_chunk, *shape[1:]), dtype="float32",
-                         compressors=zc.BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"),
-                         dimension_names=("time", "lat", "lon"))
-    rng = np.random.default_rng(seed)
-    step = max(time_chunk, (64 * 2**20) // max(1, int(np.prod(shape[1:])) * 4 * time_chunk)
-               * time_chunk)  # write ~64 MB at a time, whole chunks
-    for t0 in tqdm(range(0, shape[0], step), desc="writing store", unit="block",
-                   file=sys.stderr, disable=not progress):
-        t1 = min(t0 + step, shape[0])
-        arr[t0:t1] = _field(t0, t1, shape[1], shape[2], rng)
-
-
-def _parse_shape(text: str) -> tuple[int, int, int]:
-    parts = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
-    if len(parts) != 3 or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"--shape wants three positive ints, got {text!r}")
-    return parts  # type: ignore[return-value]
-
-
-def legacy_main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.bench_core``: write the synthetic store, then ``run_core``."""
-    p = argparse.ArgumentParser(prog="bench_core", description=__doc__.splitlines()[0])
-    p.add_argument("--path", type=Path, default=Path("bench-out/bench.zarr"))
-    p.add_argument("--shape", type=_parse_shape, default=(2000, 181, 360),
-                   help="time,lat,lon (default 2000,181,360)")
-    p.add_argument("--time-chunk", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--block-chunks", type=int, default=16)
-    p.add_argument("--max-inflight", type=int, default=32)
-    p.add_argument("--split-fraction", type=float, default=1.0)
-    p.add_argument("--naive-samples", type=int, default=1500)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--floor-threads", type=int, default=min(4, os.cpu_count() or 2))
-    p.add_argument("--decode-threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-out/core.json"),
-                   help="JSON result file (a .md table and a .png plot are written beside it)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--reuse", action="store_true", help="keep an existing matching store")
-    args = p.parse_args(argv)
-    if not 0.0 < args.split_fraction <= 1.0:
-        p.error(f"--split-fraction must be in (0, 1], got {args.split_fraction}")
-    if args.epochs < 1 or args.repeats < 1 or args.naive_samples < 1:
-        p.error("--epochs, --repeats and --naive-samples must be >= 1")
-    if args.reuse and store_matches(args.path, args.shape, args.time_chunk):
-        print(f"reusing {args.path}")
-    else:
-        make_store(args.path, args.shape, args.time_chunk, args.seed)
-    cfg = CoreConfig(url=str(args.path), variables=[VAR], batch_size=args.batch_size,
-                     block_chunks=args.block_chunks, max_inflight=args.max_inflight,
-                     decode_threads=args.decode_threads, epochs=args.epochs,
-                     naive_samples=args.naive_samples, floor_threads=args.floor_threads,
-                     repeats=args.repeats, split_fraction=args.split_fraction, seed=args.seed,
-                     out_dir=args.out.parent, json_name=args.out.name, plots=not args.no_plots)
-    run_core(cfg)
-    return 0

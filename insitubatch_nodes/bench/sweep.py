@@ -2,7 +2,8 @@
 against samples per chunk, ``block_chunks`` and ``max_inflight``.
 
 - **samples per chunk** (1, 8, 24, 96 by default) on synthetic single-variable stores written
-  for the purpose (``spc_samples`` samples of ``spc_sample_shape`` float32, blosc-zstd): the
+  for the purpose (``synthetic.write_store``: ``spc_samples`` samples of ``t2m``,
+  ``spc_sample_shape`` float32, blosc-zstd): the
   same data cut into ever smaller chunks, so what changes is the per-chunk and per-batch
   cost. Windows hold at least ``window_samples`` samples (``block_chunks`` is raised for
   small chunks), as a user of one-sample chunks would configure them. Reported per point:
@@ -28,6 +29,7 @@ import numpy as np
 
 import insitubatch_nodes as ib
 
+from ..synthetic import DemoSpec, write_store
 from .common import (
     LoaderSettings,
     OtherLoad,
@@ -37,12 +39,12 @@ from .common import (
     print_machine,
     warm_page_cache,
 )
-from .core import StripeFloor, make_store
+from .core import StripeFloor
 
 SPLIT = "train"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SweepConfig(LoaderSettings):
     samples_per_chunk: tuple[int, ...] = (1, 8, 24, 96)
     block_chunks_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -114,12 +116,14 @@ def sweep_samples_per_chunk(cfg: SweepConfig) -> tuple[list[dict[str, Any]], dic
 
     work = cfg.out_dir / "sweep-stores"
     work.mkdir(parents=True, exist_ok=True)
-    shape = (cfg.spc_samples, *cfg.spc_sample_shape)
+    height, width = cfg.spc_sample_shape
     points = []
     for spc in tqdm(cfg.samples_per_chunk, desc="sweep: samples per chunk", file=sys.stderr,
                     disable=not cfg.progress):
         path = work / f"spc{spc}.zarr"
-        make_store(path, shape, spc, cfg.seed, progress=False)
+        write_store(path, DemoSpec(n_times=cfg.spc_samples, n_lat=height, n_lon=width,
+                                   time_chunk=spc, seed=cfg.seed, variables=("t2m",),
+                                   coords=False), progress=False)
         warm_page_cache(path)
         _trim()
         source = ib.open_source(path)

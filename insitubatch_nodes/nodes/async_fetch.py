@@ -222,6 +222,30 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
         return bufs
 
+    async def _read_items(self, items: list[tuple[int, int, np.ndarray]]) -> None:
+        """Stripes ``(variable, index, out)`` of a local store, any variables, in one pool
+        task and one ``max_inflight`` slot. If the task fails, every stripe is read again on
+        its own, with its own retries and error note (as ``StripeReader.read_group``)."""
+        assert self._lt is not None
+        lt = self._lt
+        per_var: dict[int, int] = {}
+        for v, _, _ in items:
+            per_var[v] = per_var.get(v, 0) + 1
+        attempts = dict(per_var)
+        async with self._slot():
+            try:
+                await lt.loop.run_in_executor(
+                    lt.pool, _read_local_items,
+                    [(self.readers[v], i, out) for v, i, out in items], time.perf_counter())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                for v, i, out in items:
+                    attempts[v] += await self.readers[v].read(i, out, lt.loop, lt.pool,
+                                                              self.retry)
+        for v, n in per_var.items():
+            self._count(n, attempts[v], self.readers[v].geom.stripe_nbytes)
+
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
         """One of the ``max_inflight`` slots, counted in the stats while held."""
@@ -293,9 +317,20 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
         # With one sample per chunk, stripe index == sample index for every variable.
         reads = tuple(tuple(i for i in rs if i in dest) for rs in plan.reads)
-        jobs = self._jobs(plan, reads)
-        tasks = [asyncio.ensure_future(self._read(
-            v, idxs, [at(v, *dest[i][0]) for i in idxs])) for v, idxs in jobs]
+        if all(r.groups_reads for r in self.readers):
+            # Local files: every variable of a few samples in one pool task, so a window
+            # costs a few hand-offs whatever the number of variables.
+            items = [(v, i, at(v, *dest[i][0])) for i in sorted(dest)
+                     for v in range(len(reads)) if i in set(reads[v])]
+            nbytes = sum(o.nbytes for _, _, o in items)
+            n_jobs = max(2 * self.decode_threads, -(-nbytes // (32 << 20)))
+            size = max(1, -(-len(items) // n_jobs))
+            tasks = [asyncio.ensure_future(self._read_items(items[k : k + size]))
+                     for k in range(0, len(items), size)]
+        else:
+            tasks = [asyncio.ensure_future(self._read(
+                v, idxs, [at(v, *dest[i][0]) for i in idxs]))
+                for v, idxs in self._jobs(plan, reads)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -409,3 +444,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
         """The state of this node before its first window, over ``upstream``'s state."""
         return {self.SOURCE_KEY: upstream}
+
+
+def _read_local_items(items: list[tuple[StripeReader, int, np.ndarray]],
+                      submitted: float) -> None:
+    """Read and decode each ``(reader, stripe, out)`` on this pool thread, in order."""
+    for reader, index, out in items:
+        reader.read_local(index, out, submitted)
+        submitted = None  # only the first stripe waited in the queue
