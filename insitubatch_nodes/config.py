@@ -40,7 +40,7 @@ class SamplingConfig:
     """
 
     batch_size: int = 32
-    block_chunks: int = 16
+    block_chunks: int | None = None  # None: 16, or ~64 MB windows when decoding in place
     seed: int = 0
     drop_last: bool = False
     uneven: str = "pad"
@@ -49,7 +49,8 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _positive_int("sampling", "batch_size", self.batch_size)
-        _positive_int("sampling", "block_chunks", self.block_chunks)
+        if self.block_chunks is not None:
+            _positive_int("sampling", "block_chunks", self.block_chunks)
         if self.uneven not in UNEVEN_POLICIES:
             raise ValueError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
                              f"got {self.uneven!r}")

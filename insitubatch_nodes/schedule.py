@@ -126,6 +126,22 @@ class RankSchedule:
     counts: tuple[int, ...]  # every rank's real samples, for reports and errors
 
     @cached_property
+    def _draws(self) -> dict[int, np.ndarray]:
+        return {}
+
+    def draws_of(self, window: int) -> np.ndarray:
+        """``windows[window].final_draws()``, drawn once per schedule: planning a window
+        into batches reads its neighbours' draws too (a batch runs across window edges)."""
+        cache = self._draws
+        got = cache.get(window)
+        if got is None:
+            got = cache[window] = self.windows[window].final_draws()
+            # the window being planned and those ahead are what is asked for next
+            for old in [k for k in cache if k < window - 2]:
+                del cache[old]
+        return got
+
+    @cached_property
     def draw_starts(self) -> np.ndarray:
         """Where each window's draws start in the epoch's draw sequence (and its length
         last): batches are that sequence cut every ``batch_size`` draws."""
@@ -147,7 +163,7 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
     row = np.empty(g1 - g0, dtype=np.int64)
     if g1 == g0:
         return batch, row
-    own = schedule.windows[window].final_draws()
+    own = schedule.draws_of(window)
     for b in range(g0 // batch_size, (g1 - 1) // batch_size + 1):
         lo, hi = b * batch_size, min((b + 1) * batch_size, total)
         if lo >= g0 and hi <= g1:
@@ -158,7 +174,7 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
                 s0 = int(starts[k])
                 if s0 >= hi:
                     break
-                d = own if k == window else schedule.windows[k].final_draws()
+                d = own if k == window else schedule.draws_of(k)
                 pieces.append(d[max(lo - s0, 0) : hi - s0])
             draws = np.concatenate(pieces)
         rank = np.empty(hi - lo, dtype=np.int64)
@@ -306,10 +322,11 @@ def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
 
 
 def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window: int,
-                offsets: np.ndarray | None = None) -> ReadPlan:
-    """The read plan of one window: its final draw order and the stripes those draws need
-    (all steps of each sample's time window, when ``offsets`` are given)."""
-    draws = spec.final_draws()
+                offsets: np.ndarray | None = None, draws: np.ndarray | None = None) -> ReadPlan:
+    """The read plan of one window: its final draw order (``draws`` when already drawn)
+    and the stripes those draws need (all steps of each sample's time window, when
+    ``offsets`` are given)."""
+    draws = spec.final_draws() if draws is None else draws
     steps = np.zeros(1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
     plan = ReadPlan(epoch=spec.epoch, window=window,
                     chunk_ids=tuple(int(c) for c in spec.chunk_ids), draw_order=draws,

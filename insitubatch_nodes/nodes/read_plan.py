@@ -46,7 +46,8 @@ class ReadPlanNode(BaseNode[ReadPlan]):
 
     def next(self) -> ReadPlan:
         item = next(self.source)
-        plan = plan_window(item.spec, self.variables, item.index, self.offsets)
+        plan = plan_window(item.spec, self.variables, item.index, self.offsets,
+                           draws=item.schedule.draws_of(item.index))
         if self.batch_size is None:
             return plan
         batch, row = batch_slots(item.schedule, item.index, self.batch_size, self.drop_last)
