@@ -90,7 +90,8 @@ class LocalFiles(ReadPath):
 
     def get(self, key: str) -> bytes | None:
         try:
-            with open(self.root / key, "rb") as f:
+            # a string join: pathlib's ``/`` costs several microseconds per chunk
+            with open(f"{self.root}/{key}", "rb") as f:
                 return f.read()
         except FileNotFoundError:
             return None

@@ -45,6 +45,7 @@ class StripeReader:
         self.times = ReadTimes()  # store / decode / pool-queue stripe-seconds (metrics)
         self._path: ReadPath = read_path_for(arr, decodes=self.decoder is not None)
         self._prefix = arr.store_path.path.strip("/")
+        self._key_template, self._key_inner = self._template()
         fill = arr.metadata.fill_value
         self.fill_value = np.asarray(fill if fill is not None else 0).astype(geom.dtype)
         self.inner = list(itertools.product(*(range(n) for n in geom.inner_grid)))
@@ -65,8 +66,28 @@ class StripeReader:
 
     # -- keys and regions -------------------------------------------------------------
     def chunk_key(self, coords: tuple[int, ...]) -> str:
+        if self._key_template is not None and coords[1:] == self._key_inner:
+            return self._key_template.format(coords[0])
         key = self.arr.metadata.encode_chunk_key(coords)
         return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _template(self) -> tuple[str | None, tuple[int, ...]]:
+        """A format string for the keys of a stripe's first inner chunk (all of it when a
+        stored chunk is a stripe): zarr's key encoding costs microseconds per chunk, and
+        one-sample chunks pay it once per sample. Checked against zarr's own keys."""
+        inner = (0,) * (len(self.geom.shape) - 1)
+        probe = 987_654_321
+        key = self.arr.metadata.encode_chunk_key((probe, *inner))
+        if key.count(str(probe)) != 1:
+            return None, inner
+        key = f"{self._prefix}/{key}" if self._prefix else key
+        template = key.replace("{", "{{").replace("}", "}}").replace(str(probe), "{}")
+        for i in (0, 7, 12345):
+            want = self.arr.metadata.encode_chunk_key((i, *inner))
+            want = f"{self._prefix}/{want}" if self._prefix else want
+            if template.format(i) != want:
+                return None, inner
+        return template, inner
 
     def keys(self, index: int) -> list[str]:
         """The store keys of stripe ``index``'s inner chunks, in inner-chunk order."""

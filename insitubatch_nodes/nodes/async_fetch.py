@@ -320,8 +320,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if all(r.groups_reads for r in self.readers):
             # Local files: every variable of a few samples in one pool task, so a window
             # costs a few hand-offs whatever the number of variables.
+            wanted = [set(rs) for rs in reads]
             items = [(v, i, at(v, *dest[i][0])) for i in sorted(dest)
-                     for v in range(len(reads)) if i in set(reads[v])]
+                     for v in range(len(reads)) if i in wanted[v]]
             nbytes = sum(o.nbytes for _, _, o in items)
             n_jobs = max(2 * self.decode_threads, -(-nbytes // (32 << 20)))
             size = max(1, -(-len(items) // n_jobs))
