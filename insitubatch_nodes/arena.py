@@ -14,6 +14,7 @@ import numpy as np
 
 from .layout import BatchLayout
 from .memory import BufferPool
+from .windows import SampleWindow
 
 
 class BatchArena:
@@ -21,18 +22,40 @@ class BatchArena:
     key of the layout) on first use; ``take(b)`` hands it over and forgets every earlier
     batch (skipped on resume: complete, so their memory may be recycled)."""
 
-    def __init__(self, layout: BatchLayout, pool: BufferPool) -> None:
+    def __init__(self, layout: BatchLayout, pool: BufferPool,
+                 steps: SampleWindow | None = None) -> None:
         self.layout = layout
         self.pool = pool
+        # With time steps a key holds (rows, history, ...) inputs and "target/key"
+        # (rows, n_leads, ...) targets, as GatherNode makes them.
+        self.steps = steps
         self._lock = threading.Lock()
         self._batches: dict[int, dict[str, np.ndarray]] = {}
+
+    def slot(self, key: str, step: int) -> tuple[str, int | None]:
+        """Batch key and column for step ``step`` of a sample (``None``: no step axis)."""
+        if self.steps is None:
+            return key, None
+        h = self.steps.history
+        return (key, step) if step < h else (f"target/{key}", step - h)
+
+    def _allocate(self, n: int) -> dict[str, np.ndarray]:
+        out = {}
+        for k in self.layout.keys:
+            if self.steps is None:
+                out[k.name] = self.pool.take((n, *k.row_shape), k.dtype)
+                continue
+            out[k.name] = self.pool.take((n, self.steps.history, *k.row_shape), k.dtype)
+            if self.steps.lead:
+                out[f"target/{k.name}"] = self.pool.take(
+                    (n, len(self.steps.lead), *k.row_shape), k.dtype)
+        return out
 
     def rows(self, b: int, n: int) -> dict[str, np.ndarray]:
         with self._lock:
             got = self._batches.get(b)
             if got is None:
-                got = self._batches[b] = {k.name: self.pool.take((n, *k.row_shape), k.dtype)
-                                          for k in self.layout.keys}
+                got = self._batches[b] = self._allocate(n)
             return got
 
     def take(self, b: int) -> dict[str, np.ndarray]:

@@ -39,7 +39,8 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
     windows being drawn, prefetched and just finished feed, two partly filled batches at
     their edges, and the batch the training step holds."""
     if in_place:
-        sample_bytes = sum(v.stripe_nbytes for v in variables)
+        per_row = 1 if steps is None else steps.history + len(steps.lead)
+        sample_bytes = per_row * sum(v.stripe_nbytes for v in variables)
         window_samples = block_chunks * grid.chunk_size
         batches = -(-(2 + prefetch_windows) * window_samples // batch_size) + 3
         return batches * batch_size * sample_bytes

@@ -138,7 +138,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                          f"batches: {why_not}. Leave in_place=None to decide per store.")
     in_place = f.in_place is not False and why_not is None
     block_chunks = (s.block_chunks if s.block_chunks is not None
-                    else default_block_chunks(source, in_place))
+                    else default_block_chunks(source, in_place and steps is None))
     contiguous = steps is not None
     units = n_units(ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven,
                                     contiguous))
@@ -165,8 +165,9 @@ IN_PLACE_WINDOW_BYTES = 64 << 20
 
 
 def default_block_chunks(source: Source, in_place: bool) -> int:
-    """16 chunks per window; decoding in place (one sample per chunk, where the window's
-    size does not change the shuffle: every chunk is one sample of a global permutation),
+    """16 chunks per window; decoding in place without time steps (one sample per chunk,
+    where the window's size does not change the shuffle: every chunk is one sample of a
+    global permutation; with time steps windows are runs of adjacent chunks, and size does),
     windows of about 64 MB, at most 256 chunks, so the per-window planning (~1 ms) is
     spread over enough chunks to keep the decode threads fed (measured: 16 -> 256 chunks
     of 260 kB took the t2m store from 0.45x to 0.75x the read floor)."""
@@ -189,8 +190,6 @@ def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDeco
     if several:
         return (f"variables {several} hold several samples per chunk (a chunk feeds many "
                 "batches; it is decoded once into the window and gathered)")
-    if steps is not None:
-        return "samples are time windows (a chunk feeds several rows)"
     if decoder is not None:
         return "decode='gpu' decodes on the device"
     if layout is None:
@@ -255,7 +254,8 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
         return Graph(node, stages, ledger)
     pool = BufferPool(ledger)
     layout = resolved.layout
-    arena = BatchArena(layout, pool) if resolved.in_place and layout is not None else None
+    arena = (BatchArena(layout, pool, steps) if resolved.in_place and layout is not None
+             else None)
     node = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                           prefetch_windows=resolved.prefetch_windows,
                           decode_threads=f.decode_threads, ledger=ledger, pool=pool,

@@ -108,6 +108,9 @@ def weather(tmp_path_factory):
     dict(static="static"),
     dict(rank=1, world_size=3, uneven="pad"),
     dict(rank=2, world_size=3, uneven="drop"),
+    dict(window=ib.SampleWindow(2, (1,))),
+    dict(window=ib.SampleWindow(3, (1, 2), stride=2), channels=["z", "t2m"], stats="stats"),
+    dict(window=ib.SampleWindow(1, (2,)), rank=0, world_size=2, drop_last=True),
 ])
 def test_equal_with_sample_options(weather, options):
     src, m = weather
@@ -130,8 +133,6 @@ def test_channels_that_split_a_chunk_are_not_in_place(weather):
         assert not is_in_place(ld)
     with pytest.raises(ValueError, match=r"in_place=True.*some levels of \['z'\]"):
         ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"], in_place=True)
-    with pytest.raises(ValueError, match="in_place=True.*time windows"):
-        ib.build_loader(src, m, "train", window=ib.SampleWindow(2, (1,)), in_place=True)
 
 
 def test_several_samples_per_chunk_is_named(tmp_path):
@@ -202,3 +203,24 @@ def test_memory_stays_within_the_bound_and_no_batch_lingers(weather):
         ld.load_state_dict(ld.state_dict())  # a restore clears what was being filled
         next(iter(ld))
         assert len(arena) <= 8
+
+
+def test_time_steps_in_place_resume_exactly_and_cover_every_anchor_once(weather):
+    src, m = weather
+    win = ib.SampleWindow(2, (1, 3))
+    kw = dict(batch_size=6, block_chunks=4, seed=9, window=win, channels=["z", "t2m"])
+    with ib.build_loader(src, m, "train", **kw) as ref:
+        assert is_in_place(ref)
+        full = [[b["sample_index"].tolist() for b in ref] for _ in range(2)]
+    anchors = sorted(i for b in full[0] for i in b)
+    assert anchors == list(range(1, 80 - 3))  # every anchor whose steps fit, once
+    k = len(full[0]) // 2
+    with ib.build_loader(src, m, "train", **kw) as a:
+        it = iter(a)
+        for _ in range(k):
+            next(it)
+        state = a.state_dict()
+    with ib.build_loader(src, m, "train", **kw) as b:
+        b.load_state_dict(state)
+        assert [x["sample_index"].tolist() for x in b] == full[0][k:]
+        assert [x["sample_index"].tolist() for x in b] == full[1]

@@ -300,20 +300,26 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         chunk): no window buffer, no gather. A sample drawn twice (padding) is decoded once
         and copied. Nothing stays resident here: the batches hold the data."""
         assert self.arena is not None and plan.slots is not None
-        slots, layout = plan.slots, self.arena.layout
-        dest: dict[int, list[tuple[int, int]]] = {}
+        slots, arena = plan.slots, self.arena
+        # Every (sample, step) a draw reads lands in (batch, row, step) (step 0 without
+        # time steps); a chunk feeding several is decoded once, then copied.
+        dest: dict[int, list[tuple[int, int, int]]] = {}
+        steps = plan.offsets.tolist()
         for s, b, r in zip(plan.draw_order.tolist(), slots.batch.tolist(), slots.row.tolist(),
                            strict=True):
             if b >= 0:  # -1: a short last batch that drop_last drops
-                dest.setdefault(s, []).append((b, r))
-        batches = {b: self.arena.rows(b, slots.rows_in(b)) for b in
-                   {b for ds in dest.values() for b, _ in ds}}
-        placements = [layout.direct(v) for v in range(len(plan.reads))]
+                for k, off in enumerate(steps):
+                    dest.setdefault(s + off, []).append((b, r, k))
+        batches = {b: arena.rows(b, slots.rows_in(b)) for b in
+                   {d[0] for ds in dest.values() for d in ds}}
+        placements = [arena.layout.direct(v) for v in range(len(plan.reads))]
 
-        def at(v: int, b: int, r: int) -> np.ndarray:
+        def at(v: int, b: int, r: int, k: int) -> np.ndarray:
             pl = placements[v]
             assert pl is not None
-            return row_view(batches[b][pl.key][r : r + 1], pl)
+            key, col = arena.slot(pl.key, k)
+            rows = batches[b][key][r : r + 1]
+            return row_view(rows if col is None else rows[:, col], pl)
 
         # With one sample per chunk, stripe index == sample index for every variable.
         reads = tuple(tuple(i for i in rs if i in dest) for rs in plan.reads)
@@ -341,8 +347,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         for v, rs in enumerate(reads):
             for i in rs:
                 first, *more = dest[i]
-                for b, r in more:
-                    np.copyto(at(v, b, r), at(v, *first))
+                for d in more:
+                    np.copyto(at(v, *d), at(v, *first))
         self.stats.windows += 1
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, tuple({} for _ in plan.reads))
