@@ -9,6 +9,7 @@ allocates on the loop thread) and the shuffle buffer (which takes on the consume
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -17,10 +18,28 @@ from .memory import BufferPool
 from .windows import SampleWindow
 
 
+class _Filling:
+    """One batch being filled: its arrays, the row writes still to come, and whether it
+    is complete (or failed)."""
+
+    __slots__ = ("arrays", "remaining", "ready", "error")
+
+    def __init__(self, arrays: dict[str, np.ndarray], remaining: int) -> None:
+        self.arrays = arrays
+        self.remaining = remaining
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+
+
 class BatchArena:
-    """Batch buffers by batch number: ``rows(b, n)`` allocates batch ``b`` (``n`` rows, every
-    key of the layout) on first use; ``take(b)`` hands it over and forgets every earlier
-    batch (skipped on resume: complete, so their memory may be recycled)."""
+    """Batch buffers by batch number, filled by the fetch and taken by the shuffle buffer.
+
+    ``rows(b, n, writes)`` allocates batch ``b`` (``n`` rows, every key of the layout) on
+    first use, expecting ``writes`` row writes in all; ``done(b, k)`` counts ``k`` of them;
+    ``take(b)`` waits until all have landed (so a batch is handed out as soon as it is
+    complete, not when the window around it is), hands it over and forgets every earlier
+    batch (skipped on resume: complete, so their memory may be recycled).
+    """
 
     def __init__(self, layout: BatchLayout, pool: BufferPool,
                  steps: SampleWindow | None = None) -> None:
@@ -30,7 +49,18 @@ class BatchArena:
         # (rows, n_leads, ...) targets, as GatherNode makes them.
         self.steps = steps
         self._lock = threading.Lock()
-        self._batches: dict[int, dict[str, np.ndarray]] = {}
+        self._batches: dict[int, _Filling] = {}
+        # Batch numbers restart every epoch and restore: reads from before a clear() carry
+        # the old generation, so they can never count into (or fail) a new batch.
+        self.generation = 0
+        self._skip = 0  # draws of the next window prepared that were delivered before
+        self.wait_s = 0.0  # consumer time blocked in take() (the fetch's, in LoaderStats)
+
+    @property
+    def writes_per_row(self) -> int:
+        """Row writes that complete one batch row: every variable at every step."""
+        n_steps = 1 if self.steps is None else self.steps.history + len(self.steps.lead)
+        return len(self.layout.placements) * n_steps
 
     def slot(self, key: str, step: int) -> tuple[str, int | None]:
         """Batch key and column for step ``step`` of a sample (``None``: no step axis)."""
@@ -52,29 +82,76 @@ class BatchArena:
         return out
 
     def rows(self, b: int, n: int) -> dict[str, np.ndarray]:
+        """Batch ``b``'s arrays (``n`` rows), allocated on first use."""
         with self._lock:
             got = self._batches.get(b)
             if got is None:
-                got = self._batches[b] = self._allocate(n)
-            return got
+                got = self._batches[b] = _Filling(self._allocate(n), n * self.writes_per_row)
+            return got.arrays
+
+    def skip_next(self, draws: int) -> None:
+        """The next window prepared (the head window of a restore) had its first ``draws``
+        draws delivered before the checkpoint: they are not read again."""
+        self._skip = int(draws)
+
+    def take_skip(self) -> int:
+        skip, self._skip = self._skip, 0
+        return skip
+
+    def hold(self, b: int, reads: int) -> None:
+        """``reads`` copies will read rows of batch ``b`` (a chunk decoded there feeds other
+        slots too): ``b`` is not handed out, and then changed in place by a transform or the
+        user, before they are done (each counted by ``done``)."""
+        with self._lock:
+            self._batches[b].remaining += reads
+
+    def done(self, b: int, writes: int, generation: int) -> None:
+        """``writes`` row writes of batch ``b`` landed (for reads of ``generation``)."""
+        with self._lock:
+            got = self._batches.get(b)
+            if got is None or generation != self.generation:
+                return  # cleared meanwhile (a new epoch or a restore)
+            got.remaining -= writes
+            if got.remaining <= 0:
+                got.ready.set()
+
+    def fail(self, batches: list[int], error: BaseException, generation: int) -> None:
+        """The reads for ``batches`` failed: ``take`` raises ``error`` for each."""
+        with self._lock:
+            if generation != self.generation:
+                return
+            for b in batches:
+                got = self._batches.get(b)
+                if got is not None and got.error is None:
+                    got.error = error
+                    got.ready.set()
 
     def take(self, b: int) -> dict[str, np.ndarray]:
         with self._lock:
-            got = self._batches.pop(b, None)
-            for old in [k for k in self._batches if k < b]:
-                del self._batches[old]
+            got = self._batches.get(b)
         if got is None:
             raise RuntimeError(f"batch {b} was never decoded into: the plans and the shuffle "
                                "buffer disagree on where batches start (a bug)")
-        return got
+        if not got.ready.is_set():
+            t0 = time.perf_counter()
+            got.ready.wait()
+            self.wait_s += time.perf_counter() - t0
+        if got.error is not None:
+            raise got.error  # kept: asking again raises again
+        with self._lock:
+            self._batches.pop(b, None)
+            for old in [k for k in self._batches if k < b]:
+                del self._batches[old]
+        return got.arrays
 
     def clear(self) -> None:
         """Forget every batch (new epoch, restore, error). Reads still running on pool
         threads may write into them, so their memory is never recycled, only freed."""
         with self._lock:
             stale, self._batches = self._batches, {}
-        for arrays in stale.values():
-            for a in arrays.values():
+            self.generation += 1
+        for filling in stale.values():
+            for a in filling.arrays.values():
                 self.pool.disown(a)
 
     def __len__(self) -> int:

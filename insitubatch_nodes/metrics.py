@@ -61,8 +61,11 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
     resident = ledger.resident if ledger is not None else 0
     peak = ledger.peak if ledger is not None else 0
 
+    # Decoding in place, the consumer waits for a batch inside the shuffle buffer
+    # (BatchArena.take): that is waiting on the fetch, not shuffling.
+    arena_wait = fetch.arena.wait_s if fetch is not None and fetch.arena is not None else 0.0
     fetch_next = fs.next_s if fs else 0.0
-    fetch_wait = fs.wait_s if fs else 0.0
+    fetch_wait = (fs.wait_s if fs else 0.0) + arena_wait
     sh_next = shuffle.stats.next_s if shuffle else 0.0
     sh_up = shuffle.stats.upstream_s if shuffle else 0.0
     g_next = gather.stats.next_s if gather else 0.0
@@ -94,8 +97,8 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
         resident_bound_bytes=bound,
         window_occupancy=resident / bound if bound else None,
         wait_fetch_s=fetch_wait,
-        schedule_s=max(0.0, fetch_next - fetch_wait),
-        shuffle_s=max(0.0, sh_next - sh_up),
+        schedule_s=max(0.0, fetch_next - fetch_wait + arena_wait),
+        shuffle_s=max(0.0, sh_next - sh_up - arena_wait),
         gather_s=max(0.0, g_next - g_up),
         deliver_s=max(0.0, meter.total_wait_s - g_next),
         store_s=rt.store_s,

@@ -224,3 +224,52 @@ def test_time_steps_in_place_resume_exactly_and_cover_every_anchor_once(weather)
         b.load_state_dict(state)
         assert [x["sample_index"].tolist() for x in b] == full[0][k:]
         assert [x["sample_index"].tolist() for x in b] == full[1]
+
+
+def test_a_corrupt_chunk_fails_its_batch_by_name_and_again(tmp_path):
+    path = tmp_path / "bad.zarr"
+    write_store(path, [Var("x", (60, 4), (1, 4), compressors=BLOSC)])
+    (path / "x" / "c" / "17" / "0").write_bytes(b"garbage, not blosc")
+    src = ib.open_source(path)
+    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
+                         retry=ib.RetryPolicy(attempts=2, base_delay=0)) as ld:
+        assert is_in_place(ld)
+        it = iter(ld)
+        with pytest.raises(Exception) as info:  # noqa: B017 - the codec's own error type
+            for _ in range(100):
+                next(it)
+        err = info.value
+        assert not isinstance(err, StopIteration)
+        notes = "\n".join(getattr(err, "__notes__", []))
+        assert "x/c/17/0" in notes and "into batches" in notes, notes
+        with pytest.raises(type(err)):  # not a quiet move to the next batch
+            next(it)
+        # a new epoch starts clean and fails again on the same chunk
+        with pytest.raises(type(err)):
+            for _ in ld:
+                pass
+
+
+def test_batches_go_out_before_their_whole_window_is_decoded(weather, monkeypatch):
+    """A batch is handed out once its own rows are in (BatchArena.take): with every chunk
+    read slowly, the first batch of one large window arrives while the window is still
+    being read."""
+    import time
+
+    from insitubatch_nodes.io.read_paths import LocalFiles
+
+    src, m = weather
+    slow = LocalFiles.get_scratch
+
+    def get_scratch(self, key):
+        time.sleep(0.004)
+        return slow(self, key)
+
+    monkeypatch.setattr(LocalFiles, "get_scratch", get_scratch)
+    with ib.build_loader(src, m, "train", batch_size=2, block_chunks=80,
+                         prefetch_windows=0) as ld:
+        fetch = ld.node(ib.AsyncFetchNode)
+        first = next(iter(ld))
+        pending, finished = fetch.windows_pending()
+        assert first["t2m"].shape[0] == 2
+        assert pending == 1 and finished == 0  # the window is still being read

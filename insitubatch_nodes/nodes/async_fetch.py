@@ -14,6 +14,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -135,7 +136,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._lt: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
-        self._fifo: deque[tuple[Future, dict]] = deque()
+        # (window future, upstream state, its plan when decoded in place (delivered at once))
+        self._fifo: deque[tuple[Future, dict, ReadPlan | None]] = deque()
+        self._running: list[Future] = []  # in-place windows delivered, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
         self._error: BaseException | None = None
@@ -188,8 +191,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
     def _cancel_all(self) -> None:
         while self._fifo:
-            fut, _ = self._fifo.popleft()
+            fut, _, _ = self._fifo.popleft()
             fut.cancel()
+        for fut in self._running:
+            fut.cancel()
+        self._running = []
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -222,29 +228,43 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
         return bufs
 
-    async def _read_items(self, items: list[tuple[int, int, np.ndarray]]) -> None:
-        """Stripes ``(variable, index, out)`` of a local store, any variables, in one pool
-        task and one ``max_inflight`` slot. If the task fails, every stripe is read again on
-        its own, with its own retries and error note (as ``StripeReader.read_group``)."""
-        assert self._lt is not None
+    async def _read_items(self, items: list[tuple[int, int, int, np.ndarray]],
+                          generation: int) -> None:
+        """Stripes ``(variable, index, batch, out)`` in one ``max_inflight`` slot: of a
+        local store, any variables in one pool task (if it fails, every stripe is read again
+        on its own, with its own retries and error note, as ``StripeReader.read_group``);
+        else one read each. Then each batch is told how many of its rows landed."""
+        assert self._lt is not None and self.arena is not None
         lt = self._lt
         per_var: dict[int, int] = {}
-        for v, _, _ in items:
+        for v, _, _, _ in items:
             per_var[v] = per_var.get(v, 0) + 1
         attempts = dict(per_var)
         async with self._slot():
-            try:
-                await lt.loop.run_in_executor(
-                    lt.pool, _read_local_items,
-                    [(self.readers[v], i, out) for v, i, out in items], time.perf_counter())
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                for v, i, out in items:
+            if all(self.readers[v].groups_reads for v, _, _, _ in items):
+                try:
+                    await lt.loop.run_in_executor(
+                        lt.pool, _read_local_items,
+                        [(self.readers[v], i, out) for v, i, _, out in items],
+                        time.perf_counter())
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    for v, i, _, out in items:  # the failed group try counted once each
+                        attempts[v] += await self.readers[v].read(i, out, lt.loop, lt.pool,
+                                                                  self.retry)
+            else:
+                attempts = dict.fromkeys(per_var, 0)
+                for v, i, _, out in items:
                     attempts[v] += await self.readers[v].read(i, out, lt.loop, lt.pool,
                                                               self.retry)
         for v, n in per_var.items():
             self._count(n, attempts[v], self.readers[v].geom.stripe_nbytes)
+        per_batch: dict[int, int] = {}
+        for _, _, b, _ in items:
+            per_batch[b] = per_batch.get(b, 0) + 1
+        for b, n in per_batch.items():
+            self.arena.done(b, n, generation)
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
@@ -295,19 +315,19 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 jobs += [(v, [idx]) for idx in reads]
         return jobs
 
-    async def _fetch_in_place(self, plan: ReadPlan) -> DecodedWindow:
-        """Decode every chunk of the window straight into its batch row (one sample per
-        chunk): no window buffer, no gather. A sample drawn twice (padding) is decoded once
-        and copied. Nothing stays resident here: the batches hold the data."""
+    def _prepare_in_place(self, plan: ReadPlan) -> _InPlace:
+        """Where every chunk of the window goes (on the consumer thread, before submitting,
+        so the batches exist before the shuffle buffer asks for them): each (sample, step) a
+        draw reads lands in (batch, row, step); a chunk feeding several slots (a neighbour's
+        history, padding for equal steps) is decoded once and copied into the others."""
         assert self.arena is not None and plan.slots is not None
         slots, arena = plan.slots, self.arena
-        # Every (sample, step) a draw reads lands in (batch, row, step) (step 0 without
-        # time steps); a chunk feeding several is decoded once, then copied.
         dest: dict[int, list[tuple[int, int, int]]] = {}
         steps = plan.offsets.tolist()
-        for s, b, r in zip(plan.draw_order.tolist(), slots.batch.tolist(), slots.row.tolist(),
-                           strict=True):
-            if b >= 0:  # -1: a short last batch that drop_last drops
+        skip = arena.take_skip()  # restored mid-window: these draws were delivered before
+        for j, (s, b, r) in enumerate(zip(plan.draw_order.tolist(), slots.batch.tolist(),
+                                          slots.row.tolist(), strict=True)):
+            if b >= 0 and j >= skip:  # b = -1: a short last batch that drop_last drops
                 for k, off in enumerate(steps):
                     dest.setdefault(s + off, []).append((b, r, k))
         batches = {b: arena.rows(b, slots.rows_in(b)) for b in
@@ -323,41 +343,60 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
         # With one sample per chunk, stripe index == sample index for every variable.
         reads = tuple(tuple(i for i in rs if i in dest) for rs in plan.reads)
+        wanted = [set(rs) for rs in reads]
+        # In batch order, so the first batches of the window are complete first.
+        order = sorted(dest, key=lambda i: dest[i][0])
+        items = [(v, i, dest[i][0][0], at(v, *dest[i][0])) for i in order
+                 for v in range(len(reads)) if i in wanted[v]]
+        copies = [(at(v, *d), at(v, *dest[i][0]), d[0], dest[i][0][0]) for i in order
+                  for v in range(len(reads)) if i in wanted[v] for d in dest[i][1:]]
+        held: dict[int, int] = {}
+        for _, _, _, src_b in copies:
+            held[src_b] = held.get(src_b, 0) + 1
+        for b, n in held.items():
+            arena.hold(b, n)
         if all(r.groups_reads for r in self.readers):
-            # Local files: every variable of a few samples in one pool task, so a window
-            # costs a few hand-offs whatever the number of variables.
-            wanted = [set(rs) for rs in reads]
-            items = [(v, i, at(v, *dest[i][0])) for i in sorted(dest)
-                     for v in range(len(reads)) if i in wanted[v]]
-            nbytes = sum(o.nbytes for _, _, o in items)
-            n_jobs = max(2 * self.decode_threads, -(-nbytes // (32 << 20)))
-            size = max(1, -(-len(items) // n_jobs))
-            tasks = [asyncio.ensure_future(self._read_items(items[k : k + size]))
-                     for k in range(0, len(items), size)]
+            jobs = _batch_jobs(items, self.decode_threads)
         else:
-            tasks = [asyncio.ensure_future(self._read(
-                v, idxs, [at(v, *dest[i][0]) for i in idxs]))
-                for v, idxs in self._jobs(plan, reads)]
+            jobs = [[it] for it in items]
+        return _InPlace(plan, jobs, copies, sorted(batches), arena.generation)
+
+    async def _fetch_in_place(self, job: _InPlace) -> DecodedWindow:
+        """Run a prepared window: every chunk decoded straight into its batch row, each
+        batch counted as its rows land. A failure fails every batch the window feeds."""
+        assert self.arena is not None
+        arena = self.arena
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_inflight)
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
+            tasks = [asyncio.ensure_future(self._read_items(group, job.generation))
+                     for group in job.jobs]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
+            per_batch: dict[int, int] = {}
+            for dst, src, b, src_b in job.copies:
+                np.copyto(dst, src)
+                per_batch[b] = per_batch.get(b, 0) + 1  # a row written
+                per_batch[src_b] = per_batch.get(src_b, 0) + 1  # a read of a row done
+            for b, n in per_batch.items():
+                arena.done(b, n, job.generation)
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                e.add_note(f"insitubatch: reading the window of chunks "
+                           f"{list(job.plan.chunk_ids)[:8]} into batches {job.batches[:8]}")
+            arena.fail(job.batches, e, job.generation)
             raise
-        for v, rs in enumerate(reads):
-            for i in rs:
-                first, *more = dest[i]
-                for d in more:
-                    np.copyto(at(v, *d), at(v, *first))
         self.stats.windows += 1
-        self.stats.chunks += len(plan.chunk_ids)
-        return DecodedWindow(plan, tuple({} for _ in plan.reads))
+        self.stats.chunks += len(job.plan.chunk_ids)
+        return DecodedWindow(job.plan, tuple({} for _ in job.plan.reads))
 
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
-        if plan.slots is not None and self.arena is not None:
-            return await self._fetch_in_place(plan)
         jobs = self._jobs(plan)
         wd = self.window_decoder
         on_device = wd.chains if wd is not None else {}
@@ -402,8 +441,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 self._exhausted = True
                 break
             snap = copy.deepcopy(self.source.state_dict())
-            fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
-            self._fifo.append((fut, snap))
+            if plan.slots is not None and self.arena is not None:
+                job = self._prepare_in_place(plan)
+                fut = asyncio.run_coroutine_threadsafe(self._fetch_in_place(job), lt.loop)
+                # Delivered at once: the shuffle buffer waits per batch (BatchArena.take),
+                # so a batch goes out as soon as its rows are in, not its whole window.
+                self._fifo.append((fut, snap, plan))
+            else:
+                fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
+                self._fifo.append((fut, snap, None))
 
     def next(self) -> DecodedWindow:
         t_in = time.perf_counter()
@@ -419,7 +465,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._top_up(self.prefetch_windows + 1)
         if not self._fifo:
             raise StopIteration
-        fut, snap = self._fifo[0]
+        fut, snap, in_place = self._fifo[0]
+        if in_place is not None:
+            self._fifo.popleft()
+            self._running = [f for f in self._running if not f.done()] + [fut]
+            self._delivered = snap
+            self._top_up(self.prefetch_windows)
+            return DecodedWindow(in_place, tuple({} for _ in in_place.reads))
         t0 = time.perf_counter()
         try:
             win = fut.result()
@@ -440,7 +492,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched)."""
         try:
-            futs = [f for f, _ in list(self._fifo)]
+            futs = [f for f, _, _ in list(self._fifo)] + list(self._running)
         except RuntimeError:  # mutated while copied from another thread: report nothing
             return 0, 0
         return len(futs), sum(f.done() for f in futs)
@@ -459,3 +511,38 @@ def _read_local_items(items: list[tuple[StripeReader, int, np.ndarray]],
     for reader, index, out in items:
         reader.read_local(index, out, submitted)
         submitted = None  # only the first stripe waited in the queue
+
+
+@dataclass(frozen=True, eq=False)
+class _InPlace:
+    """A window prepared for in-place decoding: its read jobs ``(variable, stripe, batch,
+    out)``, the copies for slots fed by a chunk decoded elsewhere ``(dst, src, dst batch,
+    src batch)``, and the batches it feeds."""
+
+    plan: ReadPlan
+    jobs: list[list[tuple[int, int, int, np.ndarray]]]
+    copies: list[tuple[np.ndarray, np.ndarray, int, int]]  # dst, src, their batches
+    batches: list[int]
+    generation: int  # the arena's, when prepared
+
+
+def _batch_jobs(items: list[tuple[int, int, int, np.ndarray]], threads: int,
+                ) -> list[list[tuple[int, int, int, np.ndarray]]]:
+    """Pool tasks for a window's local reads: every variable of a few samples per task, so
+    a window costs a few hand-offs whatever the number of variables; cut at batch edges
+    (``items`` come in batch order) and each batch split across the threads, so each
+    batch is complete as early as it can be."""
+    jobs: list[list[tuple[int, int, int, np.ndarray]]] = []
+    start = 0
+    while start < len(items):
+        b = items[start][2]
+        stop = start
+        while stop < len(items) and items[stop][2] == b:
+            stop += 1
+        nbytes = sum(it[3].nbytes for it in items[start:stop])
+        # every thread on each batch (in turn), a task at most ~16 MB or 64 chunks
+        parts = min(stop - start, max(threads, -(-nbytes // (16 << 20)), -(-(stop - start) // 64)))
+        size = -(-(stop - start) // parts)
+        jobs += [items[k : min(k + size, stop)] for k in range(start, stop, size)]
+        start = stop
+    return jobs

@@ -70,6 +70,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
+        self._error: BaseException | None = None  # a batch that failed: raised again
         self.stats = ShuffleStats()
 
     def resident_counts(self) -> tuple[int, int]:
@@ -84,9 +85,12 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         super().reset(initial_state)
         self._resident.clear()
         self._exhausted = False
+        self._error: BaseException | None = None
         if initial_state is not None:
             self.source.reset(require(initial_state, self.SOURCE_KEY, self))
             self._skip = int(require(initial_state, self.OFFSET_KEY, self))
+            if self.arena is not None:
+                self.arena.skip_next(self._skip)  # the fetch need not decode them again
         else:
             self.source.reset(None)
             self._skip = 0
@@ -147,6 +151,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             self.stats.next_s += time.perf_counter() - t0
 
     def _next(self) -> BatchDraw:
+        if self._error is not None:
+            raise self._error
         pieces: list[np.ndarray] = []
         touched: list[dict[int, np.ndarray]] = [{} for _ in self.variables]
         batches: set[int] = set()  # with batch slots: the batch these draws were decoded into
@@ -183,7 +189,13 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             raise RuntimeError(f"the draws of one batch were planned into batches "
                                f"{sorted(batches)}: plans and shuffle buffer disagree (a bug)")
         samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-        return BatchDraw(samples, (), ready=self.arena.take(batches.pop()))
+        try:
+            ready = self.arena.take(batches.pop())
+        except BaseException as e:
+            # Its draws are spent: asking again must not quietly move on to the next batch.
+            self._error = e
+            raise
+        return BatchDraw(samples, (), ready=ready)
 
     def _make_draw(self, pieces: list[np.ndarray], touched: list[dict[int, np.ndarray]],
                    steps: np.ndarray) -> BatchDraw:
