@@ -14,7 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .bench import BELUGA_MODES, BELUGA_ZARR_READ, PEER_NAMES, PEERS_HINT
+
 EXIT_USAGE = 2
+LAYOUTS = ("era5", "wb2")  # make-demo --layout
+SMALL_GRID = (12, 24)  # make-demo --small: (lat, lon)
+SMALL_TIMES = 16
 
 
 # -- option types (argparse turns ArgumentTypeError into "argument --x: ..." and exit 2) ----
@@ -82,6 +87,34 @@ _int_list = _int_list_of(1, "1,8,24,96")
 _int_list0 = _int_list_of(0, "0,2")  # DataLoader worker counts
 
 
+def _positive_int_or_auto(text: str) -> int | None:
+    """A whole number >= 1, or ``auto`` (``None``: the loader decides)."""
+    if text.strip().lower() == "auto":
+        return None
+    return _positive_int(text)
+
+
+def _choices_list(known: tuple[str, ...], what: str, allow_none: bool):
+    """An argparse type: comma-separated names out of ``known`` (``none``: no name)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n for n in text.replace(" ", "").split(",") if n)
+        if allow_none and names == ("none",):
+            return ()
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what} out of {', '.join(known)}"
+                + (" (or none)" if allow_none else "") + f", got {text!r}")
+        return names
+
+    return parse
+
+
+_peer_list = _choices_list(PEER_NAMES, "peers", True)
+_beluga_modes = _choices_list(BELUGA_ZARR_READ, "zarr_read modes", False)
+
+
 def _shape2(text: str) -> tuple[int, int]:
     try:
         values = tuple(int(p) for p in text.lower().replace("x", ",").split(",") if p)
@@ -104,18 +137,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{make-demo,inspect,bench}")
     sub.required = True
 
-    d = sub.add_parser("make-demo", help="write the synthetic ERA5-like demo store",
-                       description="Write the synthetic ERA5-like store (t2m, u10, v10, msl on "
-                                   "time x lat x lon, blosc-zstd) used by the demo and "
-                                   "benchmarks.")
+    d = sub.add_parser("make-demo", help="write a synthetic ERA5-like store (demo or WB2 "
+                                         "layout)",
+                       description="Write a synthetic ERA5-like store. --layout era5 (default): "
+                                   "the demo's t2m, u10, v10, msl on time x lat x lon, "
+                                   "blosc-zstd, --time-chunk steps per chunk (Zarr v3). "
+                                   "--layout wb2: WeatherBench2's ERA5 layout as xarray writes "
+                                   "it: Zarr v2, consolidated, 6 pressure-level variables x 13 "
+                                   "levels + 5 surface variables (83 channels) on time x "
+                                   "[level] x longitude x latitude, one step per chunk, "
+                                   "blosc-lz4, plus a static land_sea_mask.")
     d.add_argument("path", metavar="PATH", help="directory to write (a new one, or an existing "
                    "Zarr store with --force)")
+    d.add_argument("--layout", choices=LAYOUTS, default="era5",
+                   help="era5: the demo store (default); wb2: the WeatherBench2 ERA5 layout")
     d.add_argument("--size-mb", type=_positive_float, default=300.0,
-                   help="decoded size of the store in MB (default 300)")
-    d.add_argument("--time-chunk", type=_positive_int, default=12,
-                   help="time steps (samples) per chunk (default 12)")
-    d.add_argument("--lat", type=_positive_int, default=121, help="grid rows (default 121)")
-    d.add_argument("--lon", type=_positive_int, default=240, help="grid columns (default 240)")
+                   help="decoded size of the store in MB (default 300); --n-times overrides it")
+    d.add_argument("--n-times", type=_positive_int, default=None,
+                   help="time steps (samples) to write, instead of --size-mb")
+    d.add_argument("--time-chunk", type=_positive_int, default=None,
+                   help="time steps (samples) per chunk (default 12; era5 layout only: wb2 "
+                        "stores hold one step per chunk)")
+    d.add_argument("--lat", type=_positive_int, default=None,
+                   help="latitudes, grid rows (default 121)")
+    d.add_argument("--lon", type=_positive_int, default=None,
+                   help="longitudes, grid columns (default 240)")
+    d.add_argument("--small", action="store_true",
+                   help=f"a tiny store for tests: a {SMALL_GRID[1]}x{SMALL_GRID[0]} (lon x lat) "
+                        f"grid, {SMALL_TIMES} steps unless --n-times (every variable and level "
+                        "kept)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--force", action="store_true", help="replace an existing Zarr store")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -140,8 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark the loader against a naive DataLoader and the "
                                      "read floor (or --sweep the knobs)",
                        description="Side by side on one store, in one run: this loader, a naive "
-                                   "per-sample DataLoader (0 and 2 workers), the read floor and "
-                                   "the floor plus one gather copy. Prints a table, writes JSON "
+                                   "per-sample DataLoader (0 and 2 workers), the read floor, "
+                                   "the floor plus one gather copy, and peer readers "
+                                   "(zarr-beluga, tensorstore: the 'peers' extra; local stores) "
+                                   "one epoch after each loader epoch, with ratios ours/peer; "
+                                   "--channels adds the loader stacking channels. Prints a "
+                                   "table, writes JSON "
                                    "and PNG plots to --out. With --sweep: throughput, shuffle "
                                    "quality and peak memory against samples per chunk, "
                                    "block_chunks and max_inflight. Needs the 'bench' extra.")
@@ -149,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR",
                    help="output folder for JSON, Markdown and PNG (default bench-out)")
     b.add_argument("--batch-size", type=_positive_int, default=32)
-    b.add_argument("--block-chunks", type=_positive_int, default=16)
+    b.add_argument("--block-chunks", type=_positive_int_or_auto, default=16,
+                   help="chunks per loader window (default 16); 'auto': the loader's own "
+                        "default (~64 MB windows when it decodes in place)")
     b.add_argument("--max-inflight", type=_positive_int, default=32)
     b.add_argument("--decode-threads", type=_positive_int, default=None)
     b.add_argument("--epochs", type=_positive_int, default=None,
@@ -165,6 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume-after", type=_positive_int, default=10,
                    help="batches before the state is taken for time-to-first-batch-after-"
                         "resume (default 10)")
+    b.add_argument("--channels", nargs="+", metavar="NAME", default=None,
+                   help="also run the loader stacking these variables (every level) into one "
+                        "(B, C, H, W) 'channels' tensor, epoch by epoch beside the "
+                        "per-variable loader, and report the stacking cost; 'all': every "
+                        "served variable")
+    b.add_argument("--peers", type=_peer_list, default=PEER_NAMES, metavar="NAME,NAME",
+                   help="other readers run on the same store and samples, one epoch after "
+                        f"each loader epoch (default {','.join(PEER_NAMES)}; 'none'); local "
+                        f"stores only; not installed ones say so ({PEERS_HINT})")
+    b.add_argument("--beluga-modes", type=_beluga_modes, default=BELUGA_MODES,
+                   metavar="MODE,MODE",
+                   help="zarr-beluga zarr_read modes to run, the best reported (default "
+                        f"{','.join(BELUGA_MODES)}; also fetch_decode)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -200,13 +269,23 @@ def _open(parser: argparse.ArgumentParser, url: str, variables: list[str] | None
     try:
         return ib.open_source(url, variables=variables)
     except (FileNotFoundError, KeyError, ValueError, TypeError, OSError) as e:
+        if variables is None and isinstance(e, ValueError):
+            # xarray-style stores keep static fields beside the variables (WB2's
+            # land_sea_mask): serve what runs along "time" before giving up.
+            try:
+                return ib.open_source(url, sample_dim="time")
+            except (FileNotFoundError, KeyError, ValueError, TypeError, OSError):
+                pass
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         parser.error(f"cannot open {url!r}: {msg}")
 
 
 def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from .synthetic import VARIABLES, DemoSpec, is_zarr_store, write_store
+    from .synthetic import is_zarr_store
 
+    if args.layout == "wb2" and args.time_chunk not in (None, 1):
+        parser.error(f"--time-chunk {args.time_chunk}: the wb2 layout holds one time step per "
+                     "chunk (as WeatherBench2 does); leave --time-chunk out")
     path = Path(args.path)
     if path.exists():
         if not is_zarr_store(path):
@@ -214,12 +293,36 @@ def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                          "(make-demo never replaces anything else)")
         if not args.force:
             parser.error(f"{str(path)!r} is an existing Zarr store; add --force to replace it")
-    spec = DemoSpec.for_size(args.size_mb, n_lat=args.lat, n_lon=args.lon,
-                             time_chunk=args.time_chunk, seed=args.seed)
+    n_lat, n_lon = SMALL_GRID if args.small else (121, 240)
+    n_lat, n_lon = args.lat or n_lat, args.lon or n_lon
+    n_times = args.n_times or (SMALL_TIMES if args.small else None)
+    if args.layout == "wb2":
+        return _make_wb2(parser, args, path, n_times, n_lat, n_lon)
+    from .synthetic import VARIABLES, DemoSpec, write_store
+
+    time_chunk = args.time_chunk or 12
+    kw = dict(n_lat=n_lat, n_lon=n_lon, time_chunk=time_chunk, seed=args.seed)
+    spec = (DemoSpec(n_times=n_times, **kw) if n_times
+            else DemoSpec.for_size(args.size_mb, **kw))
     write_store(path, spec, progress=not args.quiet)
     print(f"wrote {path}: {', '.join(VARIABLES)} on (time, lat, lon) = ({spec.n_times}, "
           f"{spec.n_lat}, {spec.n_lon}) float32, {spec.time_chunk} time steps per chunk, "
           f"{spec.nbytes / 1e6:,.0f} MB decoded")
+    return 0
+
+
+def _make_wb2(parser: argparse.ArgumentParser, args: argparse.Namespace, path: Path,
+              n_times: int | None, n_lat: int, n_lon: int) -> int:
+    from .synthetic import WB2_VARIABLES, WB2Spec, write_wb2_store
+
+    kw = dict(n_lon=n_lon, n_lat=n_lat, seed=args.seed)
+    spec = WB2Spec(n_times=n_times, **kw) if n_times else WB2Spec.for_size(args.size_mb, **kw)
+    write_wb2_store(path, spec, progress=not args.quiet)
+    print(f"wrote {path}: WeatherBench2 layout, {len(WB2_VARIABLES)} variables = "
+          f"{spec.channels} channels on (time, [level], longitude, latitude) = "
+          f"({spec.n_times}, [13], {spec.n_lon}, {spec.n_lat}) float32, one time step per "
+          f"chunk, {spec.sample_nbytes / 1e6:,.2f} MB per step, {spec.nbytes / 1e6:,.0f} MB "
+          "decoded")
     return 0
 
 
@@ -251,12 +354,13 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      "samples")
     variables = list(source.names)
     progress = not args.quiet
+    channels = _bench_channels(parser, source, args.channels)
     if args.sweep:
         from .bench.sweep import SweepConfig, run_sweep
 
         run_sweep(SweepConfig(
             url=args.url, variables=variables, batch_size=args.batch_size,
-            block_chunks=args.block_chunks, max_inflight=args.max_inflight,
+            block_chunks=args.block_chunks or 16, max_inflight=args.max_inflight,
             decode_threads=args.decode_threads, samples_per_chunk=args.sweep_spc,
             block_chunks_values=args.sweep_block_chunks,
             max_inflight_values=args.sweep_inflight, spc_samples=args.sweep_samples,
@@ -273,8 +377,29 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         naive_samples=args.naive_samples, naive_workers=args.naive_workers,
         floor_threads=args.floor_threads, split_fraction=args.split_fraction, seed=args.seed,
         resume_after=args.resume_after, out_dir=args.out, plots=not args.no_plots,
-        progress=progress))
+        progress=progress, channels=channels, peers=args.peers,
+        beluga_modes=args.beluga_modes))
     return 0
+
+
+def _bench_channels(parser: argparse.ArgumentParser, source: Any,
+                    names: list[str] | None) -> tuple[str, ...]:
+    """``--channels``: the variables to stack (``all``: every served one), checked to share
+    a dtype and a grid, so a bad choice is a usage error before anything is measured."""
+    if not names:
+        return ()
+    chosen = tuple(source.names) if names == ["all"] else tuple(names)
+    unknown = [n for n in chosen if n not in source.names]
+    if unknown:
+        parser.error(f"--channels {' '.join(unknown)}: not served here; choose from "
+                     f"{', '.join(source.names)} (or all)")
+    geoms = [source.variable(n) for n in chosen]
+    kinds = {(str(g.dtype), tuple(g.sample_shape[-2:])) for g in geoms}
+    if len(kinds) > 1:
+        parser.error(f"--channels {' '.join(chosen)}: the variables differ in dtype or grid "
+                     f"({', '.join(f'{g.name} {g.dtype} {g.sample_shape}' for g in geoms)}); "
+                     "stack variables of one dtype on one grid")
+    return chosen
 
 
 COMMANDS = {"make-demo": cmd_make_demo, "inspect": cmd_inspect, "bench": cmd_bench}

@@ -1,8 +1,11 @@
 """Synthetic ERA5-like Zarr stores: the one writer that the demo, ``bench --sweep`` and
 ``benchmarks/`` share, so they all measure the same kind of data.
 
+Two layouts: the demo's (``write_store``: a few surface variables on (time, lat, lon)) and
+WeatherBench2's ERA5 store as xarray's ``to_zarr`` writes it (``write_wb2_store``: 83
+channels, Zarr v2, one time step per chunk, blosc-lz4), the layout peers are measured on.
 The fields are smooth synoptic-scale waves with a daily and a seasonal cycle, plus small
-noise. blosc-zstd compresses them about as well as real reanalysis; pure noise or constants
+noise. blosc compresses them about as well as real reanalysis; pure noise or constants
 would make decoding look too slow or too fast.
 """
 
@@ -18,6 +21,7 @@ from typing import Any
 import numpy as np
 
 VARIABLES = ("t2m", "u10", "v10", "msl")
+_V2_DIMS = "_ARRAY_DIMENSIONS"  # where xarray keeps a Zarr v2 array's dimension names
 WRITE_BYTES = 64 * 2**20  # decoded bytes per write: whole chunks, never the whole array
 _NOISE = {"t2m": 0.5, "u10": 0.7, "v10": 0.7, "msl": 30.0}
 
@@ -120,8 +124,10 @@ def write_store(path: str | Path, spec: DemoSpec, *, compressors: Any = None,
         compressors = _blosc_zstd(zarr_format)
     g = zarr.open_group(path, mode="w", zarr_format=zarr_format)
 
-    def dims(*names: str) -> dict[str, Any]:  # zarr v2 has no dimension names
-        return {"dimension_names": names} if zarr_format == 3 else {}
+    def dims(*names: str) -> dict[str, Any]:  # zarr v2 keeps them as xarray does
+        if zarr_format == 3:
+            return {"dimension_names": names}
+        return {"attributes": {_V2_DIMS: list(names)}}
 
     arrays = {
         name: g.create_array(name, shape=spec.shape, chunks=(spec.time_chunk, *spec.shape[1:]),
@@ -146,6 +152,8 @@ def write_store(path: str | Path, spec: DemoSpec, *, compressors: Any = None,
             for name, arr in arrays.items():
                 arr[b0:b1] = np.concatenate([p[name] for p in parts])
             bar.update(len(parts))
+    if zarr_format == 2:
+        zarr.consolidate_metadata(path, zarr_format=2)
     return path
 
 
@@ -163,11 +171,219 @@ def _blosc_zstd(zarr_format: int) -> Any:
 
 def _write_coords(g: Any, spec: DemoSpec, dims: Callable[..., dict[str, Any]]) -> None:
     """time (hours since 2000-01-01, 6-hourly), lat and lon, as CF readers expect them."""
+    kw = dims("time")
+    attrs = {"units": "hours since 2000-01-01", "calendar": "standard",
+             **kw.pop("attributes", {})}
     t = g.create_array("time", shape=(spec.n_times,), chunks=(spec.n_times,), dtype="int64",
-                       attributes={"units": "hours since 2000-01-01", "calendar": "standard"},
-                       **dims("time"))
+                       attributes=attrs, **kw)
     t[:] = np.arange(spec.n_times, dtype=np.int64) * 6
     for name, n in (("lat", spec.n_lat), ("lon", spec.n_lon)):
         c = g.create_array(name, shape=(n,), dtype="float32", **dims(name))
         c[:] = (np.linspace(-90, 90, n) if name == "lat"
                 else np.linspace(0, 360, n, endpoint=False)).astype(np.float32)
+
+
+# -- the WeatherBench2 layout ---------------------------------------------------------------
+WB2_LEVELS = (50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000)
+WB2_LEVEL_VARIABLES = ("geopotential", "temperature", "u_component_of_wind",
+                       "v_component_of_wind", "specific_humidity", "vertical_velocity")
+WB2_SURFACE_VARIABLES = ("2m_temperature", "10m_u_component_of_wind", "10m_v_component_of_wind",
+                         "mean_sea_level_pressure", "total_precipitation_6hr")
+WB2_VARIABLES = WB2_LEVEL_VARIABLES + WB2_SURFACE_VARIABLES
+WB2_TIME_UNITS = "hours since 1959-01-01"
+WB2_SMALL = {"n_lon": 24, "n_lat": 12}  # the test preset: every channel, a tiny grid
+_WB2_UNITS = {"geopotential": "m**2 s**-2", "temperature": "K", "u_component_of_wind": "m s**-1",
+              "v_component_of_wind": "m s**-1", "specific_humidity": "kg kg**-1",
+              "vertical_velocity": "Pa s**-1", "2m_temperature": "K",
+              "10m_u_component_of_wind": "m s**-1", "10m_v_component_of_wind": "m s**-1",
+              "mean_sea_level_pressure": "Pa", "total_precipitation_6hr": "m"}
+# noise per variable, in its units (a few percent of its variation: smooth, not constant)
+_WB2_NOISE = {"geopotential": 20.0, "temperature": 0.3, "u_component_of_wind": 0.8,
+              "v_component_of_wind": 0.8, "specific_humidity": 1e-4, "vertical_velocity": 0.05,
+              "2m_temperature": 0.5, "10m_u_component_of_wind": 0.7,
+              "10m_v_component_of_wind": 0.7, "mean_sea_level_pressure": 30.0,
+              "total_precipitation_6hr": 1e-3}
+
+
+@dataclass(frozen=True)
+class WB2Spec:
+    """Size of a WeatherBench2-layout store. Every variable and all 13 levels are always
+    written (83 channels): only the grid and the number of time steps shrink, so a small
+    store for tests has the same layout and channel count as the real one."""
+
+    n_times: int
+    n_lon: int = 240
+    n_lat: int = 121
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_times", "n_lon", "n_lat"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"WB2Spec.{name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def channels(self) -> int:
+        return len(WB2_LEVEL_VARIABLES) * len(WB2_LEVELS) + len(WB2_SURFACE_VARIABLES)
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Decoded bytes of one time step, every channel (float32)."""
+        return self.channels * self.n_lon * self.n_lat * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_times * self.sample_nbytes
+
+    @classmethod
+    def small(cls, n_times: int = 8, seed: int = 0) -> WB2Spec:
+        """The test preset: all 83 channels on a 24 x 12 grid."""
+        return cls(n_times=n_times, seed=seed, **WB2_SMALL)
+
+    @classmethod
+    def for_size(cls, size_mb: float, **kw: Any) -> WB2Spec:
+        """The spec holding about ``size_mb`` MB decoded (one time step at least)."""
+        probe = cls(n_times=1, **kw)
+        return cls(n_times=max(1, int(size_mb * 1e6 / probe.sample_nbytes)), **kw)
+
+
+def wb2_grid(spec: WB2Spec) -> tuple[np.ndarray, np.ndarray]:
+    """(longitude, latitude) in degrees: WB2's equiangular grid with poles, latitude from
+    -90 to 90, longitude from 0 eastwards (float64, as xarray writes them)."""
+    return (np.linspace(0, 360, spec.n_lon, endpoint=False),
+            np.linspace(-90, 90, spec.n_lat))
+
+
+def wb2_fields(spec: WB2Spec, t0: int, t1: int) -> dict[str, np.ndarray]:
+    """Every WB2 variable at time steps ``[t0, t1)`` (6-hourly), float32, lon-major:
+    ``(steps, 13, lon, lat)`` with levels, ``(steps, lon, lat)`` without.
+
+    Noise comes from one generator per time step (``(seed, step)``), so a step's values do
+    not depend on how the steps are split into writes.
+    """
+    lon, lat = wb2_grid(spec)
+    rlon = np.deg2rad(lon).astype(np.float32)[None, :, None]
+    rlat = np.deg2rad(lat).astype(np.float32)[None, None, :]
+    hours = (np.arange(t0, t1, dtype=np.float32) * 6.0)[:, None, None]
+    phase = 2 * np.pi * hours / 120.0
+    season = np.sin(2 * np.pi * hours / (24 * 365.25))
+    coslat, sinlat = np.cos(rlat), np.sin(rlat)
+    wave = np.sin(3 * rlon - phase) * coslat ** 2
+    wave2 = np.cos(2 * rlon + 2 * rlat - 2 * np.pi * hours / 200.0) * coslat
+    diurnal = np.cos(rlon - 2 * np.pi * hours / 24.0) * coslat
+    p = np.asarray(WB2_LEVELS, np.float32)[None, :, None, None]
+    x = np.log(1000.0 / p)  # 0 at the surface, ~3 at 50 hPa
+    w, w2, s = wave[:, None], wave2[:, None], season[:, None]
+    clat, slat = coslat[:, None], sinlat[:, None]
+    levelled = {
+        "geopotential": (9.80665 * 7400 * np.log(1013.25 / p) + (500 + 300 * x) * w
+                         - 2000 * (1 + 0.3 * x) * slat ** 2),
+        "temperature": (np.maximum(215.0, 288 * (p / 1013.25) ** 0.19) + 20 * clat ** 2 * p / 1000
+                        - 10 + 3 * w + 5 * s * slat),
+        "u_component_of_wind": (10 * np.cos(2 * rlat)[:, None] * (1 + 2 * np.exp(-((p - 250)
+                                / 200) ** 2)) + 6 * w2),
+        "v_component_of_wind": (6 * np.cos(3 * rlon - phase)[:, None] * clat
+                                * (1 + np.exp(-((p - 300) / 250) ** 2))),
+        "specific_humidity": 0.018 * (p / 1000) ** 3 * clat ** 2 * (1 + 0.2 * w) + 2e-6,
+        "vertical_velocity": (0.3 * np.sin(3 * rlon - phase)[:, None] * np.sin(2 * rlat)[:, None]
+                              * np.exp(-((p - 500) / 300) ** 2)),
+    }
+    surface = {
+        "2m_temperature": (288 - 35 * np.abs(sinlat) + 10 * season * sinlat + 4 * wave
+                           + 2 * diurnal),
+        "10m_u_component_of_wind": 8 * np.cos(2 * rlat) + 5 * wave,
+        "10m_v_component_of_wind": 5 * np.cos(3 * rlon - phase) * coslat,
+        "mean_sea_level_pressure": 101325 + 1500 * wave - 800 * sinlat ** 2,
+        "total_precipitation_6hr": 0.004 * (wave2 - 0.3),  # clipped at 0 below: half dry
+    }
+    plane = (spec.n_lon, spec.n_lat)
+    noise = np.stack([np.random.default_rng((spec.seed, t)).standard_normal(
+        (spec.channels, *plane), dtype=np.float32) for t in range(t0, t1)])
+    out: dict[str, np.ndarray] = {}
+    c = 0
+    for name in WB2_VARIABLES:
+        if name in levelled:
+            n = len(WB2_LEVELS)
+            field = np.broadcast_to(levelled[name], (t1 - t0, n, *plane))
+            value = field + _WB2_NOISE[name] * noise[:, c:c + n] * (
+                (p / 1000) ** 3 if name == "specific_humidity" else 1)
+        else:
+            n = 1
+            field = np.broadcast_to(surface[name], (t1 - t0, *plane))
+            value = field + _WB2_NOISE[name] * noise[:, c]
+        if name in ("specific_humidity", "total_precipitation_6hr"):
+            value = np.maximum(value, 0.0)
+        out[name] = np.ascontiguousarray(value, dtype=np.float32)
+        c += n
+    return out
+
+
+def wb2_land_sea_mask(spec: WB2Spec) -> np.ndarray:
+    """A static (lon, lat) field in [0, 1]: smooth continents, sharp coasts."""
+    lon, lat = (np.deg2rad(a) for a in wb2_grid(spec))
+    f = (np.sin(2 * lon + 1)[:, None] * np.cos(3 * lat)[None, :]
+         + 0.5 * np.sin(5 * lon)[:, None] * np.cos(lat)[None, :])
+    return np.clip((f - 0.1) * 4, 0.0, 1.0).astype(np.float32)
+
+
+def _blosc_lz4() -> Any:
+    """WB2's codec, zarr-python 2's default: blosc lz4, level 5, byte shuffle."""
+    import numcodecs
+
+    return numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
+
+
+def write_wb2_store(path: str | Path, spec: WB2Spec, *, progress: bool = True) -> Path:
+    """Write the WeatherBench2 ERA5 layout at ``path`` (replacing a Zarr store there).
+
+    As xarray's ``to_zarr`` writes it: Zarr v2, consolidated ``.zmetadata``, one array per
+    variable with ``_ARRAY_DIMENSIONS``, dims ``(time, level, longitude, latitude)`` (WB2's
+    240x121 grid is lon-major), one time step per chunk, blosc lz4 + byte shuffle, float32
+    with NaN fill; int64 ``time`` (CF units, 6-hourly) and ``level``, float64 ``latitude``
+    and ``longitude``, and the static ``land_sea_mask (longitude, latitude)``.
+    """
+    import zarr
+
+    path = Path(path)
+    clear_store(path)
+    g = zarr.open_group(path, mode="w", zarr_format=2)
+    plane = (spec.n_lon, spec.n_lat)
+
+    def array(name: str, dims: tuple[str, ...], shape: tuple[int, ...],
+              chunks: tuple[int, ...], dtype: str, **attrs: Any) -> Any:
+        return g.create_array(name, shape=shape, chunks=chunks, dtype=dtype,
+                              compressors=_blosc_lz4(),
+                              fill_value=np.nan if dtype.startswith("float") else None,
+                              attributes={_V2_DIMS: list(dims), **attrs})
+
+    arrays = {}
+    for name in WB2_VARIABLES:
+        levels = (len(WB2_LEVELS),) if name in WB2_LEVEL_VARIABLES else ()
+        dims = ("time", *(("level",) if levels else ()), "longitude", "latitude")
+        arrays[name] = array(name, dims, (spec.n_times, *levels, *plane),
+                             (1, *levels, *plane), "float32", units=_WB2_UNITS[name])
+    lon, lat = wb2_grid(spec)
+    coords = {
+        "time": (np.arange(spec.n_times, dtype=np.int64) * 6,
+                 {"units": WB2_TIME_UNITS, "calendar": "proleptic_gregorian"}),
+        "level": (np.asarray(WB2_LEVELS, np.int64),
+                  {"units": "millibars", "long_name": "pressure_level"}),
+        "longitude": (lon, {"units": "degrees_east", "long_name": "longitude"}),
+        "latitude": (lat, {"units": "degrees_north", "long_name": "latitude"}),
+    }
+    for name, (values, attrs) in coords.items():
+        array(name, (name,), values.shape, values.shape, str(values.dtype), **attrs)[:] = values
+    mask = wb2_land_sea_mask(spec)
+    array("land_sea_mask", ("longitude", "latitude"), plane, plane, "float32")[:] = mask
+    step = max(1, WRITE_BYTES // spec.sample_nbytes)
+    from tqdm import tqdm
+
+    with tqdm(total=spec.n_times, desc=f"writing {path.name}", unit="step", file=sys.stderr,
+              disable=not progress) as bar:
+        for t0 in range(0, spec.n_times, step):
+            t1 = min(t0 + step, spec.n_times)
+            for name, values in wb2_fields(spec, t0, t1).items():
+                arrays[name][t0:t1] = values
+            bar.update(t1 - t0)
+    zarr.consolidate_metadata(path, zarr_format=2)
+    return path

@@ -75,6 +75,9 @@ def test_unknown_variable(capsys, demo):
     (["bench", "x", "--naive-workers", "-1"], ["--naive-workers", "0,2"]),
     (["bench", "x", "--split-fraction", "0"], ["--split-fraction", "(0, 1]"]),
     (["make-demo", "x", "--size-mb", "-3"], ["--size-mb", "> 0", "-3"]),
+    (["make-demo", "x", "--layout", "zarr"], ["--layout", "'zarr'", "era5", "wb2"]),
+    (["make-demo", "x", "--layout", "wb2", "--time-chunk", "4"],
+     ["--time-chunk 4", "one time step per chunk"]),
     (["inspect", "x", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "make-demo", "inspect", "bench"]),
     ([], ["required"]),
@@ -99,6 +102,28 @@ def test_bench_says_how_to_install_its_extra(capsys, demo, monkeypatch):
     monkeypatch.setattr(bench, "missing_bench_deps", lambda plots=True: ["matplotlib"])
     err = _fails(capsys, ["bench", str(demo)])
     assert "insitubatch-nodes[bench]" in err and "matplotlib" in err
+
+
+def test_bench_channels_must_be_served_variables(capsys, demo):
+    err = _fails(capsys, ["bench", str(demo), "--channels", "t2m", "sst", "--no-plots"])
+    assert "--channels sst" in err and "t2m, u10" in err
+
+
+def test_make_demo_wb2_small(capsys, tmp_path):
+    import insitubatch_nodes as ib
+    from insitubatch_nodes.synthetic import WB2_VARIABLES
+
+    path = tmp_path / "wb2.zarr"
+    assert cli.main(["make-demo", str(path), "--layout", "wb2", "--small", "--n-times", "5",
+                     "--quiet"]) == 0
+    assert "83 channels" in capsys.readouterr().out
+    assert (path / ".zmetadata").exists()
+    src = ib.open_source(path, variables=list(WB2_VARIABLES))
+    assert src.n_samples == 5
+    assert src.variable("temperature").shape == (5, 13, 24, 12)  # small: grid shrinks only
+    assert cli.main(["inspect", str(path), "--json"]) == 0  # static land_sea_mask set aside
+    rep = json.loads(capsys.readouterr().out)
+    assert sorted(v["name"] for v in rep["variables"]) == sorted(WB2_VARIABLES)
 
 
 def test_bench_batch_larger_than_store(capsys, demo):

@@ -6,7 +6,9 @@ stores, so the numbers compare as ratios: the loader should approach the
 *read floor* (every stripe of the split fetched and decoded once, concurrently, unshuffled,
 on the library's best path) and beat the per-sample ``DataLoader`` people write today by an
 order of magnitude. Also measured: peak RSS, time to first batch (fresh and after resume),
-and the loader's own metrics (``loader.stats()``) per epoch.
+and the loader's own metrics (``loader.stats()``) per epoch. Run one epoch after each of the
+loader's, and reported as ratios ours/path paired per epoch: the loader stacking channels
+(``channels``) and the peers (``peers.py``: zarr-beluga, tensorstore; local stores).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,6 +32,7 @@ import insitubatch_nodes as ib
 from insitubatch_nodes.io.reader import StripeReader
 from insitubatch_nodes.metrics import LoaderStats
 
+from . import BELUGA_MODES, PEER_NAMES
 from .common import (
     LoaderSettings,
     OtherLoad,
@@ -44,8 +47,19 @@ from .common import (
     usage_extra,
     warm_page_cache,
 )
+from .peers import (
+    PeerEpochs,
+    format_peers,
+    format_peers_markdown,
+    open_peers,
+    paired_ratio,
+    peer_results,
+    peer_runs,
+    warm_epochs,
+)
 
 SPLIT = "train"
+CHANNELS_LABEL = "insitubatch loader, channels"
 RSS_SLACK = 400 * 10**6  # target: peak RSS <= resident bound + this
 
 
@@ -64,6 +78,9 @@ class CoreConfig(LoaderSettings):
     json_name: str = "core.json"
     plots: bool = True
     progress: bool = True
+    channels: tuple[str, ...] = ()  # also run the loader stacking these into "channels"
+    peers: tuple[str, ...] = PEER_NAMES
+    beluga_modes: tuple[str, ...] = BELUGA_MODES
 
 
 # -- the read floors ----------------------------------------------------------------------
@@ -277,38 +294,79 @@ def _stats_extra(s: LoaderStats, before: LoaderStats | None) -> dict:
             "batches": s.epoch_batches, "peak_stripes_in_flight": s.peak_stripes_in_flight}
 
 
-def time_loader(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
-                floors: Sequence[StripeFloor | GatherFloor]) -> list[Run]:
-    """Consecutive epochs on one loader, each right after a pass of the floors: epoch 1
-    includes the loop/pool start-up, later ones are the steady state a training run sees, and
-    pairing each epoch with floor passes makes their ratios robust to a drifting VM speed."""
-    loader = ib.build_loader(source, manifest, SPLIT, **cfg.loader_kwargs())
-    n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
-    key = source.names[0]
-    runs: list[Run] = []
-    with loader:
+class LoaderEpochs:
+    """One loader run an epoch at a time (``run_epoch``), each epoch a ``Run`` with its share
+    of the loader's metrics: the benchmark's loader, and the same loader stacking channels
+    when the run compares the two."""
+
+    def __init__(self, source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
+                 label: str = "insitubatch loader", **overrides: Any) -> None:
+        self.loader = ib.build_loader(source, manifest, SPLIT,
+                                      **{**cfg.loader_kwargs(), **overrides})
+        self.label, self.cfg = label, cfg
+        self.sample_nbytes = source.sample_nbytes
+        self.n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
+        self.key = "channels" if overrides.get("channels") else source.names[0]
+        self.runs: list[Run] = []
+        self._before: LoaderStats | None = None
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """Epoch number -> seconds, for pairing with the paths run beside it."""
+        return {i: r.seconds for i, r in enumerate(self.runs, 1)}
+
+    def run_epoch(self, epoch: int, paired: dict[str, Any] | None = None) -> Run:
+        loader = self.loader
         fetch = loader.node(ib.AsyncFetchNode)
-        before = None
+        loader.ledger.reset_peak()
+        with RssSampler() as rss, OtherLoad() as other:
+            samples, secs, first, used = consume(loader, self.n_batches,
+                                                 f"{self.label} epoch {epoch}", self.key,
+                                                 self.cfg.progress)
+        stats = loader.stats()
+        run = Run(f"{self.label}, epoch {epoch}", samples, secs, self.sample_nbytes, first,
+                  float(used[0]), rss.peak, rss.growth,
+                  extra={**usage_extra(used), "ledger_peak_bytes": loader.ledger.peak,
+                         "resident_bound_bytes": loader.resident_bound, **(paired or {}),
+                         "decode_threads": fetch.decode_threads,
+                         "block_chunks": loader.node(ib.ChunkPermuteNode).block_chunks,
+                         "shuffle_quality": loader.shuffle_quality,
+                         "other_load_cores": other.cores,
+                         **_stats_extra(stats, self._before)})
+        self._before = stats
+        self.runs.append(run)
+        return run
+
+    def close(self) -> None:
+        self.loader.shutdown()
+
+
+class Follower(Protocol):
+    """A path run for one epoch right after each of the loader's (``run_epoch(epoch)``)."""
+
+    def run_epoch(self, epoch: int) -> Any: ...
+
+
+def time_loader(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
+                floors: Sequence[StripeFloor | GatherFloor],
+                followers: Sequence[Follower] = ()) -> list[Run]:
+    """Consecutive epochs on one loader, each right after a pass of the floors and right
+    before one epoch of each follower (the channel-stacking loader, the peers): epoch 1
+    includes the loop/pool start-up, later ones are the steady state a training run sees,
+    and running the paths back to back per epoch makes their ratios robust to a drifting
+    VM speed."""
+    main = LoaderEpochs(source, manifest, cfg)
+    try:
         for epoch in range(1, cfg.epochs + 1):
             paired = [f.run_pass() for f in floors]
-            loader.ledger.reset_peak()
-            with RssSampler() as rss, OtherLoad() as other:
-                samples, secs, first, used = consume(loader, n_batches, f"loader epoch {epoch}",
-                                                     key, cfg.progress)
-            stats = loader.stats()
-            runs.append(Run(
-                f"insitubatch loader, epoch {epoch}", samples, secs, source.sample_nbytes, first,
-                float(used[0]), rss.peak, rss.growth,
-                extra={**usage_extra(used), "ledger_peak_bytes": loader.ledger.peak,
-                       "resident_bound_bytes": loader.resident_bound,
-                       "paired_floor_s": paired[0],
-                       "paired_gather_floor_s": paired[1] if len(paired) > 1 else None,
-                       "decode_threads": fetch.decode_threads,
-                       "shuffle_quality": loader.shuffle_quality,
-                       "other_load_cores": other.cores,
-                       **_stats_extra(stats, before)}))
-            before = stats
-    return runs
+            main.run_epoch(epoch, {"paired_floor_s": paired[0] if paired else None,
+                                   "paired_gather_floor_s": paired[1] if len(paired) > 1
+                                   else None})
+            for f in followers:
+                f.run_epoch(epoch)
+    finally:
+        main.close()
+    return main.runs
 
 
 def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
@@ -392,14 +450,15 @@ def time_naive(source: ib.Source, url: str, indices: np.ndarray, batch_size: int
 
 
 # -- report -------------------------------------------------------------------------------
-def steady_state(epochs: list[Run], key: str = "paired_floor_s") -> tuple[Run, float | None]:
+def steady_state(epochs: list[Run], key: str = "paired_floor_s",
+                 label: str = "insitubatch loader") -> tuple[Run, float | None]:
     """The best epoch after the first (the steady state), and the median over those epochs of
     (epoch rate / rate of the floor pass ``key`` run just before it), which drift cannot
     bias."""
     warm = epochs[1:] or epochs
     best = min(warm, key=lambda r: r.seconds)
     first = len(epochs) - len(warm) + 1
-    steady = Run(f"insitubatch loader, steady (best of epochs {first}-{len(epochs)})",
+    steady = Run(f"{label}, steady (best of epochs {first}-{len(epochs)})",
                  best.samples, best.seconds, best.sample_nbytes, best.first_batch_s,
                  best.cpu_s, best.rss_peak, best.rss_growth,
                  extra={"epoch": best.name, **best.extra})
@@ -455,6 +514,41 @@ def probe_loader_rss(cfg: CoreConfig, variables: Sequence[str]) -> dict[str, Any
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def loader_block_chunks(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig) -> int:
+    """The ``block_chunks`` the loader picks when the benchmark leaves it to it (``auto``),
+    so the gather floor shuffles in windows of the same size."""
+    with ib.build_loader(source, manifest, SPLIT, **cfg.loader_kwargs()) as loader:
+        return int(loader.node(ib.ChunkPermuteNode).block_chunks)
+
+
+def stacking_summary(channels: Sequence[str], per_variable: list[Run],
+                     stack: LoaderEpochs | None, source: ib.Source,
+                     batch_size: int) -> dict[str, Any] | None:
+    """What stacking the channels costs: the loader with ``channels=`` against the same
+    loader serving each variable, epoch by epoch back to back (median of the warm epochs)."""
+    if stack is None:
+        return None
+    ours = {i: r.seconds for i, r in enumerate(per_variable, 1)}
+    warm = warm_epochs(len(per_variable))
+    ratio = paired_ratio(stack.seconds, ours, warm)  # channels rate / per-variable rate
+    stacked = [v for v in source.variables if v.name in channels]
+    n = sum(int(np.prod(v.sample_shape[:-2], dtype=np.int64)) for v in stacked)
+    shape = [batch_size, n, *stacked[0].sample_shape[-2:]]
+    return {"channels": list(channels), "epochs": warm, "batch_shape": shape,
+            "ratio_channels_over_per_variable": ratio,
+            "stacking_cost": None if ratio is None else 1 / ratio - 1,
+            "all_seconds": [r.seconds for r in stack.runs]}
+
+
+def format_stacking(s: dict[str, Any]) -> str:
+    ratio = s["ratio_channels_over_per_variable"]
+    shape = "x".join(str(d) for d in s["batch_shape"])
+    return (f"channels stacked ({len(s['channels'])} variables into one {shape} tensor): "
+            f"{fmt(ratio, '.2f')}x the per-variable loader's rate (median of epochs "
+            f"{s['epochs'][0]}-{s['epochs'][-1]}, back to back), i.e. epoch time "
+            f"{fmt(None if ratio is None else 100 * s['stacking_cost'], '+.1f')}% with channels")
+
+
 def _naive_target(chunk_size: int) -> float | None:
     return {8: 10.0, 24: 25.0}.get(chunk_size)
 
@@ -486,14 +580,32 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     floor_ring = StripeFloor(source, chunk_ids, cfg.floor_threads, cfg.max_inflight)
     floors: list[StripeFloor | GatherFloor] = [floor_ring]
     if floor_ring.local:
-        floors.append(GatherFloor(source, chunk_ids, cfg.floor_threads, cfg.block_chunks,
+        block_chunks = cfg.block_chunks or loader_block_chunks(source, manifest, cfg)
+        floors.append(GatherFloor(source, chunk_ids, cfg.floor_threads, block_chunks,
                                   cfg.batch_size, cfg.seed))
     for _ in range(2):  # warm-up passes: thread start, first-touch of code and caches
         for fl in floors:
             fl.run_pass()
-    loader_runs = time_loader(source, manifest, cfg, floors)
-    for fl in floors:
-        fl.close()
+    followers: list[Follower] = []
+    stack = None
+    if cfg.channels:
+        stack = LoaderEpochs(source, manifest, cfg, CHANNELS_LABEL, channels=list(cfg.channels))
+        followers.append(stack)
+    passes, missing = open_peers(root, source, cfg.peers, cfg.beluga_modes, cfg.batch_size)
+    peers = PeerEpochs(passes, grid.samples_of(chunk_ids), cfg.seed)
+    followers.append(peers)
+    try:
+        loader_runs = time_loader(source, manifest, cfg, floors, followers)
+    finally:
+        for fl in floors:
+            fl.close()
+        peers.close()
+        if stack is not None:
+            stack.close()
+    ours = {"per_variable": {i: r.seconds for i, r in enumerate(loader_runs, 1)}}
+    if stack is not None:
+        ours["channels"] = stack.seconds
+    peer_rows = peer_results(peers, missing, n_split, nbytes_s, ours)
     stripe = floor_ring.result(f"read floor: StripeReader, {cfg.floor_threads} threads",
                                n_split, nbytes_s)
     gfloor = (floors[1].result("read floor + one gather copy", n_split, nbytes_s)
@@ -512,8 +624,11 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     floor = max((stripe, zfloor), key=lambda r: r.samples_per_s)
     steady, paired = steady_state(loader_runs)
     _, paired_g = steady_state(loader_runs, "paired_gather_floor_s")
-    runs = [*loader_runs[:2], steady, *naive.values(), stripe,
-            *([gfloor] if gfloor else []), zfloor]
+    stacked = []
+    if stack is not None:
+        stacked = [steady_state(stack.runs, label=CHANNELS_LABEL)[0]]
+    runs = [*loader_runs[:2], steady, *stacked, *naive.values(), stripe,
+            *([gfloor] if gfloor else []), zfloor, *peer_runs(peer_rows, nbytes_s)]
     table = [_row(r, floor, naive2, gfloor) for r in runs]
 
     r_floor = steady.samples_per_s / floor.samples_per_s
@@ -543,12 +658,15 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
                    "rss_target_bytes": bound + RSS_SLACK,
                    "rss_within_target": rss_peak <= bound + RSS_SLACK},
         "targets": {"ratio_to_floor": 0.9, "ratio_to_naive_2w": naive_target},
+        "peers": peer_rows,
+        "channels": stacking_summary(cfg.channels, loader_runs, stack, source, cfg.batch_size),
     }
 
     print()
     print(f"split {SPLIT!r}: {len(chunk_ids)} chunks of {grid.chunk_size} samples, {n_split} "
           f"samples of {nbytes_s / 1e3:,.0f} kB ({', '.join(source.names)}); batch "
-          f"{cfg.batch_size}, block_chunks {cfg.block_chunks}, max_inflight {cfg.max_inflight}; "
+          f"{cfg.batch_size}, block_chunks {loader_runs[0].extra['block_chunks']}"
+          f"{'' if cfg.block_chunks else ' (auto)'}, max_inflight {cfg.max_inflight}; "
           f"naive paths over {subset.size} random samples; floors are the best of their passes")
     print(format_table(table))
     print(f"\nread floor = {floor.name} ({floor.gb_per_s:.2f} GB/s)"
@@ -567,6 +685,9 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     if r_gfloor is not None:
         print(f"steady state vs floor + one gather copy: {r_gfloor:.2f}x (median paired "
               f"{fmt(paired_g, '.2f')}x)")
+    if result["channels"] is not None:
+        print(format_stacking(result["channels"]))
+    print(format_peers(peer_rows, len(loader_runs)))
     print(f"time to first batch: fresh loader {ttfb['first_batch_s']:.3f} s, after resume "
           f"(state after {ttfb['resume_after_batches']} batches, "
           f"{ttfb['state_json_bytes']} B of JSON) {ttfb['first_batch_after_resume_s']:.3f} s")
@@ -598,7 +719,10 @@ def write_outputs(result: dict[str, Any], cfg: CoreConfig) -> None:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     path = cfg.out_dir / cfg.json_name
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (cfg.out_dir / (Path(cfg.json_name).stem + ".md")).write_text(format_markdown(result) + "\n")
+    md = format_markdown(result)
+    if result.get("peers"):
+        md += "\n\n" + format_peers_markdown(result["peers"])
+    (cfg.out_dir / (Path(cfg.json_name).stem + ".md")).write_text(md + "\n")
     print(f"wrote {path}")
     if cfg.plots:
         from .plots import plot_core

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import PEER_NAMES
+
 
 def _plt():
     try:
@@ -31,8 +33,8 @@ def plot_core(result: dict[str, Any], path: Path) -> None:
     rows = [r for r in result["rows"] if "epoch 1" not in r["name"]]
     names = [_short(r["name"]) for r in rows]
     rates = [r["samples_per_s"] for r in rows]
-    colors = ["#1f77b4" if "loader" in n else "#7f7f7f" if "floor" in n or "zarr" in n
-              else "#d62728" for n in names]
+    colors = ["#1f77b4" if "loader" in n else "#2ca02c" if n.startswith(PEER_NAMES)
+              else "#7f7f7f" if "floor" in n or "zarr" in n else "#d62728" for n in names]
     fig, ax = plt.subplots(figsize=(7.0, 0.32 * len(rows) + 1.0))
     y = range(len(rows))
     ax.barh(list(y), rates, color=colors)
