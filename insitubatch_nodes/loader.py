@@ -256,13 +256,18 @@ class InSituLoader(Loader):
         for node in self.nodes():
             shutdown_source(node)
 
-    close = shutdown
+    def close(self) -> None:
+        """Stop the fetch thread now (``with loader:`` does this on exit); iterating the
+        loader again starts it again. ``shutdown()`` is final."""
+        for node in self.nodes():
+            if isinstance(node, AsyncFetchNode):
+                node.close()
 
     def __enter__(self) -> InSituLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+        self.close()
 
 
 def _nested_key(node: BaseNode) -> str | None:

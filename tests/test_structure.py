@@ -231,3 +231,20 @@ def test_loader_shutdown_stops_the_fetch_thread_through_a_prefetcher(small):
     loader.shutdown()
     time.sleep(0.05)
     assert not any(t.is_alive() for t in mine)
+
+
+def test_close_stops_the_thread_and_a_later_epoch_restarts_it_but_shutdown_is_final(small):
+    src, m = small
+    before = set(_fetch_threads())
+    loader = ib.build_loader(src, m, "train", batch_size=4, block_chunks=2)
+    with loader:
+        first = [b["sample_index"].tolist() for b in loader]
+        mine = [t for t in _fetch_threads() if t not in before]
+    assert mine
+    time.sleep(0.05)
+    assert not any(t.is_alive() for t in mine)  # close() on exit stopped it
+    again = [b["sample_index"].tolist() for b in loader]  # closed, not shut down: restarts
+    assert sorted(sum(again, [])) == sorted(sum(first, []))
+    loader.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        next(iter(loader))

@@ -179,15 +179,18 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         loader downstream). A later ``next()`` is an error, not a restarted thread: a
         torchdata ``Prefetcher`` still pulling must not bring the loop back."""
         self._shut_down = True
+        self.close()
+        shutdown_source(self.source)
+
+    def close(self) -> None:
+        """Cancel in-flight reads and stop the loop thread and decode pool now; iterating
+        again starts them again (``shutdown`` is final)."""
         self._cancel_all()
         if self._finalizer is not None:
             self._finalizer()
         self._lt = None
         self._finalizer = None
         self._sem = None
-        shutdown_source(self.source)
-
-    close = shutdown  # the name earlier versions used
 
     def _cancel_all(self) -> None:
         while self._fifo:
