@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from torchdata.nodes import BaseNode, Loader
@@ -232,8 +233,6 @@ class InSituLoader(Loader):
                 break
         return out
 
-    _nodes = nodes  # the name earlier versions used
-
     def node(self, kind: type) -> Any:
         """The first node of type ``kind`` in the graph (e.g. ``AsyncFetchNode``)."""
         found = first_node(self.nodes(), kind)
@@ -279,15 +278,27 @@ def _nested_key(node: BaseNode) -> str | None:
     return None
 
 
+def _levels(nodes: list[BaseNode], root_state: Any) -> Iterator[tuple[BaseNode, dict]]:
+    """(node, its state) down the nested ``root_state``, alongside ``nodes`` (root first),
+    as far as the stages of this package say where their upstream's state is (a foreign node
+    nests it its own way, e.g. torchdata's ``Prefetcher``)."""
+    d = root_state
+    for node in nodes:
+        if not isinstance(d, dict):
+            return
+        yield node, d
+        key = _nested_key(node)
+        if key is None:
+            return
+        d = d.get(key)
+
+
 def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
     """Epoch, windows finished, draws taken in the head window and the elastic history,
     read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
     the graph lacks a stage that says so."""
-    d: Any = root_state
     offset = None
-    for node in nodes:
-        if not isinstance(d, dict):
-            return None
+    for node, d in _levels(nodes, root_state):
         if isinstance(node, ShuffleBufferNode):
             offset = d.get(node.OFFSET_KEY)
         if isinstance(node, ChunkPermuteNode):
@@ -295,10 +306,6 @@ def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[st
                 return None
             return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
                     "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
-        key = _nested_key(node)
-        if key is None:
-            return None
-        d = d.get(key)
     return None
 
 
@@ -323,19 +330,12 @@ def elastic_root_state(nodes: list[BaseNode], epoch: int,
 def upgrade_v1(nodes: list[BaseNode], root_state: Any) -> None:
     """Format 1 -> 2, in place: ``ReadPlanNode`` counted windows and ``ChunkPermuteNode``
     chunks; now the scheduler counts windows and the planner keeps no counter."""
-    d = root_state
-    for node in nodes:
-        if not isinstance(d, dict):
-            return
+    for node, d in _levels(nodes, root_state):
         if isinstance(node, ReadPlanNode) and "window" in d:
             upstream = d.get(node.SOURCE_KEY)
             if isinstance(upstream, dict):
                 upstream[ChunkPermuteNode.POSITION_KEY] = d.pop("window")
             return
-        key = _nested_key(node)
-        if key is None:
-            return
-        d = d.get(key)
 
 
 def build_loader(source: Source, manifest: SplitManifest, split: str,

@@ -40,8 +40,6 @@ def weather(tmp_path_factory):
 
 
 def test_whole_levels_and_picks_become_ranges():
-    src_vars = None  # layout is pure: geometry stand-ins are enough
-    del src_vars
     from insitubatch_nodes.geometry import VariableGeometry
 
     def geom(name, shape):

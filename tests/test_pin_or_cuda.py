@@ -709,7 +709,7 @@ def test_cuda_loader_batches_equal_cpu_batches_bit_for_bit(store):
                 for name, arr in data.items():
                     np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
         # the variables were gathered straight into the pinned ring, not copied there
-        pin = next(n for n in gpu._nodes() if isinstance(n, PinOrCudaNode))
+        pin = next(n for n in gpu.nodes() if isinstance(n, PinOrCudaNode))
         rows = 2 * 61  # two epochs; x: 3 float32, h: 2 float16, y: 1 int16 per row
         assert pin._stager.bytes_in_place == rows * (3 * 4 + 2 * 2 + 2)
         assert pin._stager.bytes_copied == rows * 8  # sample_index only

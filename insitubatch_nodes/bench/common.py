@@ -197,18 +197,13 @@ class LoaderSettings:
     decode_threads: int | None = None
     seed: int = 0
 
-    def loader_config(self) -> LoaderConfig:
-        """The loader's own config for these options (the rest at the loader's defaults)."""
-        return LoaderConfig.of(batch_size=self.batch_size, block_chunks=self.block_chunks,
-                               seed=self.seed, max_inflight=self.max_inflight,
-                               decode_threads=self.decode_threads)
-
     def loader_kwargs(self) -> dict[str, Any]:
-        """``loader_config()`` as ``build_loader`` keywords (to combine with overrides)."""
-        cfg = self.loader_config()
-        return {"batch_size": cfg.sampling.batch_size, "block_chunks": cfg.sampling.block_chunks,
-                "seed": cfg.sampling.seed, "max_inflight": cfg.fetch.max_inflight,
-                "decode_threads": cfg.fetch.decode_threads}
+        """These options as ``build_loader`` keywords (to combine with overrides), checked
+        by the loader's own ``LoaderConfig`` (an error names the field)."""
+        kw = dict(batch_size=self.batch_size, block_chunks=self.block_chunks, seed=self.seed,
+                  max_inflight=self.max_inflight, decode_threads=self.decode_threads)
+        LoaderConfig.of(**kw)
+        return kw
 
 
 def bench_manifest(source: Any, fraction: float, seed: int) -> Any:

@@ -102,8 +102,8 @@ class LocalFiles(ReadPath):
         """``get``, into this thread's reused buffer: valid until this thread's next call.
 
         A fresh ``bytes`` per chunk is a fresh ``mmap`` for anything over glibc's 128 kB
-        threshold, so every read page-faulted its buffer in (measured: a third of a pool
-        thread's time on 140 kB blosc chunks). Only for bytes decoded at once.
+        threshold, so every read page-faulted its buffer in (seen in profiles of 140 kB blosc
+        chunks). Only for bytes decoded at once.
         """
         try:
             with open(f"{self.root}/{key}", "rb", buffering=0) as f:

@@ -272,7 +272,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
         """One of the ``max_inflight`` slots, counted in the stats while held."""
-        assert self._sem is not None
+        if self._sem is None:  # made on the loop, for the loop (both read paths)
+            self._sem = asyncio.Semaphore(self.max_inflight)
         stats = self.stats
         t0 = time.perf_counter()
         async with self._sem:
@@ -302,12 +303,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
         return frames
 
-    def _jobs(self, plan: ReadPlan,
-              reads_of: tuple[tuple[int, ...], ...] | None = None) -> list[tuple[int, list[int]]]:
+    def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
         """Stripe reads to run, as (variable, stripes) groups: local stores group small
         stripes so a window costs a few pool hand-offs, not one per stripe."""
         jobs = []
-        for v, reads in enumerate(plan.reads if reads_of is None else reads_of):
+        for v, reads in enumerate(plan.reads):
             reader = self.readers[v]
             if reader.groups_reads and len(reads) > 2 * self.decode_threads:
                 # Enough groups to keep every decode thread busy, at most ~4 MB each.
@@ -369,8 +369,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         batch counted as its rows land. A failure fails every batch the window feeds."""
         assert self.arena is not None
         arena = self.arena
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_inflight)
         try:
             tasks = [asyncio.ensure_future(self._read_items(group, job.generation))
                      for group in job.jobs]
@@ -398,8 +396,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return DecodedWindow(job.plan, tuple({} for _ in job.plan.reads))
 
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_inflight)
         jobs = self._jobs(plan)
         wd = self.window_decoder
         on_device = wd.chains if wd is not None else {}
