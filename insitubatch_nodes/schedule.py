@@ -7,10 +7,11 @@ only counters.
 Generation 0 of an epoch deals the epoch's global chunk order (independent of the world
 size) round-robin to the ranks and cuts each share into windows of ``block_chunks``. An
 *elastic* resume merges the progress of all ranks (window index and draws taken in it) and
-starts generation k+1: the undrawn tails of partly drawn windows are dealt whole to the new
-ranks, and the chunks of untouched windows are pooled, put back in the epoch's global order,
-and dealt again. So over one epoch no sample is lost and none repeats, whatever the world
-sizes before and after.
+starts generation k+1: the undrawn tails of partly drawn windows, then the chunks of untouched
+windows back in the epoch's global order, are laid end to end and cut into one run per new
+rank, the runs' sample counts differing by at most one. So over one epoch no sample is lost
+and none repeats, whatever the world sizes before and after and wherever the epoch stopped,
+and every new rank has work (equal steps cost at most one padded sample per rank).
 """
 
 from __future__ import annotations
@@ -229,22 +230,22 @@ def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list
     return out
 
 
-def _windows(ctx: ScheduleContext, epoch: int, history: Sequence[Resumption],
-             world_size: int) -> list[list[WindowSpec]]:
-    """Every rank's unadjusted windows in the generation after ``history``."""
-    if not history:
-        return _generation0(ctx, epoch, world_size)
-    *earlier, last = history
-    prev = _windows(ctx, epoch, earlier, last.world_size)
+def _remainder(ctx: ScheduleContext, prev: list[list[WindowSpec]],
+               last: Resumption) -> tuple[list[WindowSpec], list[np.ndarray]]:
+    """What the ranks of the generation before ``last`` left undrawn: the tails of partly
+    drawn (and of explicit-draw) windows, in old-rank order, and the untouched windows'
+    chunks (contiguous mode: blocks)."""
     if len(last.progress) != last.world_size:
         raise ValueError(f"resume record has {len(last.progress)} rank progresses for world "
                          f"size {last.world_size}")
     tails: list[WindowSpec] = []
     untouched: list[np.ndarray] = []
     for r, (wins, p) in enumerate(zip(prev, last.progress, strict=True)):
-        if p.window > len(wins):
-            raise ValueError(f"resume record says rank {r} finished {p.window} windows, but it "
-                             f"had only {len(wins)} in that epoch")
+        if not 0 <= p.window <= len(wins) or p.offset < 0:
+            raise ValueError(
+                f"resume record says rank {r} of {last.world_size} finished {p.window} windows "
+                f"and took {p.offset} draws of the next, but it had {len(wins)} windows in that "
+                f"epoch (valid: 0 <= window <= {len(wins)}, offset >= 0)")
         for i, spec in enumerate(wins):
             if i < p.window:
                 continue
@@ -253,40 +254,101 @@ def _windows(ctx: ScheduleContext, epoch: int, history: Sequence[Resumption],
                 if d.size:
                     chunks = (spec.chunk_ids if ctx.contiguous
                               else np.unique(d // ctx.grid.chunk_size))
-                    tails.append(WindowSpec(ctx, epoch, (), chunks, draws=d))
+                    tails.append(WindowSpec(ctx, spec.epoch, (), chunks, draws=d))
             else:
                 untouched.append(spec.chunk_ids)
-    g = len(history)
+    return tails, untouched
+
+
+def _pooled_units(ctx: ScheduleContext, epoch: int, untouched: list[np.ndarray],
+                  ) -> list[np.ndarray]:
+    """The untouched chunks one by one (contiguous mode: blocks kept whole, their neighbours
+    are their halo), back in the epoch's global order; units without samples left out."""
     order = _global_order(ctx, epoch)
     rank_in_order = np.zeros(int(order.max()) + 1 if order.size else 0, dtype=np.int64)
     rank_in_order[order] = np.arange(order.size)
+    if ctx.contiguous:
+        units = sorted(untouched, key=lambda ids: int(rank_in_order[ids[0]]))
+    else:
+        pool = np.concatenate(untouched) if untouched else np.empty(0, dtype=np.int64)
+        units = [pool[i:i + 1] for i in np.argsort(rank_in_order[pool], kind="stable")]
+    return [u for u in units if ctx.grid.n_samples_of(u)]
+
+
+def _cut_units(ctx: ScheduleContext, epoch: int, key: tuple[int, ...],
+               parts: list[tuple[np.ndarray, int, int]]) -> WindowSpec:
+    """One window of pooled units; ``(unit, lo, hi)`` keeps samples ``[lo, hi)`` of a unit.
+    A window holding part of a unit (the unit is shared with a neighbouring rank) gets
+    explicit draws: a permutation of its samples keyed like a fresh window's."""
+    ids = np.concatenate([u for u, _, _ in parts])
+    if all(lo == 0 and hi == ctx.grid.n_samples_of(u) for u, lo, hi in parts):
+        return WindowSpec(ctx, epoch, key, ids)
+    samples = np.concatenate([ctx.grid.samples_of(u)[lo:hi] for u, lo, hi in parts])
+    rng = np.random.default_rng(np.random.SeedSequence([DRAW_STREAM, ctx.seed, epoch, *key]))
+    return WindowSpec(ctx, epoch, key, ids, draws=samples[rng.permutation(samples.size)])
+
+
+def _redeal(ctx: ScheduleContext, epoch: int, g: int, world_size: int,
+            tails: list[WindowSpec], units: list[np.ndarray]) -> list[list[WindowSpec]]:
+    """Generation ``g``: the remainder — tails first, then the pooled units — laid end to
+    end and cut into ``world_size`` runs whose sample counts differ by at most one, so every
+    rank has work and equal steps need at most one padded (or dropped) sample per rank. A
+    tail or unit cut between two ranks is read by both (at most ``world_size - 1`` such
+    cuts). Tails stay windows of their own; units are cut into windows of ``block_chunks``
+    chunks (contiguous mode: a block per window)."""
+    sizes = [t.n_base for t in tails] + [ctx.grid.n_samples_of(u) for u in units]
+    starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    q, rem = divmod(int(starts[-1]), world_size)
+    bounds = [r * q + min(r, rem) for r in range(world_size + 1)]
+    per_window = 1 if ctx.contiguous else ctx.block_chunks
     out = []
-    b = ctx.block_chunks
-    if ctx.contiguous:  # untouched blocks stay whole: their neighbours are their halo
-        untouched.sort(key=lambda ids: int(rank_in_order[ids[0]]))
-    pool = np.concatenate(untouched) if untouched else np.empty(0, dtype=np.int64)
-    if pool.size and not ctx.contiguous:
-        pool = pool[np.argsort(rank_in_order[pool], kind="stable")]
     for r in range(world_size):
-        mine = [replace(t, key=(g, r, world_size, -1 - j))
-                for j, t in enumerate(tails[r::world_size])]
-        if ctx.contiguous:
-            mine += [WindowSpec(ctx, epoch, (g, r, world_size, i), blk)
-                     for i, blk in enumerate(untouched[r::world_size])]
-        else:
-            share = pool[r::world_size]
-            mine += [WindowSpec(ctx, epoch, (g, r, world_size, i), share[i * b:(i + 1) * b])
-                     for i in range(-(-share.size // b))]
+        lo, hi = bounds[r], bounds[r + 1]
+        mine: list[WindowSpec] = []
+        run: list[tuple[np.ndarray, int, int]] = []
+        first = int(np.searchsorted(starts, lo, side="right")) - 1
+        for k in range(max(first, 0), len(sizes)):
+            s0 = int(starts[k])
+            if s0 >= hi:
+                break
+            a, z = max(lo - s0, 0), min(hi - s0, sizes[k])
+            if k < len(tails):
+                t = tails[k]
+                d = t.draws[a:z]
+                chunks = t.chunk_ids if ctx.contiguous else np.unique(d // ctx.grid.chunk_size)
+                mine.append(WindowSpec(ctx, epoch, (g, r, world_size, -1 - len(mine)), chunks,
+                                       draws=d))
+            else:
+                run.append((units[k - len(tails)], a, z))
+        for i in range(0, len(run), per_window):
+            mine.append(_cut_units(ctx, epoch, (g, r, world_size, i // per_window),
+                                   run[i:i + per_window]))
+        if not mine:  # nothing left for it: one empty window that padding can fill
+            mine.append(WindowSpec(ctx, epoch, (g, r, world_size, -1), np.empty(0, np.int64),
+                                   draws=np.empty(0, np.int64)))
         out.append(mine)
     return out
+
+
+def _windows(ctx: ScheduleContext, epoch: int, history: Sequence[Resumption],
+             world_size: int) -> list[list[WindowSpec]]:
+    """Every rank's unadjusted windows in the generation after ``history``."""
+    if not history:
+        return _generation0(ctx, epoch, world_size)
+    *earlier, last = history
+    prev = _windows(ctx, epoch, earlier, last.world_size)
+    tails, untouched = _remainder(ctx, prev, last)
+    return _redeal(ctx, epoch, len(history), world_size, tails,
+                   _pooled_units(ctx, epoch, untouched))
 
 
 def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
                   history: Sequence[Resumption] = ()) -> RankSchedule:
     """This rank's windows, adjusted so that every rank yields the same number of samples.
 
-    ``pad`` repeats draws of the rank's own last window (no extra reads), ``drop`` cuts each
-    rank to the smallest share, ``none`` leaves shares unequal (not for DDP).
+    ``pad`` repeats draws of the rank's own last window (no extra reads; a rank with no
+    samples at all repeats some of the other ranks'), ``drop`` cuts each rank to the
+    smallest share, ``none`` leaves shares unequal (not for DDP).
     """
     all_windows = _windows(ctx, epoch, history, world_size)
     counts = tuple(sum(w.n_base for w in wins) for wins in all_windows)
@@ -304,20 +366,24 @@ def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
         wins = kept
     elif target > own:
         nonempty = [i for i, w in enumerate(wins) if w.n_base]
-        if not nonempty:
+        if not wins:
             raise ValueError(
-                f"rank {rank} of {world_size} has no samples to pad from in epoch {epoch} "
-                f"(samples per rank: {list(counts)}); use fewer ranks, or uneven='drop'"
+                f"rank {rank} of {world_size} has no windows to pad in epoch {epoch} "
+                f"(samples per rank: {list(counts)}); use fewer ranks (at most one per chunk)"
             )
-        last_i = nonempty[-1]
+        last_i = nonempty[-1] if nonempty else len(wins) - 1
         last = wins[last_i]
-        pool = last.base_draws()
-        need = target - own
+        # Its own last window, already resident; a rank left with nothing (fewer samples
+        # left in the epoch than ranks) pads from what the other ranks still draw.
+        pool = (last.base_draws() if nonempty else
+                np.concatenate([w.base_draws() for ws in all_windows for w in ws]))
         rng = np.random.default_rng(np.random.SeedSequence(
             [_PAD_STREAM, ctx.seed, epoch, len(history), rank, world_size]))
         # Cycle through a shuffled copy: each sample repeats as few times as possible.
-        extra = np.resize(rng.permutation(pool), need)
-        wins[last_i] = replace(last, extra=extra.astype(np.int64))
+        extra = np.resize(rng.permutation(pool), target - own).astype(np.int64)
+        if not nonempty and last.draws is not None:  # an empty window of a re-deal
+            last = replace(last, chunk_ids=np.unique(extra // ctx.grid.chunk_size))
+        wins[last_i] = replace(last, extra=extra)
     return RankSchedule(tuple(wins), own, target, counts)
 
 

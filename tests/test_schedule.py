@@ -119,6 +119,8 @@ def test_elastic_resumes_lose_and_repeat_nothing(n, cs, block, w0, w1, w2, conti
         history = (*history, Resumption(world, tuple(progress)))
     rest = np.concatenate(epoch_draws(c, 0, w2, history)).tolist()
     assert sorted(seen + rest) == list(range(n))
+    counts = rank_schedule(c, 0, 0, w2, history).counts
+    assert max(counts) - min(counts) <= 1  # re-dealt evenly: every rank has work
 
 
 def test_resumption_json_round_trip():
@@ -126,11 +128,35 @@ def test_resumption_json_round_trip():
     assert Resumption.from_json(r.to_json()) == r
 
 
-def test_rank_without_samples_cannot_pad():
+def test_rank_left_with_nothing_pads_from_the_rest():
     c = ctx(16, 8, 1, "pad")
-    history = (Resumption(2, (Progress(1, 0), Progress(0, 3))),)  # only 5 samples left
-    with pytest.raises(ValueError, match="no samples to pad from"):
-        rank_schedule(c, 0, 1, 2, history)
+    history = (Resumption(2, (Progress(1, 0), Progress(0, 7))),)  # one sample left
+    last = int(rank_schedule(c, 0, 1, 2).windows[0].final_draws()[7])
+    scheds = [rank_schedule(c, 0, r, 3, history) for r in range(3)]
+    assert [s.own_samples for s in scheds] == [1, 0, 0]
+    draws = [np.concatenate([w.final_draws() for w in s.windows]).tolist() for s in scheds]
+    assert draws == [[last]] * 3  # equal steps; the one sample left is the padding
+    assert all(last // 8 in s.windows[-1].chunk_ids for s in scheds)
+
+
+def test_late_stop_is_redealt_evenly():
+    """Two tails and nothing untouched (the README's crash: samples per rank [32, 24, 0])."""
+    c = ctx(160, 8, 4, "pad")
+    before = [rank_schedule(c, 0, r, 2) for r in range(2)]
+    progress = tuple(Progress(len(s.windows) - 1, 3) for s in before)
+    history = (Resumption(2, progress),)
+    scheds = [rank_schedule(c, 0, r, 3, history) for r in range(3)]
+    left = sum(s.windows[-1].n_base - 3 for s in before)
+    assert sum(s.own_samples for s in scheds) == left
+    assert max(s.own_samples for s in scheds) - min(s.own_samples for s in scheds) <= 1
+    assert len({s.target for s in scheds}) == 1
+
+
+def test_resume_record_out_of_range():
+    c = ctx(16, 8, 1)
+    for bad in (Progress(5, 0), Progress(0, -1), Progress(-1, 0)):
+        with pytest.raises(ValueError, match="rank 0 of 1 finished"):
+            rank_schedule(c, 0, 0, 2, (Resumption(1, (bad,)),))
 
 
 def test_bad_policy():
