@@ -27,6 +27,7 @@ from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 
 from ..counters import ReadTimes
+from .pool_task import OneShot
 
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
@@ -157,13 +158,13 @@ class LocalFiles(ReadPath):
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor) -> None:
-        await loop.run_in_executor(pool, self.read_blocking, stripes, index, out,
-                                   time.perf_counter())
+        await loop.run_in_executor(pool, OneShot(self.read_blocking, stripes, index, out,
+                                                 time.perf_counter()))
 
     async def read_many(self, stripes: Stripes, indices: list[int], outs: list[np.ndarray],
                         loop: Loop, pool: Executor) -> None:
-        await loop.run_in_executor(pool, self.read_many_blocking, stripes, indices, outs,
-                                   time.perf_counter())
+        await loop.run_in_executor(pool, OneShot(self.read_many_blocking, stripes, indices,
+                                                 outs, time.perf_counter()))
 
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:
@@ -193,7 +194,8 @@ class AsyncGets(ReadPath):
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor) -> None:
         _, datas = await self.get_all(stripes, index)
-        await loop.run_in_executor(pool, stripes.place_all, datas, out, time.perf_counter())
+        await loop.run_in_executor(pool, OneShot(stripes.place_all, datas, out,
+                                                 time.perf_counter()))
 
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:
@@ -251,8 +253,8 @@ class ZarrGetitem(ReadPath):
         # Pass the pooled view itself, not a slice: a slice's base is the pool's array, so
         # it would not keep the view (and its place in the pool) alive if this read were
         # cancelled while the copy still runs.
-        await loop.run_in_executor(pool, _copy_rows, stripes, out, rows, data,
-                                   time.perf_counter())
+        await loop.run_in_executor(pool, OneShot(_copy_rows, stripes, out, rows, data,
+                                                 time.perf_counter()))
 
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:

@@ -25,6 +25,7 @@ from ..arena import BatchArena
 from ..counters import FetchStats
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
+from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..items import DecodedWindow
@@ -246,10 +247,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         async with self._slot():
             if all(self.readers[v].groups_reads for v, _, _, _ in items):
                 try:
-                    await lt.loop.run_in_executor(
-                        lt.pool, _read_local_items,
-                        [(self.readers[v], i, out) for v, i, _, out in items],
-                        time.perf_counter())
+                    await lt.loop.run_in_executor(lt.pool, OneShot(
+                        _read_local_items, [(self.readers[v], i, out) for v, i, _, out in items],
+                        time.perf_counter()))
                 except asyncio.CancelledError:
                     raise
                 except Exception:
