@@ -33,7 +33,7 @@ from .nodes.patches import PatchNode
 from .nodes.static import StaticFieldsNode, open_static
 from .plan import ReadPlan
 from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
-from .source import Source, open_icechunk, open_source
+from .source import Discovery, Source, discover, open_icechunk, open_source
 from .split import SplitManifest, split_by_chunk, split_by_coordinate
 from .staging import StagingSeam
 from .stats import Stats, VariableStats, compute_stats
@@ -48,7 +48,7 @@ __all__ = [
     "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
     "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
-    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
+    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats", "discover", "Discovery",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
     "CheckpointConfig", "StagingSeam",
 ]

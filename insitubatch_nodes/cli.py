@@ -269,13 +269,6 @@ def _open(parser: argparse.ArgumentParser, url: str, variables: list[str] | None
     try:
         return ib.open_source(url, variables=variables)
     except (FileNotFoundError, KeyError, ValueError, TypeError, OSError) as e:
-        if variables is None and isinstance(e, ValueError):
-            # xarray-style stores keep static fields beside the variables (WB2's
-            # land_sea_mask): serve what runs along "time" before giving up.
-            try:
-                return ib.open_source(url, sample_dim="time")
-            except (FileNotFoundError, KeyError, ValueError, TypeError, OSError):
-                pass
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         parser.error(f"cannot open {url!r}: {msg}")
 

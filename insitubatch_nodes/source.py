@@ -19,7 +19,7 @@ from .geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 _NUMERIC_KINDS = "biufc"
-__all__ = ["Source", "open_icechunk", "open_source", "redact_url"]
+__all__ = ["Discovery", "Source", "discover", "open_icechunk", "open_source", "redact_url"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +38,9 @@ class Source:
     # Values of the sample dimension's coordinate (datetime64[ns] or numbers), if it has one.
     sample_coord: np.ndarray | None = field(default=None, repr=False)
     group: zarr.Group | None = field(default=None, repr=False)
+    # Numeric arrays beside the variables without the sample dimension (a land-sea mask,
+    # orography): served whole by ``open_static``, never planned like data chunks.
+    static: tuple[str, ...] = ()
 
     def coordinate(self, dim: str) -> np.ndarray:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables."""
@@ -89,6 +92,85 @@ def _dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
     return tuple(dims) if dims is not None else None
 
 
+# Preferred names for the sample dimension when several dimensions lead equally many arrays.
+_SAMPLE_DIM_NAMES = ("time", "valid_time", "date", "dates", "sample")
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What ``open_source`` found in a group with no ``variables=``: the sample dimension,
+    the arrays served along it, the static fields without it, and why others were left out."""
+
+    sample_dim: str | None
+    served: tuple[str, ...]
+    static: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]  # (array, why)
+
+    def why_skipped(self) -> str:
+        return "; ".join(f"{n}: {why}" for n, why in self.skipped)
+
+
+def _is_static(name: str, arr: zarr.Array, sample_dim: str) -> bool:
+    dims = _dimension_names(arr)
+    return (dims is not None and sample_dim not in dims and not _is_coordinate(name, arr)
+            and arr.ndim >= 1 and np.dtype(arr.dtype).kind in _NUMERIC_KINDS)
+
+
+def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) -> Discovery:
+    """Sort a group's arrays as WeatherBench2 / ARCO-ERA5 (xarray) stores lay them out.
+
+    The sample dimension, unless given, is the dimension that leads the most data arrays
+    (ties: ``time`` and its usual spellings first). Arrays led by it are served; numeric
+    arrays without it are static fields; coordinates (an array named like one of its own
+    dimensions), scalars, non-numeric arrays and arrays with the sample dimension elsewhere
+    than first are left out, each with the reason.
+    """
+    skipped: list[tuple[str, str]] = []
+    data: dict[str, zarr.Array] = {}
+    for name, arr in sorted(arrays.items()):
+        if arr.ndim < 1:
+            skipped.append((name, "a scalar"))
+        elif _is_coordinate(name, arr):
+            continue
+        elif np.dtype(arr.dtype).kind not in _NUMERIC_KINDS:
+            skipped.append((name, f"dtype {arr.dtype} cannot become a tensor"))
+        else:
+            data[name] = arr
+    dims = {n: _dimension_names(a) for n, a in data.items()}
+    if sample_dim is None:
+        leading: dict[str, int] = {}
+        for d in dims.values():
+            if d and d[0] is not None:
+                leading[d[0]] = leading.get(d[0], 0) + 1
+        if leading:
+            best = max(leading.values())
+            ties = sorted(k for k, c in leading.items() if c == best)
+            preferred = [k for k in _SAMPLE_DIM_NAMES if k in ties]
+            sample_dim = preferred[0] if preferred else ties[0]
+    if sample_dim is None:  # no dimension names anywhere: every array, as stored
+        return Discovery(None, tuple(data), (), tuple(skipped))
+    served, static, unnamed = [], [], []
+    for name, d in dims.items():
+        if d is None:
+            unnamed.append(name)
+        elif d[0] == sample_dim:
+            served.append(name)
+        elif sample_dim in d:
+            skipped.append((name, f"{sample_dim!r} is not its first dimension {d}"))
+        else:
+            static.append(name)
+    # Arrays without dimension names (zarr v3 written without them) are served when their
+    # first axis is as long as the sample axis of the named ones.
+    lengths = {data[n].shape[0] for n in served}
+    for name in unnamed:
+        if data[name].shape[0] in lengths:
+            served.append(name)
+        else:
+            skipped.append((name, f"no dimension names and {data[name].shape[0]} steps, "
+                                  f"not {sorted(lengths)}"))
+    return Discovery(sample_dim, tuple(sorted(served)), tuple(static), tuple(skipped))
+
+
 def open_source(
     url: str | os.PathLike[str] | zarr.Group | Any,
     variables: Sequence[str] | None = None,
@@ -99,9 +181,9 @@ def open_source(
     """Open a Zarr group and describe the variables to serve along their common sample axis.
 
     ``url`` is a local path, a ``file://`` or object-store URL, a ``zarr.Group`` or a zarr
-    store. Without ``variables``, every array that is not a coordinate (an array named like
-    one of its dimensions) is served; ``sample_dim`` restricts that to arrays whose first
-    dimension has that name.
+    store. Without ``variables``, the arrays led by the sample dimension are served (see
+    ``discover``: the dimension leading most arrays unless ``sample_dim`` names it), and the
+    numeric arrays without it are listed in ``Source.static`` for ``open_static``.
     """
     if isinstance(url, zarr.Group):
         return _describe(url, str(url.store_path), variables, sample_dim, None)
@@ -123,12 +205,16 @@ def open_icechunk(
     snapshot_id: str | None = None,
     sample_dim: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    virtual_chunk_access: Mapping[str, Any] | None = None,
 ) -> Source:
     """Like ``open_source``, for an icechunk repository read at a branch (default ``main``),
     tag or snapshot id. The resolved snapshot id is kept in the source, the split manifest
-    and the loader state, so a resume against a moved branch is caught."""
+    and the loader state, so a resume against a moved branch is caught.
+    ``virtual_chunk_access={url_prefix: None or icechunk credentials}`` authorizes reads of
+    virtual chunks (byte ranges of NetCDF/HDF5 files referenced by virtualizarr)."""
     opened = open_icechunk_store(location, branch=branch, tag=tag, snapshot_id=snapshot_id,
-                                 storage_options=storage_options)
+                                 storage_options=storage_options,
+                                 virtual_chunk_access=virtual_chunk_access)
     return _open_group(opened, variables, sample_dim)
 
 
@@ -200,16 +286,17 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
     if not arrays:
         raise ValueError(f"the Zarr group at {display!r} holds no arrays")
 
+    static: tuple[str, ...] = ()
     if variables is None:
-        chosen = [n for n, a in sorted(arrays.items()) if a.ndim >= 1 and not _is_coordinate(n, a)]
-        if sample_dim is not None:
-            chosen = [n for n in chosen
-                      if (_dimension_names(arrays[n]) or (None,))[0] == sample_dim]
+        found = discover(arrays, sample_dim)
+        chosen, sample_dim, static = list(found.served), found.sample_dim, found.static
         if not chosen:
             raise ValueError(
                 f"no data variables found in {display!r}"
                 + (f" with first dimension {sample_dim!r}" if sample_dim else "")
-                + f"; arrays present: {sorted(arrays)}. Pass variables=[...] explicitly."
+                + f"; arrays present: {sorted(arrays)}"
+                + (f" ({found.why_skipped()})" if found.skipped else "")
+                + ". Pass variables=[...] explicitly."
             )
     else:
         if isinstance(variables, str):
@@ -265,6 +352,10 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
     grid = SampleGrid(n_samples=n, chunk_size=common_chunk_size([g.sample_chunk for g in geoms]))
     if sample_dim is None and geoms[0].dimension_names:
         sample_dim = geoms[0].dimension_names[0]
+    if variables is not None and sample_dim is not None:
+        static = tuple(n for n, a in sorted(arrays.items())
+                       if _is_static(n, a, sample_dim) and n not in chosen)
     return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
                   sample_dim=sample_dim, snapshot_id=snapshot_id,
-                  sample_coord=_sample_coordinate(group, sample_dim, n), group=group)
+                  sample_coord=_sample_coordinate(group, sample_dim, n), group=group,
+                  static=static)

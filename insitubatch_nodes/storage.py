@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +18,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import zarr
 import zarr.storage
+from zarr.abc.store import ByteRequest
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import WrapperStore
 
 OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "http",
                         "https", "memory")
@@ -162,13 +165,18 @@ def _probe(opened: OpenedStore) -> str:
 
 
 def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | None = None,
-                  snapshot_id: str | None = None,
-                  storage_options: Mapping[str, Any] | None = None) -> OpenedStore:
+                        snapshot_id: str | None = None,
+                        storage_options: Mapping[str, Any] | None = None,
+                        virtual_chunk_access: Mapping[str, Any] | None = None) -> OpenedStore:
     """A read-only session of an icechunk repository at a branch, tag or snapshot.
 
     ``location`` is a local path, ``s3://bucket/prefix`` (options: ``endpoint_url``,
     ``region``, ``access_key_id``, ``secret_access_key``, ``allow_http``...), an
     ``icechunk.Storage`` or an ``icechunk.Repository``. Default: branch ``main``.
+    ``virtual_chunk_access`` authorizes reads of virtual chunks (references into NetCDF/HDF5
+    files, e.g. written by virtualizarr): ``{url_prefix: None or icechunk credentials}`` for
+    the repository's virtual chunk containers (``None``: local files, anonymous or the
+    environment's credentials).
     """
     try:
         import icechunk
@@ -180,8 +188,11 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
                          f"tag={tag!r}, snapshot_id={snapshot_id!r}")
     if branch is None and tag is None and snapshot_id is None:
         branch = "main"
+    access = _container_credentials(icechunk, virtual_chunk_access)
     if isinstance(location, icechunk.Repository):
         repo, display = location, "icechunk repository"
+        if access is not None:
+            repo = repo.reopen(authorize_virtual_chunk_access=access)
     else:
         if isinstance(location, icechunk.Storage):
             storage, display = location, "icechunk storage"
@@ -202,9 +213,10 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
                 raise ValueError(f"icechunk location {redact_url(text)!r}: use a local path or "
                                  "s3://bucket/prefix, or pass an icechunk.Storage")
         try:
-            repo = icechunk.Repository.open(storage)
+            repo = icechunk.Repository.open(storage, authorize_virtual_chunk_access=access)
         except Exception as e:
             raise FileNotFoundError(f"cannot open {display}: {_first_line(e)}") from None
+    locked = _unauthorized_containers(repo, display, access)
     ref = (f"branch {branch!r}" if branch is not None else f"tag {tag!r}" if tag is not None
            else f"snapshot {snapshot_id!r}")
     try:
@@ -213,7 +225,102 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
         known = {"branches": _safe(repo.list_branches), "tags": _safe(repo.list_tags)}
         raise KeyError(f"{ref} not found in {display} ({_first_line(e).strip(' x')}); "
                        f"it has branches {known['branches']} and tags {known['tags']}") from None
-    return OpenedStore(session.store, f"{display} @ {ref}", snapshot_id=session.snapshot_id)
+    store = session.store
+    if locked:  # reads of those containers fail: say how to authorize them
+        store = VirtualChunkGate(store, f"{display} @ {ref}", locked)
+    return OpenedStore(store, f"{display} @ {ref}", snapshot_id=session.snapshot_id)
+
+
+def _container_credentials(icechunk: Any, access: Mapping[str, Any] | None
+                           ) -> dict[str, Any] | None:
+    """``virtual_chunk_access`` as icechunk takes it: credentials wrapped per container kind
+    (what ``icechunk.containers_credentials`` does), ``None`` kept as ``None``."""
+    if access is None:
+        return None
+    kinds = (icechunk.Credentials.S3, icechunk.Credentials.Gcs, icechunk.Credentials.Azure)
+    out: dict[str, Any] = {}
+    for prefix, cred in access.items():
+        if cred is None or isinstance(cred, kinds):
+            out[prefix] = cred
+            continue
+        try:
+            out.update(icechunk.containers_credentials({prefix: cred}))
+        except ValueError:
+            raise TypeError(
+                f"virtual_chunk_access[{redact_url(prefix)!r}] is a {type(cred).__name__}, not "
+                "icechunk credentials: give None (local files, anonymous or the environment's "
+                "credentials) or icechunk.s3_credentials(...) / gcs_credentials(...) / "
+                "azure_credentials(...)") from None
+    return out
+
+
+def _unauthorized_containers(repo: Any, display: str, access: Mapping[str, Any] | None
+                             ) -> tuple[str, ...]:
+    """The repository's virtual chunk container prefixes this session may not read; a
+    prefix in ``access`` that names no container is refused (a typo would else only show
+    when the first virtual chunk is read)."""
+    containers = sorted((repo.config.virtual_chunk_containers or {}).keys())
+    unknown = sorted(set(access or ()) - set(containers))
+    if unknown:
+        raise ValueError(
+            f"virtual_chunk_access names {[redact_url(u) for u in unknown]}, but {display} has "
+            f"no virtual chunk container with that url prefix; its containers: "
+            f"{[redact_url(c) for c in containers]} (set when the repository is written, with "
+            "icechunk.RepositoryConfig.set_virtual_chunk_container)")
+    authorized = set(repo.authorized_virtual_container_prefixes)
+    return tuple(c for c in containers if c not in authorized)
+
+
+class VirtualChunkGate(WrapperStore[Any]):
+    """An icechunk store whose repository has virtual chunk containers this session may not
+    read: a read that needs one fails with a ``PermissionError`` naming the prefix to pass in
+    ``virtual_chunk_access``, instead of icechunk's own advice about its own API."""
+
+    def __init__(self, store: Any, display: str, locked: tuple[str, ...]) -> None:
+        super().__init__(store)
+        self.display = display
+        self.locked = locked
+
+    def _with_store(self, store: Any) -> VirtualChunkGate:
+        return type(self)(store, self.display, self.locked)
+
+    async def get(self, key: str, prototype: BufferPrototype,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
+        try:
+            return await self._store.get(key, prototype, byte_range)
+        except Exception as e:
+            err = self._explain(key, e)
+            if err is None:
+                raise
+            raise err from None
+
+    async def get_partial_values(self, prototype: BufferPrototype,
+                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]
+                                 ) -> list[Buffer | None]:
+        key_ranges = list(key_ranges)
+        try:
+            return await self._store.get_partial_values(prototype, key_ranges)
+        except Exception as e:
+            err = self._explain(key_ranges[0][0] if key_ranges else "", e)
+            if err is None:
+                raise
+            raise err from None
+
+    def _explain(self, key: str, exc: Exception) -> PermissionError | None:
+        """Icechunk's refusal of an unauthorized container, re-worded (else ``None``)."""
+        text = str(exc)
+        if "authorize" not in text:
+            return None
+        found = re.search(r"url prefix (\S+?),? ", text)
+        prefix = found.group(1) if found else None
+        prefixes = [prefix] if prefix in self.locked else list(self.locked)
+        example = ", ".join(f"{redact_url(p)!r}: None" for p in prefixes)
+        return PermissionError(
+            f"chunk {key!r} of {self.display} is a virtual reference into "
+            f"{' or '.join(redact_url(p) for p in prefixes)}, which this session is not "
+            f"authorized to read: open it with open_icechunk(..., virtual_chunk_access={{"
+            f"{example}}}) (None: local files, anonymous or the environment's credentials; "
+            "else icechunk.s3_credentials(...) and the like for that prefix)")
 
 
 def _safe(fn: Any) -> list[str]:

@@ -16,11 +16,15 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 import zarr.codecs as zc
-from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec
+from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 
 Role = Literal["array-array", "array-bytes", "bytes-bytes"]
 ByteOrder = Literal["little", "big"]
 Config = tuple[tuple[str, Any], ...]  # a numcodecs config, as sorted (key, value) pairs
+# zarr v3 names of wrapped numcodecs codecs we decode ourselves -> their numcodecs id: HDF5's
+# deflate and shuffle as virtualizarr writes them. Names that read like zarr's own codecs
+# (numcodecs.zstd, .gzip, .blosc) stay with zarr: their parameters live elsewhere.
+_HDF5_WRAPPERS = {"numcodecs.zlib": "zlib", "numcodecs.shuffle": "shuffle"}
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,8 @@ class Codec:
     """One codec of a chain, with the parameters the decoders and the report need.
 
     ``numcodecs`` is set only where a numcodecs codec decodes this one's bytes exactly as
-    zarr does; a codec without it (a wrapper, a foreign codec) is left to zarr to decode.
+    zarr does; a codec without it (most wrappers, a foreign codec) is left to zarr to
+    decode.
     """
 
     name: str  # "bytes", "zstd", "blosc", "sharding", ...: v3 class name; v2 codec id
@@ -110,7 +115,7 @@ def classify(arr: zarr.Array) -> CodecChain:
     meta = arr.metadata
     itemsize = np.dtype(arr.dtype).itemsize
     if meta.zarr_format == 3:
-        codecs = tuple(_v3_codec(c) for c in meta.codecs)
+        codecs = tuple(_v3_codec(c, itemsize) for c in meta.codecs)
         serializer = next((c for c in meta.codecs if isinstance(c, zc.BytesCodec)), None)
         endian = serializer.endian if serializer is not None else None
         byteorder = endian.value if endian is not None and itemsize > 1 else None
@@ -127,20 +132,29 @@ def classify(arr: zarr.Array) -> CodecChain:
                       _v2_byteorder(np.dtype(arr.dtype)))
 
 
-def _v3_codec(c: object) -> Codec:
+def _v3_codec(c: object, itemsize: int) -> Codec:
     name = type(c).__name__.replace("Codec", "").lower()
     role: Role = ("array-array" if isinstance(c, ArrayArrayCodec)
                   else "array-bytes" if isinstance(c, ArrayBytesCodec) else "bytes-bytes")
     cname = getattr(c, "cname", None)
     inner = getattr(c, "codecs", None) or ()  # sharding's inner chain
-    return Codec(name, role, _v3_numcodecs(c),
+    return Codec(name, role, _v3_numcodecs(c, itemsize),
                  checksum=bool(getattr(c, "checksum", False)),
                  cname=None if cname is None else str(getattr(cname, "value", cname)),
-                 inner=tuple(_v3_codec(i) for i in inner))
+                 inner=tuple(_v3_codec(i, itemsize) for i in inner))
 
 
-def _v3_numcodecs(c: object) -> Config | None:
-    """The numcodecs equivalent of zarr's own bytes-to-bytes codecs (wrappers: None)."""
+def _v3_numcodecs(c: object, itemsize: int) -> Config | None:
+    """The numcodecs equivalent of zarr's own bytes-to-bytes codecs, and of the wrapped
+    numcodecs zlib and shuffle that virtualizarr writes for HDF5's deflate and shuffle filters
+    (zarr decodes those with that same numcodecs codec). Other wrappers: None."""
+    wrapped = _HDF5_WRAPPERS.get(str(getattr(c, "codec_name", "")))
+    config = getattr(c, "codec_config", None)
+    if wrapped is not None and isinstance(c, BytesBytesCodec) and isinstance(config, dict):
+        out = {k: v for k, v in config.items() if k != "id"}
+        if wrapped == "shuffle":  # zarr fills a missing element size from the dtype
+            out["elementsize"] = int(out.get("elementsize") or itemsize)
+        return tuple(sorted({**out, "id": wrapped}.items()))
     if isinstance(c, zc.BloscCodec):
         return (("id", "blosc"),)  # blosc frames are self-describing: no parameters needed
     if isinstance(c, zc.ZstdCodec):

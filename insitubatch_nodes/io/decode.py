@@ -1,9 +1,10 @@
 """Direct numcodecs decoders for the codec chains we special-case.
 
 zarr's own path adds its codec pipeline's Python hand-offs per chunk and copies each decoded
-chunk once more; for the common chains (bytes + blosc/zstd/gzip/crc32c, zarr v2 compressors) we
-decode straight into window memory instead. Anything else (sharding, transpose, filters)
-returns ``None`` and is read through zarr, so no array zarr can read is refused.
+chunk once more; for the common chains (bytes + blosc/zstd/gzip/crc32c, zarr v2 compressors,
+HDF5's shuffle + zlib as virtualizarr writes them) we decode straight into window memory
+instead. Anything else (sharding, transpose, filters) returns ``None`` and is read through
+zarr, so no array zarr can read is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ChunkDecoder:
                 if isinstance(codec, numcodecs.Blosc):
                     check_header(buf, out.nbytes)
                     numcodecs.blosc.decompress(buf, out)
+                elif isinstance(codec, numcodecs.Shuffle):
+                    _unshuffle_into(codec, buf, out)
                 else:
                     codec.decode(buf, out=out)  # numcodecs fills a given ``out``
             else:
@@ -43,6 +46,15 @@ class ChunkDecoder:
             _copy_bytes(buf, out)
         if self.byteswap:
             out.byteswap(inplace=True)
+
+
+def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> None:
+    """HDF5's shuffle filter undone into ``out``: numcodecs writes as many bytes as it is
+    given without checking ``out``'s size, so a short or long chunk is refused first."""
+    n = memoryview(src).nbytes  # type: ignore[arg-type]
+    if n != out.nbytes:
+        raise ValueError(f"shuffled chunk has {n} bytes, expected {out.nbytes}")
+    codec.decode(src, out=out)
 
 
 def _copy_bytes(src: object, out: np.ndarray) -> None:

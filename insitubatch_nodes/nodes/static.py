@@ -10,25 +10,46 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..source import Source, discover
 from ..storage import explain, open_url
 from .transform import TransformNode
 
 
-def open_static(url: str | os.PathLike[str], variables: Sequence[str], *,
-                storage_options: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
-    """Read whole static arrays from a (second) Zarr store, once: they are small and shared
-    by every sample, so they are held in memory instead of being planned like data chunks."""
+def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] | None = None,
+                *, storage_options: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Read whole static arrays (land-sea mask, orography) once: they are small and shared
+    by every sample, so they are held in memory instead of being planned like data chunks.
+
+    ``url`` is a store (the data's own or a second one) or an opened ``Source``; without
+    ``variables``, every static field found there is read (``Source.static``: the numeric
+    arrays without the sample dimension, as WeatherBench2 and ARCO-ERA5 keep them).
+    """
     import zarr
 
-    opened = open_url(url, storage_options)
-    try:
-        group = zarr.open_group(opened.store, mode="r")
-    except Exception as e:
-        raise explain(opened, e) from None
+    if isinstance(url, Source):
+        group, display, found = url.group, url.url, url.static
+        if group is None:
+            raise ValueError(f"the source {url.url!r} was not opened from a Zarr group; "
+                             "pass the store's URL to open_static")
+    else:
+        opened = open_url(url, storage_options)
+        try:
+            group = zarr.open_group(opened.store, mode="r")
+        except Exception as e:
+            raise explain(opened, e) from None
+        display, found = opened.display, discover(dict(group.arrays())).static
     have = sorted(group.array_keys())
+    if variables is None:
+        if not found:
+            raise ValueError(f"no static fields (numeric arrays without the sample dimension) "
+                             f"in {display}; arrays there: {have}. Name them: "
+                             "open_static(url, [...])")
+        variables = list(found)
+    elif isinstance(variables, str):
+        variables = [variables]
     missing = [v for v in variables if v not in have]
     if missing:
-        raise KeyError(f"unknown static variable(s) {missing} in {opened.display}; "
+        raise KeyError(f"unknown static variable(s) {missing} in {display}; "
                        f"arrays there: {have}")
     return {v: np.asarray(group[v][:]) for v in variables}
 
