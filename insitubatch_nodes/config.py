@@ -144,14 +144,25 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """What a training loop needs besides batches: states kept for trainers that read ahead
-    (``keep_states``), whether a moved icechunk branch may be resumed on, stats logging."""
+    (``keep_states``), whether a moved icechunk branch may be resumed on, stats logging.
+
+    ``allow_state_change=True`` loads a state saved with another ``batch_size`` or
+    ``drop_last``: sound, since states count windows and draws, not batches (the rest of the
+    epoch is still served exactly once). Any other difference (manifest, split, seed, grid,
+    ranks, ``block_chunks``, ``uneven``, time windows) is refused whatever this says.
+    """
 
     keep_states: int = 0
     allow_snapshot_change: bool = False
+    allow_state_change: bool = False
     log_every_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("checkpoint", "keep_states", self.keep_states, minimum=0)
+        for name in ("allow_snapshot_change", "allow_state_change"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"checkpoint.{name} must be True or False, "
+                                f"got {getattr(self, name)!r}")
         if self.log_every_s is not None and not self.log_every_s > 0:
             raise ValueError(f"checkpoint.log_every_s must be > 0 (or None), "
                              f"got {self.log_every_s!r}")

@@ -8,19 +8,24 @@ new world size loads the merged state; the schedule then deals what is left of t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from .fingerprint import RANK_FIELDS, StateFingerprint
 from .schedule import Progress, Resumption
 
 ELASTIC_KEY = "elastic"
 SNAPSHOT_KEY = "snapshot_id"
 FORMAT_KEY = "format"
 PROGRESS_KEY = "progress"
+FINGERPRINT_KEY = "fingerprint"
 # 2: ChunkPermuteNode's position counts windows (was chunks) and ReadPlanNode keeps no
 # counter; the loader writes the format and a "progress" summary. Format 1 is converted
 # on load (loader.upgrade_v1).
-STATE_FORMAT = 2
+# 3: every state built by build_loader carries a "fingerprint" (fingerprint.py), checked
+# on load; formats 1 and 2 have none and load with a warning that they cannot be checked.
+STATE_FORMAT = 3
 
 
 def rank_progress(state: dict[str, Any]) -> tuple[int, tuple[Resumption, ...], Progress]:
@@ -68,4 +73,37 @@ def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         h.to_json() for h in (*history, resumption)]}}
     if (snap := snapshots.pop()) is not None:
         merged[SNAPSHOT_KEY] = snap
+    fingerprint = merged_fingerprint(states)
+    if fingerprint is not None:
+        merged[FINGERPRINT_KEY] = fingerprint.to_json()
     return merged
+
+
+def merged_fingerprint(states: Sequence[dict[str, Any]]) -> StateFingerprint | None:
+    """The fingerprint every rank's state shares, without rank and world size; the ranks
+    must be 0..W-1 in order, all of world size W = len(states), and agree on the rest.
+    ``None`` when no state has one (formats 1 and 2)."""
+    raw = [s.get(FINGERPRINT_KEY) for s in states]
+    if all(r is None for r in raw):
+        return None
+    if any(r is None for r in raw):
+        lacking = [i for i, r in enumerate(raw) if r is None]
+        raise ValueError(f"rank states {lacking} have no fingerprint but the others do: pass "
+                         "every rank's state_dict() from the same run")
+    fps = [StateFingerprint.from_json(r, merged=False) for r in raw]
+    ranks = [(f.rank, f.world_size) for f in fps]
+    want = [(r, len(states)) for r in range(len(states))]
+    if ranks != want:
+        raise ValueError(
+            f"merge_rank_states needs the state of every rank, in rank order: got (rank, "
+            f"world_size) {ranks} for {len(states)} states, expected {want}")
+    first = fps[0].merged()
+    for r, fp in enumerate(fps[1:], start=1):
+        diffs = [d for d in dataclasses.asdict(first).items()
+                 if d[0] not in RANK_FIELDS and getattr(fp, d[0]) != d[1]]
+        if diffs:
+            name, a = diffs[0]
+            b = getattr(fp, name)
+            raise ValueError(f"rank states disagree on {name}: rank 0 has {a!r}, rank {r} has "
+                             f"{b!r}; every rank's loader must be built the same way")
+    return first

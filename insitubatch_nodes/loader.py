@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,15 @@ from torchdata.nodes.loader import LoaderIterator
 from .budget import parse_bytes
 from .config import LoaderConfig
 from .counters import ConsumerMeter, LoaderStats
-from .distributed import ELASTIC_KEY, FORMAT_KEY, PROGRESS_KEY, SNAPSHOT_KEY, STATE_FORMAT
+from .distributed import (
+    ELASTIC_KEY,
+    FINGERPRINT_KEY,
+    FORMAT_KEY,
+    PROGRESS_KEY,
+    SNAPSHOT_KEY,
+    STATE_FORMAT,
+)
+from .fingerprint import StateFingerprint, check_fingerprint
 from .graph import Resolved, build_graph, default_prefetch_windows, resolve, resolve_decode
 from .memory import MemoryLedger
 from .metrics import collect_stats, first_node, maybe_log
@@ -32,7 +41,8 @@ from .nodes import (
     ShuffleBufferNode,
     TransformNode,
 )
-from .nodes.state import Resumable, shutdown_source
+from .nodes.chunk_permute import parse_history
+from .nodes.state import Resumable, require_count, require_dict, shutdown_source
 from .schedule import Resumption
 from .source import Source
 from .split import SplitManifest
@@ -91,13 +101,15 @@ class InSituLoader(Loader):
     Built by ``build_loader``, it exposes what the build computed: ``config`` (the
     ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
     stay under), ``shuffle_quality`` (the model's score) and ``snapshot_id`` (the icechunk
-    snapshot read, checked on resume). Wrapping a hand-built graph leaves them ``None``.
+    snapshot read, checked on resume) and ``fingerprint`` (what every state records and
+    ``load_state_dict`` checks). Wrapping a hand-built graph leaves them ``None``.
     """
 
     def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
                  keep_states: int = 0, log_every_s: float | None = None, *,
                  resolved: Resolved | None = None, ledger: MemoryLedger | None = None,
-                 snapshot_id: str | None = None) -> None:
+                 snapshot_id: str | None = None,
+                 fingerprint: StateFingerprint | None = None) -> None:
         super().__init__(root, restart_on_stop_iteration)
         self.config: LoaderConfig | None = resolved.config if resolved is not None else None
         self.resident_bound: int | None = (resolved.resident_bound if resolved is not None
@@ -108,6 +120,9 @@ class InSituLoader(Loader):
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
                                             resolved.config.checkpoint.allow_snapshot_change)
+        self.fingerprint: StateFingerprint | None = fingerprint
+        self.allow_state_change: bool = (resolved is not None and
+                                         resolved.config.checkpoint.allow_state_change)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
@@ -173,10 +188,13 @@ class InSituLoader(Loader):
     def snapshot(self, root_state: dict[str, Any], num_yielded: int) -> dict[str, Any]:
         """The loader state for the graph state ``root_state`` after ``num_yielded`` batches:
         the nested node states, the format version, the progress ``merge_rank_states``
-        reads (when the graph has the standard stages) and the icechunk snapshot."""
+        reads (when the graph has the standard stages), the icechunk snapshot and the
+        fingerprint ``load_state_dict`` checks."""
         state: dict[str, Any] = {LoaderIterator.ROOT_KEY: root_state,
                                  LoaderIterator.NUM_YIELDED_KEY: num_yielded,
                                  FORMAT_KEY: STATE_FORMAT}
+        if self.fingerprint is not None:
+            state[FINGERPRINT_KEY] = self.fingerprint.to_json()
         progress = state_progress(self.nodes(), root_state)
         if progress is not None:
             state[PROGRESS_KEY] = progress
@@ -186,6 +204,9 @@ class InSituLoader(Loader):
 
     def _check_snapshot(self, state: dict[str, Any]) -> None:
         saved = state.pop(SNAPSHOT_KEY, None)
+        if saved is not None and not isinstance(saved, str):
+            raise ValueError(f"loader state field {SNAPSHOT_KEY!r} must be an icechunk "
+                             f"snapshot id (a string), got {saved!r}")
         if (saved is not None and self.snapshot_id is not None and saved != self.snapshot_id
                 and not self.allow_snapshot_change):
             raise ValueError(
@@ -195,30 +216,89 @@ class InSituLoader(Loader):
                 "the loader with allow_snapshot_change=True to continue on the new data."
             )
 
+    def _check_fingerprint(self, state: dict[str, Any], fmt: int) -> None:
+        """Compare the state's fingerprint with this loader's (see ``fingerprint.py``);
+        states of formats 1 and 2 have none and load with a warning."""
+        raw = state.pop(FINGERPRINT_KEY, None)
+        if self.fingerprint is None:
+            return  # a hand-built graph: nothing to compare with
+        if raw is None:
+            if fmt >= 3:
+                raise ValueError(
+                    f"loader state has no field {FINGERPRINT_KEY!r}, which every format-"
+                    f"{fmt} state saved by build_loader has: load a state saved by "
+                    "state_dict() or merge_rank_states")
+            warnings.warn(
+                f"this loader state has format {fmt}, which records no fingerprint, so it "
+                "cannot be checked against this loader (manifest, split, seed, ranks, "
+                "shuffle): make sure it was saved by a loader built the same way. "
+                "state_dict() after resuming gives a checked (format 3) state.",
+                UserWarning, stacklevel=3)
+            return
+        saved = StateFingerprint.from_json(raw, merged=ELASTIC_KEY in state)
+        check_fingerprint(saved, self.fingerprint, self.allow_state_change)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a state at the next ``iter()``: one rank's own state, or the output of
-        ``merge_rank_states`` (any world size)."""
+        ``merge_rank_states`` (any world size).
+
+        Checked now, before anything is read: a malformed state (a field missing, retyped,
+        negative or out of range) is one ``ValueError`` naming the field and node, and a
+        state saved by a loader built differently (another manifest, split, seed, sample
+        grid, rank or shuffle) one naming each differing field. Only changes that keep the
+        rest of the epoch exactly-once (``batch_size``, ``drop_last``) pass, and only with
+        ``allow_state_change=True``. Formats 1 and 2 (no fingerprint) load with a warning.
+        """
         if not isinstance(state_dict, dict):
             raise ValueError(f"a loader state is a dict (from state_dict() or "
                              f"merge_rank_states), got {type(state_dict).__name__}")
-        state_dict = json.loads(json.dumps(state_dict))
-        self._check_snapshot(state_dict)
+        try:
+            state_dict = json.loads(json.dumps(state_dict))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a loader state is plain JSON data (from state_dict()); this "
+                             f"one is not: {e}") from None
+        elastic = ELASTIC_KEY in state_dict
+        known = ({ELASTIC_KEY} if elastic else
+                 {LoaderIterator.ROOT_KEY, LoaderIterator.NUM_YIELDED_KEY, PROGRESS_KEY})
+        known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
+        unknown = sorted(set(state_dict) - known)
+        if unknown:
+            raise ValueError(
+                f"loader state has unknown field(s) {unknown} (a "
+                f"{'merged' if elastic else 'rank'} state has {sorted(known)}): load a state "
+                "saved by state_dict() or merge_rank_states")
         fmt = state_dict.pop(FORMAT_KEY, 1)
-        if fmt not in (1, STATE_FORMAT):
-            raise ValueError(f"this loader state has format {fmt!r}; this version of "
-                             f"insitubatch_nodes reads formats 1 and {STATE_FORMAT}")
-        state_dict.pop(PROGRESS_KEY, None)
+        if fmt not in (1, 2, STATE_FORMAT) or isinstance(fmt, bool):
+            raise ValueError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
+                             f"insitubatch_nodes reads formats 1 to {STATE_FORMAT}")
+        self._check_snapshot(state_dict)
+        self._check_fingerprint(state_dict, fmt)
+        progress = state_dict.pop(PROGRESS_KEY, None)
+        if elastic:
+            el = state_dict[ELASTIC_KEY]
+            if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
+                raise ValueError(f"loader state field {ELASTIC_KEY!r} must be "
+                                 f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
+            epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
+            history = list(parse_history(el["history"], f"loader state field "
+                                                        f"'{ELASTIC_KEY}.history'"))
+            if not history:
+                raise ValueError(f"loader state field '{ELASTIC_KEY}.history' is empty: a "
+                                 "merged state records at least the resume that made it")
+            state_dict = {LoaderIterator.ROOT_KEY: elastic_root_state(self.nodes(), epoch,
+                                                                      history),
+                          LoaderIterator.NUM_YIELDED_KEY: 0}
+        else:
+            root = require_dict(state_dict, LoaderIterator.ROOT_KEY, "loader")
+            require_count(state_dict, LoaderIterator.NUM_YIELDED_KEY, "loader")
+            if fmt == 1:
+                upgrade_v1(self.nodes(), root)
+        found = check_root_state(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
+        if progress is not None and found is not None and progress != found:
+            raise ValueError(_progress_mismatch(progress, found))
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
-        if ELASTIC_KEY in state_dict:
-            el = state_dict[ELASTIC_KEY]
-            history = [Resumption.from_json(h) for h in el["history"]]
-            state_dict = {LoaderIterator.ROOT_KEY: elastic_root_state(self.nodes(),
-                                                                      int(el["epoch"]), history),
-                          LoaderIterator.NUM_YIELDED_KEY: 0}
-        elif fmt == 1:
-            upgrade_v1(self.nodes(), state_dict.get(LoaderIterator.ROOT_KEY))
         super().load_state_dict(state_dict)
 
     # -- graph ------------------------------------------------------------------------
@@ -309,6 +389,46 @@ def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[st
     return None
 
 
+def check_root_state(nodes: list[BaseNode], root_state: Any) -> dict[str, Any] | None:
+    """Check ``root_state`` against the graph before anything is read: every nested state
+    a dict, counters integers >= 0, the scheduler's position within its epoch's windows and
+    the draws taken within the head window's. Errors name the node and field. Returns the
+    progress ``state_progress`` reads (``None`` without the standard stages)."""
+    offset = None
+    d = root_state
+    for node in nodes:
+        if isinstance(node, ShuffleBufferNode):
+            offset = require_count(d, node.OFFSET_KEY, node)
+        if isinstance(node, ChunkPermuteNode):
+            node.check_state(d, offset)
+            break
+        key = _nested_key(node)
+        if key is None:
+            return None  # a foreign node nests its upstream's state its own way
+        d = require_dict(d, key, node)
+    return state_progress(nodes, root_state)
+
+
+_PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
+                    "window": "ChunkPermuteNode state field 'position'",
+                    "offset": "ShuffleBufferNode state field 'offset'",
+                    "history": "ChunkPermuteNode state field 'history'"}
+
+
+def _progress_mismatch(progress: Any, found: dict[str, Any]) -> str:
+    """Which field of the state's progress disagrees with the node states, both named."""
+    if not isinstance(progress, dict):
+        return (f"loader state field {PROGRESS_KEY!r} must be a dict like {found!r}, "
+                f"got {progress!r}")
+    for key, where in _PROGRESS_FIELDS.items():
+        if progress.get(key) != found[key]:
+            return (f"loader state field '{PROGRESS_KEY}.{key}' is {progress.get(key)!r}, but "
+                    f"{where} is {found[key]!r}: the state was edited (merge_rank_states "
+                    "reads the progress, the loader the node states; they must agree)")
+    return (f"loader state field {PROGRESS_KEY!r} has unknown fields "
+            f"{sorted(set(progress) - set(found))} (expected {sorted(found)})")
+
+
 def elastic_root_state(nodes: list[BaseNode], epoch: int,
                        history: list[Resumption]) -> dict[str, Any]:
     """The graph state that starts ``epoch`` after ``history`` (an elastic resume): the
@@ -358,6 +478,7 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
       without a sample axis, ``"static/name"``), ``patch_size``/``patch_stride``;
     - device: ``device``, ``ring_size`` (pinned buffers on CUDA);
     - checkpoint: ``keep_states`` (``state_dict_at``), ``allow_snapshot_change``,
+      ``allow_state_change`` (load states saved with another ``batch_size``/``drop_last``),
       ``log_every_s`` (``stats().summary()`` logged at most that often).
     """
     cfg = (config if config is not None else LoaderConfig()).replace(**options)
@@ -365,4 +486,19 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     graph = build_graph(source, manifest, split, resolved)
     return InSituLoader(graph.root, keep_states=cfg.checkpoint.keep_states,
                         log_every_s=cfg.checkpoint.log_every_s, resolved=resolved,
-                        ledger=graph.ledger, snapshot_id=source.snapshot_id)
+                        ledger=graph.ledger, snapshot_id=source.snapshot_id,
+                        fingerprint=fingerprint_of(manifest, split, resolved))
+
+
+def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> StateFingerprint:
+    """What this loader's states record: everything that decides which samples its
+    counters point at (``fingerprint.StateFingerprint``)."""
+    s = resolved.config.sampling
+    return StateFingerprint(
+        manifest=manifest.content_hash, split=split, seed=s.seed,
+        n_samples=resolved.grid.n_samples, chunk_size=resolved.grid.chunk_size,
+        first=resolved.grid.first, end=resolved.grid.end,
+        block_chunks=resolved.block_chunks, uneven=s.uneven,
+        contiguous=resolved.config.sample.time_steps is not None,
+        batch_size=s.batch_size, drop_last=s.drop_last,
+        rank=resolved.rank, world_size=resolved.world_size)

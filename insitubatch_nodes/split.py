@@ -6,6 +6,7 @@ autocorrelated neighbours on one side, so nothing leaks between train and val.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,9 @@ class SplitManifest:
 
     ``splits`` maps a name to half-open ranges of chunk ids. ``variables`` and
     ``n_samples``/``chunk_size`` let a loader check it is given the store it was made for.
+    Checked on construction (so on load too): every range non-empty and inside the array,
+    each split's ranges ascending, no chunk in two splits; ``content_hash`` is what loader
+    states record, so a state is never applied over another manifest.
     """
 
     n_samples: int
@@ -41,6 +45,18 @@ class SplitManifest:
     snapshot_id: str | None = None  # icechunk snapshot the split was made on
     gap: int = 0  # steps kept free between consecutive splits (time windows)
     periods: tuple[tuple[str, str | None, str | None], ...] = ()  # coordinate ranges asked for
+
+    def __post_init__(self) -> None:
+        check_splits(self.n_samples, self.chunk_size, self.splits)
+
+    @property
+    def content_hash(self) -> str:
+        """A hash of what decides which samples each split serves (the sample grid and
+        every split's chunk ranges; not the metadata), recorded in every loader state."""
+        body = json.dumps({"n_samples": self.n_samples, "chunk_size": self.chunk_size,
+                           "splits": {n: [list(r) for r in rs] for n, rs in self.splits}},
+                          sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -80,38 +96,68 @@ class SplitManifest:
             "gap": self.gap,
             "periods": [list(p) for p in self.periods],
             "splits": {name: [list(r) for r in ranges] for name, ranges in self.splits},
+            "content_hash": self.content_hash,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> SplitManifest:
+        """The manifest ``to_dict`` wrote, checked: a field missing or of the wrong type,
+        an invalid split (see the class), or splits edited since the recorded
+        ``content_hash`` are ``ValueError``s naming the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a split manifest is a JSON object, got {type(d).__name__}")
         if d.get("version") != MANIFEST_VERSION:
             raise ValueError(
                 f"split manifest version {d.get('version')!r} is not supported "
                 f"(this library reads version {MANIFEST_VERSION})"
             )
-        return cls(
-            n_samples=int(d["n_samples"]),
-            chunk_size=int(d["chunk_size"]),
-            splits=tuple(
-                (str(name), tuple((int(a), int(b)) for a, b in ranges))
-                for name, ranges in d["splits"].items()
-            ),
-            variables=tuple(d.get("variables", ())),
-            seed=int(d.get("seed", 0)),
+        splits = _field(d, "splits", dict)
+        parsed = []
+        for name, ranges in splits.items():
+            if not isinstance(ranges, list) or not all(
+                    isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r)
+                    for r in ranges):
+                raise ValueError(f"split manifest field 'splits.{name}' must be a list of "
+                                 f"[start, stop] chunk-id pairs, got {ranges!r}")
+            parsed.append((str(name), tuple((a, b) for a, b in ranges)))
+        m = cls(
+            n_samples=_field(d, "n_samples", int),
+            chunk_size=_field(d, "chunk_size", int),
+            splits=tuple(parsed),
+            variables=tuple(str(v) for v in d.get("variables", ())),
+            seed=_field(d, "seed", int, 0),
             fractions=tuple(float(f) for f in d.get("fractions", ())),
             mode=str(d.get("mode", "contiguous")),
             source_url=str(d.get("source_url", "")),
             snapshot_id=d.get("snapshot_id"),
-            gap=int(d.get("gap", 0)),
+            gap=_field(d, "gap", int, 0),
             periods=tuple((str(n), a, b) for n, a, b in d.get("periods", ())),
         )
+        recorded = d.get("content_hash")
+        if recorded is not None and recorded != m.content_hash:
+            raise ValueError(
+                f"split manifest field 'content_hash' is {recorded!r}, but its splits hash to "
+                f"{m.content_hash!r}: the splits were edited after the manifest was written. "
+                "Loader states saved with the old splits will not load over it; if the edit "
+                "is intended, delete the 'content_hash' field."
+            )
+        return m
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> SplitManifest:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read and check a manifest written by ``to_json`` (see ``from_dict``)."""
+        text = Path(path).read_text()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"split manifest {path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"split manifest {path}: {e}") from None
 
     def check_source(self, source: Source, allow_snapshot_change: bool = False) -> None:
         """Refuse a store whose sample axis (or icechunk snapshot) is not the one this
@@ -131,6 +177,73 @@ class SplitManifest:
                 f"serves {source.n_samples} samples in chunks of {source.grid.chunk_size}. "
                 "Make a new manifest with split_by_chunk(source, ...)."
             )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_MISSING = object()
+
+
+def _field(d: dict, key: str, kind: type, default: object = _MISSING) -> object:
+    """``d[key]``, checked to be a ``kind`` (ints: not bools), else a ValueError naming it."""
+    if key not in d:
+        if default is _MISSING:
+            raise ValueError(f"split manifest has no field {key!r} (it has {sorted(d)})")
+        return default
+    value = d[key]
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise ValueError(f"split manifest field {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def check_splits(n_samples: int, chunk_size: int,
+                 splits: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
+    """Refuse splits that would serve a sample twice or one that does not exist: a range
+    empty, reversed or outside the array's chunks, a split's ranges out of order or
+    overlapping, a chunk in two splits, a name used twice. Errors name splits and ranges."""
+    if not _is_int(n_samples) or n_samples < 0:
+        raise ValueError(f"split manifest n_samples must be an integer >= 0, got {n_samples!r}")
+    if not _is_int(chunk_size) or chunk_size < 1:
+        raise ValueError(f"split manifest chunk_size must be an integer >= 1, "
+                         f"got {chunk_size!r}")
+    n_chunks = -(-n_samples // chunk_size)
+    names = [name for name, _ in splits]
+    if len(set(names)) != len(names):
+        raise ValueError(f"split manifest names a split twice: {names}")
+    owner: list[tuple[int, int, str]] = []
+    for name, ranges in splits:
+        prev: tuple[int, int] | None = None
+        for r in ranges:
+            if len(r) != 2 or not all(_is_int(x) for x in r):
+                raise ValueError(f"split {name!r}: range {r!r} is not a pair of chunk ids")
+            a, b = r
+            if not 0 <= a < b:
+                raise ValueError(f"split {name!r}: chunk range [{a}, {b}) is empty or negative "
+                                 "(ranges are half-open [start, stop) with 0 <= start < stop)")
+            if b > n_chunks:
+                raise ValueError(
+                    f"split {name!r}: chunk range [{a}, {b}) runs past the last chunk: "
+                    f"{n_samples} samples in chunks of {chunk_size} are chunks [0, {n_chunks})")
+            if prev is not None and a < prev[1]:
+                what = "overlaps" if a >= prev[0] else "comes before"
+                raise ValueError(
+                    f"split {name!r}: chunk range [{a}, {b}) {what} the range before it "
+                    f"[{prev[0]}, {prev[1]}): a split's ranges must be ascending and "
+                    "disjoint (a chunk listed twice would be served twice)")
+            prev = (a, b)
+            owner.append((a, b, name))
+    owner.sort()
+    for (a0, b0, n0), (a1, b1, n1) in zip(owner, owner[1:], strict=False):
+        if a1 < b0:
+            lo, hi = a1, min(b0, b1)
+            raise ValueError(
+                f"splits {n0!r} and {n1!r} overlap: {n0!r} has chunks [{a0}, {b0}) and {n1!r} "
+                f"has [{a1}, {b1}), so chunks [{lo}, {hi}) (samples "
+                f"[{lo * chunk_size}, {min(hi * chunk_size, n_samples)})) would serve both. "
+                "Make the splits disjoint (split_by_chunk / split_by_coordinate do)")
 
 
 def _apportion(n: int, fractions: Sequence[float]) -> list[int]:

@@ -106,7 +106,7 @@ def test_no_import_cycle():
 # What may import what, bottom to top (DESIGN.md "Layers"): a module may import its own
 # layer and the layers below, never one above.
 LAYERS = [
-    {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute",
+    {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute", "fingerprint",
      "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout", "arena"},
     {"io", "storage", "source", "stats", "split"},
     {"config"},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +11,7 @@ from torchdata.nodes import BaseNode
 from ..geometry import SampleGrid
 from ..items import ScheduledWindow
 from ..schedule import RankSchedule, Resumption, ScheduleContext, rank_schedule
-from .state import require, shutdown_source
+from .state import require_count, shutdown_source
 
 
 class ChunkPermuteNode(BaseNode[ScheduledWindow]):
@@ -62,20 +62,49 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         if initial_state is not None:
-            self.epoch = int(require(initial_state, self.EPOCH_KEY, self))
-            self._pos = int(require(initial_state, self.POSITION_KEY, self))
-            self.history = tuple(Resumption.from_json(h)
-                                 for h in initial_state.get(self.HISTORY_KEY, ()))
+            self.epoch, self._pos, self.history = self.parse_state(initial_state)
+            self.schedule = self.check_state(initial_state)
             # A restored run counts as started: the next reset(None) is the next epoch.
             self._started = True
-        else:
-            if self._started:
-                self.epoch += 1
-            self.history = ()
-            self._pos = 0
-            self._started = False
+            return
+        if self._started:
+            self.epoch += 1
+        self.history = ()
+        self._pos = 0
+        self._started = False
         self.schedule = rank_schedule(self._context(), self.epoch, self.rank, self.world_size,
                                       self.history)
+
+    def parse_state(self, state: Mapping[str, Any],
+                    ) -> tuple[int, int, tuple[Resumption, ...]]:
+        """(epoch, position, history) of a saved state; a field missing, retyped or
+        negative is a ValueError naming it."""
+        epoch = require_count(state, self.EPOCH_KEY, self)
+        pos = require_count(state, self.POSITION_KEY, self)
+        raw = state.get(self.HISTORY_KEY, [])
+        return epoch, pos, parse_history(raw, f"{type(self).__name__} state field "
+                                              f"{self.HISTORY_KEY!r}")
+
+    def check_state(self, state: Mapping[str, Any], offset: int | None = None,
+                    ) -> RankSchedule:
+        """The schedule ``state`` resumes, after checking its position is within that
+        epoch's windows and, given ``offset`` (draws taken in the head window, from the
+        ``ShuffleBufferNode``), that the head window has that many draws."""
+        epoch, pos, history = self.parse_state(state)
+        schedule = rank_schedule(self._context(), epoch, self.rank, self.world_size, history)
+        n = len(schedule.windows)
+        require_count(state, self.POSITION_KEY, self, n,
+                      f"the {n} windows of epoch {epoch} on rank {self.rank} of "
+                      f"{self.world_size}")
+        if offset is not None:
+            size = schedule.windows[pos].n_final if pos < n else 0
+            if offset > size:
+                raise ValueError(
+                    f"ShuffleBufferNode state field 'offset' is {offset}, past the {size} draws "
+                    f"of window {pos} of epoch {epoch} on rank {self.rank} of "
+                    f"{self.world_size}: the state was edited or saved by a loader built "
+                    "differently")
+        return schedule
 
     def __len__(self) -> int:
         return 0 if self.schedule is None else len(self.schedule.windows)
@@ -103,3 +132,24 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
     def shutdown(self) -> None:
         """Nothing of its own to stop: pass it upstream (torchdata's protocol)."""
         shutdown_source(self.source)
+
+
+def parse_history(raw: object, field: str) -> tuple[Resumption, ...]:
+    """Elastic resumptions from their JSON form, checked: each is [world_size >= 1,
+    [[window, offset] >= 0 for each old rank]]; else a ValueError naming ``field``."""
+    def count(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(raw, list):
+        raise ValueError(f"{field} must be a list of resumptions, got {raw!r}")
+    out = []
+    for i, h in enumerate(raw):
+        ok = (isinstance(h, list) and len(h) == 2 and count(h[0]) and h[0] >= 1
+              and isinstance(h[1], list) and len(h[1]) == h[0]
+              and all(isinstance(p, list) and len(p) == 2 and count(p[0]) and count(p[1])
+                      for p in h[1]))
+        if not ok:
+            raise ValueError(f"{field}[{i}] must be [world_size, [[window, offset], ...] "
+                             f"with one pair of integers >= 0 per old rank], got {h!r}")
+        out.append(Resumption.from_json(h))
+    return tuple(out)

@@ -16,7 +16,7 @@ from ..arena import BatchArena
 from ..counters import ShuffleStats
 from ..geometry import VariableGeometry
 from ..items import BatchDraw, DecodedWindow, GatherPart
-from .state import require, shutdown_source
+from .state import require, require_count, shutdown_source
 
 
 def _runs(samples: np.ndarray, steps: np.ndarray, sample_chunk: int,
@@ -88,7 +88,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._error: BaseException | None = None
         if initial_state is not None:
             self.source.reset(require(initial_state, self.SOURCE_KEY, self))
-            self._skip = int(require(initial_state, self.OFFSET_KEY, self))
+            self._skip = require_count(initial_state, self.OFFSET_KEY, self)
             if self.arena is not None:
                 self.arena.skip_next(self._skip)  # the fetch need not decode them again
         else:
@@ -102,10 +102,19 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             win = next(self.source)
         except StopIteration:
             self._exhausted = True
+            if self._skip:
+                raise ValueError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
+                                 f"{self._skip}, but the restored epoch has no window left "
+                                 "to skip draws of: the state was edited") from None
             return None
         finally:
             self.stats.upstream_s += time.perf_counter() - t0
         self.stats.windows += 1
+        if self._skip > win.plan.n_samples:
+            raise ValueError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
+                             f"{self._skip}, past the {win.plan.n_samples} draws of the "
+                             "restored window: the state was edited or saved by a loader "
+                             "built differently")
         # The plan counted each stripe's uses over every step of every draw.
         remaining = tuple(dict(zip(r, u, strict=True))
                           for r, u in zip(win.plan.reads, win.plan.uses, strict=True))

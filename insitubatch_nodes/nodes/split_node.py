@@ -7,7 +7,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from ..split import SplitManifest
-from .state import require
+from .state import require_count
 
 
 class SplitNode(BaseNode[int]):
@@ -32,7 +32,9 @@ class SplitNode(BaseNode[int]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._pos = int(require(initial_state, self.POSITION_KEY, self)) if initial_state else 0
+        self._pos = (require_count(initial_state, self.POSITION_KEY, self, len(self._ids),
+                                   f"the {len(self._ids)} chunks of split {self.split!r}")
+                     if initial_state else 0)
 
     def next(self) -> int:
         if self._pos >= len(self._ids):

@@ -1,0 +1,145 @@
+"""What a loader state was taken under, so it is never applied to another sampling.
+
+A state holds only counters (windows finished, draws taken); they mean the right samples
+only under the same manifest, split, seed, sample grid, ranks and shuffle parameters. Every
+state records those as a ``StateFingerprint``; loading compares them field by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Fields whose change leaves the rest of the epoch exactly-once: the counters count windows
+# and draws, never batches, so another batch size (or drop_last) only cuts the remaining
+# draws differently. allow_state_change=True accepts these and nothing else.
+SOUND_CHANGES: tuple[str, ...] = ("batch_size", "drop_last")
+# Per-rank fields; a merged (elastic) state has none: any world size may load it.
+RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
+# Not compared for a merged state: the resumed generation deals the rest of the epoch
+# afresh over the new ranks and evens their steps by the new loader's policy.
+MERGED_FREE: tuple[str, ...] = (*RANK_FIELDS, "uneven")
+
+_HOW = {
+    "manifest": "load it into a loader built with the split manifest it was saved with "
+                "(SplitManifest.from_json of that file), or start this one fresh",
+    "split": "each split's loader has its own state: load it into the loader of the split "
+             "it was saved from, or start this one fresh",
+    "seed": "the seed decides the order of the rest of the epoch: build the loader with the "
+            "saved seed (a new seed can start with a fresh loader)",
+    "n_samples": "the sample grid changed (another store, or another time window): resume "
+                 "on the store and window the state was saved with",
+    "chunk_size": "the sample grid changed (another store or chunking): resume on the store "
+                  "the state was saved with",
+    "first": "the valid samples changed (another time window's history): resume with the "
+             "window= the state was saved with",
+    "end": "the valid samples changed (another time window's lead): resume with the "
+           "window= the state was saved with",
+    "block_chunks": "windows are cut by block_chunks: build the loader with the saved value",
+    "uneven": "the equal-steps policy changes every rank's share: build with the saved value",
+    "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
+    "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
+            "on another world size load merge_rank_states(all ranks' states) on every rank",
+    "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
+                  "states) on every rank",
+    "batch_size": "continuing is sound (the rest of the epoch is served exactly once in "
+                  "batches of the new size; num_yielded keeps counting batches): build the "
+                  "loader with allow_state_change=True, or with the saved value",
+    "drop_last": "continuing is sound (only the epoch's last short batch differs): build the "
+                 "loader with allow_state_change=True, or with the saved value",
+}
+
+
+@dataclass(frozen=True)
+class StateFingerprint:
+    """Everything that decides which samples a loader state's counters point at.
+
+    ``manifest`` is ``SplitManifest.content_hash``; ``n_samples``/``chunk_size`` and the
+    valid samples ``[first, end)`` the grid the schedule deals (anchors, with time windows);
+    ``rank``/``world_size`` are ``None`` in a merged state.
+    """
+
+    manifest: str
+    split: str
+    seed: int
+    n_samples: int
+    chunk_size: int
+    first: int
+    end: int
+    block_chunks: int
+    uneven: str
+    contiguous: bool
+    batch_size: int
+    drop_last: bool
+    rank: int | None = None
+    world_size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not (k in RANK_FIELDS and v is None)}
+
+    @classmethod
+    def from_json(cls, obj: object, *, merged: bool) -> StateFingerprint:
+        """Parse a state's fingerprint; a field missing, extra or of the wrong type is a
+        ValueError naming it (a merged state has no rank fields)."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"loader state field 'fingerprint' must be a dict, got {obj!r}")
+        want = {f.name: f for f in dataclasses.fields(cls)
+                if not (merged and f.name in RANK_FIELDS)}
+        missing = sorted(set(want) - set(obj))
+        extra = sorted(set(obj) - set(want))
+        if missing or extra:
+            kind = "a merged" if merged else "a rank's"
+            raise ValueError(
+                f"loader state field 'fingerprint' of {kind} state has "
+                f"{'no fields ' + str(missing) if missing else ''}"
+                f"{' and ' if missing and extra else ''}"
+                f"{'unknown fields ' + str(extra) if extra else ''} (expected {sorted(want)}); "
+                "load a state saved by state_dict() or merge_rank_states")
+        values = {}
+        for name in want:
+            v = obj[name]
+            kind = str if name in ("manifest", "split", "uneven") else (
+                bool if name in ("contiguous", "drop_last") else int)
+            ok = (isinstance(v, bool) if kind is bool else
+                  isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind is int
+                  else isinstance(v, str))
+            if not ok:
+                raise ValueError(f"loader state field 'fingerprint.{name}' must be "
+                                 f"{'an integer >= 0' if kind is int else kind.__name__}, "
+                                 f"got {v!r}")
+            values[name] = v
+        return cls(**values)
+
+    def merged(self) -> StateFingerprint:
+        """The fingerprint of a merged state: the same, without rank and world size."""
+        return dataclasses.replace(self, rank=None, world_size=None)
+
+    def differences(self, other: StateFingerprint) -> list[tuple[str, Any, Any]]:
+        """(field, this value, other value) for every field that differs; where either side
+        is merged (no rank), the ``MERGED_FREE`` fields are not compared."""
+        merged = self.rank is None or other.rank is None
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if merged and f.name in MERGED_FREE:
+                continue
+            if a != b:
+                out.append((f.name, a, b))
+        return out
+
+
+def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
+                      allow_state_change: bool = False) -> None:
+    """Refuse a state saved under ``saved`` for a loader built as ``current``: one
+    ValueError naming every differing field, both values and how to proceed. With
+    ``allow_state_change`` the ``SOUND_CHANGES`` pass; no other change ever does."""
+    diffs = [d for d in saved.differences(current)
+             if not (allow_state_change and d[0] in SOUND_CHANGES)]
+    if not diffs:
+        return
+    lines = [f"{name}: saved {a!r}, this loader {b!r} ({_HOW[name]})" for name, a, b in diffs]
+    raise ValueError("this loader state was saved by a loader built differently, so its "
+                     "counters would point at other samples; " + "; ".join(lines))
