@@ -216,7 +216,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
             repo = icechunk.Repository.open(storage, authorize_virtual_chunk_access=access)
         except Exception as e:
             raise FileNotFoundError(f"cannot open {display}: {_first_line(e)}") from None
-    locked = _unauthorized_containers(repo, display, access)
+    containers, locked = _virtual_containers(repo, display, access)
     ref = (f"branch {branch!r}" if branch is not None else f"tag {tag!r}" if tag is not None
            else f"snapshot {snapshot_id!r}")
     try:
@@ -226,8 +226,8 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
         raise KeyError(f"{ref} not found in {display} ({_first_line(e).strip(' x')}); "
                        f"it has branches {known['branches']} and tags {known['tags']}") from None
     store = session.store
-    if locked:  # reads of those containers fail: say how to authorize them
-        store = VirtualChunkGate(store, f"{display} @ {ref}", locked)
+    if containers:  # virtual chunks may be read: their refusals re-worded for humans
+        store = VirtualChunkGate(store, f"{display} @ {ref}", containers, locked)
     return OpenedStore(store, f"{display} @ {ref}", snapshot_id=session.snapshot_id)
 
 
@@ -254,11 +254,11 @@ def _container_credentials(icechunk: Any, access: Mapping[str, Any] | None
     return out
 
 
-def _unauthorized_containers(repo: Any, display: str, access: Mapping[str, Any] | None
-                             ) -> tuple[str, ...]:
-    """The repository's virtual chunk container prefixes this session may not read; a
-    prefix in ``access`` that names no container is refused (a typo would else only show
-    when the first virtual chunk is read)."""
+def _virtual_containers(repo: Any, display: str, access: Mapping[str, Any] | None
+                        ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The repository's virtual chunk container prefixes, and those this session may not
+    read; a prefix in ``access`` that names no container is refused (a typo would else only
+    show when the first virtual chunk is read)."""
     containers = sorted((repo.config.virtual_chunk_containers or {}).keys())
     unknown = sorted(set(access or ()) - set(containers))
     if unknown:
@@ -268,21 +268,29 @@ def _unauthorized_containers(repo: Any, display: str, access: Mapping[str, Any] 
             f"{[redact_url(c) for c in containers]} (set when the repository is written, with "
             "icechunk.RepositoryConfig.set_virtual_chunk_container)")
     authorized = set(repo.authorized_virtual_container_prefixes)
-    return tuple(c for c in containers if c not in authorized)
+    return tuple(containers), tuple(c for c in containers if c not in authorized)
+
+
+# What object stores answer to bad credentials, as icechunk passes it on (S3 codes, HTTP).
+_DENIED = re.compile(r"\b(AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|ExpiredToken|"
+                     r"InvalidToken|AuthorizationHeaderMalformed|Forbidden|Unauthorized|403|401)\b")
 
 
 class VirtualChunkGate(WrapperStore[Any]):
-    """An icechunk store whose repository has virtual chunk containers this session may not
-    read: a read that needs one fails with a ``PermissionError`` naming the prefix to pass in
-    ``virtual_chunk_access``, instead of icechunk's own advice about its own API."""
+    """An icechunk store whose repository has virtual chunk containers: a virtual chunk read
+    that is refused (container not authorized, credentials denied) fails with a
+    ``PermissionError`` naming the prefix and what to pass in ``virtual_chunk_access``,
+    instead of icechunk's advice about its own API. Other errors pass unchanged."""
 
-    def __init__(self, store: Any, display: str, locked: tuple[str, ...]) -> None:
+    def __init__(self, store: Any, display: str, containers: tuple[str, ...],
+                 locked: tuple[str, ...]) -> None:
         super().__init__(store)
         self.display = display
-        self.locked = locked
+        self.containers = containers  # every container's url prefix
+        self.locked = locked  # those not authorized
 
     def _with_store(self, store: Any) -> VirtualChunkGate:
-        return type(self)(store, self.display, self.locked)
+        return type(self)(store, self.display, self.containers, self.locked)
 
     async def get(self, key: str, prototype: BufferPrototype,
                   byte_range: ByteRequest | None = None) -> Buffer | None:
@@ -307,8 +315,15 @@ class VirtualChunkGate(WrapperStore[Any]):
             raise err from None
 
     def _explain(self, key: str, exc: Exception) -> PermissionError | None:
-        """Icechunk's refusal of an unauthorized container, re-worded (else ``None``)."""
+        """Icechunk's refusal of a virtual chunk, re-worded (else ``None``)."""
         text = str(exc)
+        if "virtual reference" in text and (denied := _DENIED.search(text)):
+            opened = [redact_url(c) for c in self.containers if c not in self.locked]
+            return PermissionError(
+                f"chunk {key!r} of {self.display} is a virtual reference whose read was denied "
+                f"({denied.group(1)}): check the credentials given in virtual_chunk_access for "
+                f"{' or '.join(opened) or 'its container'} (icechunk.s3_credentials(...) and "
+                "the like; None takes the environment's)")
         if "authorize" not in text:
             return None
         found = re.search(r"url prefix (\S+?),? ", text)

@@ -231,3 +231,79 @@ def test_a_shuffled_chunk_of_the_wrong_size_is_refused(tmp_path):
         with pytest.raises(ValueError, match=f"shuffled chunk has {n} bytes, expected 128"):
             decoder.decode_into(zlib.compress(bytes(n)), out)
     assert not out.any()
+
+
+# -- files in object storage: credentials for the container, never in a message ---------------
+
+def test_files_on_s3_with_credentials_that_never_leak(tmp_path, caplog):
+    """NetCDF files in a bucket (moto, with real signature checks): the container's
+    credentials go to icechunk only; wrong ones fail without showing the secret."""
+    import json
+    import logging
+
+    for name in ("h5netcdf", "icechunk", "virtualizarr", "moto"):
+        pytest.importorskip(name)
+    import icechunk
+    from obspec_utils.registry import ObjectStoreRegistry
+    from obstore.store import S3Store
+    from virtualizarr import open_virtual_mfdataset
+    from virtualizarr.parsers import HDFParser
+
+    from insitubatch_nodes.testing.s3server import REGION, start_moto
+
+    data = tmp_path / "netcdf"
+    data.mkdir()
+    paths = write_netcdf(data, t2m_chunks=(2, 4, 3), z_chunks=(2, 3, 4))
+    server = start_moto(tmp_path)
+    try:
+        server.make_bucket("archive")
+        server.upload_dir(data, "archive", "nc")
+        store = S3Store("archive", endpoint=server.endpoint, region=REGION,
+                        access_key_id=server.key_id, secret_access_key=server.secret,
+                        client_options={"allow_http": True})
+        vds = open_virtual_mfdataset([f"s3://archive/nc/{p.name}" for p in paths],
+                                     registry=ObjectStoreRegistry({"s3://archive": store}),
+                                     parser=HDFParser(), concat_dim="time", combine="nested")
+        prefix = "s3://archive/nc/"
+        config = icechunk.RepositoryConfig.default()
+        config.set_virtual_chunk_container(icechunk.VirtualChunkContainer(prefix, icechunk.s3_store(
+            region=REGION, endpoint_url=server.endpoint, allow_http=True, s3_compatible=True,
+            force_path_style=True)))
+        repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "r")),
+                                          config)
+        session = repo.writable_session("main")
+        vds.vz.to_icechunk(session.store)
+        session.commit("virtual references into the bucket")
+
+        caplog.set_level(logging.DEBUG)
+        creds = icechunk.s3_credentials(access_key_id=server.key_id,
+                                        secret_access_key=server.secret)
+        src = ib.open_icechunk(str(tmp_path / "r"), virtual_chunk_access={prefix: creds})
+        manifest = ib.split_by_chunk(src, (1.0,))
+        loader = ib.build_loader(src, manifest, "train", batch_size=6, block_chunks=4)
+        ref = on_files(paths)
+        batches = list(loader)
+        seen = np.concatenate([b["sample_index"].numpy() for b in batches])
+        assert sorted(seen.tolist()) == list(range(sum(STEPS)))
+        for b in batches:
+            idx = b["sample_index"].numpy()
+            for name in ("t2m", "z"):
+                np.testing.assert_array_equal(bits(b[name].numpy()), bits(ref[name].values[idx]))
+
+        wrong = icechunk.s3_credentials(access_key_id=server.key_id,
+                                        secret_access_key="not-" + server.secret)
+        bad = ib.open_icechunk(str(tmp_path / "r"), virtual_chunk_access={prefix: wrong})
+        bad_loader = ib.build_loader(bad, manifest, "train", batch_size=6,
+                                     retry=ib.RetryPolicy(attempts=1))
+        with pytest.raises(OSError) as info:  # a PermissionError, maybe inside the read's
+            next(iter(bad_loader))
+        outputs = [repr(src), src.url, json.dumps(manifest.to_dict()),
+                   json.dumps(loader.state_dict()), repr(bad), messages(info.value),
+                   caplog.text]
+        for i, text in enumerate(outputs):
+            assert server.secret not in text, i
+        text = messages(info.value)
+        assert "PermissionError" in text and "SignatureDoesNotMatch" in text
+        assert f"virtual_chunk_access for {prefix}" in text
+    finally:
+        server.stop()
