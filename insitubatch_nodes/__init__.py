@@ -36,7 +36,7 @@ from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_q
 from .source import Discovery, Source, discover, open_icechunk, open_source
 from .split import SplitManifest, split_by_chunk, split_by_coordinate
 from .staging import StagingSeam
-from .stats import Stats, VariableStats, compute_stats
+from .stats import Stats, VariableStats, compute_stats, dataset_stats
 from .windows import SampleWindow
 
 __version__ = "0.1.0"
@@ -48,7 +48,8 @@ __all__ = [
     "build_loader", "measured_shuffle_quality", "merge_rank_states", "open_icechunk", "open_source",
     "parse_bytes", "recommend_block_chunks", "shuffle_quality", "split_by_chunk",
     "split_by_coordinate", "SampleWindow", "Stats", "VariableStats", "compute_stats",
-    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats", "discover", "Discovery",
+    "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
+    "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
     "CheckpointConfig", "StagingSeam",
 ]

@@ -20,7 +20,7 @@ import torch
 from .io.device_decode import FrameDecoder
 from .io.retry import RetryPolicy
 from .schedule import UNEVEN_POLICIES
-from .stats import Stats
+from .stats import SCHEMES, Stats
 from .windows import SampleWindow
 
 DEFAULT_RING_SIZE = 3
@@ -105,8 +105,24 @@ class SampleConfig:
     static: Mapping[str, Any] | None = None
     patch_size: tuple[int, ...] | None = None
     patch_stride: tuple[int, ...] | None = None
+    # {variable, anemoi label or "default": scheme}: how ``stats`` are applied
+    normalize: Mapping[str, str] | None = None
+    # the stacked channels (or an anemoi dataset's variables) on the last axis, as views
+    channels_last: bool = False
+    drop_ensemble: bool = False  # anemoi: drop the (single-member) ensemble axis
 
     def __post_init__(self) -> None:
+        if self.normalize is not None:
+            if not isinstance(self.normalize, Mapping):
+                raise TypeError(f"sample.normalize must map names to schemes, got "
+                                f"{self.normalize!r}")
+            bad = {k: v for k, v in self.normalize.items() if v not in SCHEMES}
+            if bad:
+                raise ValueError(f"sample.normalize has unknown schemes {bad}; schemes: "
+                                 f"{list(SCHEMES)}")
+            if self.stats is None:
+                raise ValueError("sample.normalize needs stats= (e.g. ib.dataset_stats(src) "
+                                 "or ib.compute_stats(...)) to apply its schemes to")
         if self.steps is not None and not isinstance(self.steps, SampleWindow):
             raise TypeError(f"sample.steps (window=) must be a SampleWindow, got {self.steps!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):

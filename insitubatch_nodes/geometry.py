@@ -33,6 +33,9 @@ class VariableGeometry:
     dtype: np.dtype
     dimension_names: tuple[str | None, ...] | None = None
     shards: tuple[int, ...] | None = None
+    # Names along the axis after the sample axis, when the store gives them (an anemoi
+    # dataset's variables: ``2t``, ``t_500``): channels can then be picked by name.
+    labels: tuple[str, ...] | None = None
 
     @property
     def sample_shape(self) -> tuple[int, ...]:

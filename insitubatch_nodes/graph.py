@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import zarr.storage
 from torchdata.nodes import BaseNode
@@ -25,7 +26,7 @@ from .budget import check_budget
 from .config import LoaderConfig
 from .geometry import SampleGrid
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
-from .layout import BatchLayout, Channel, build_layout
+from .layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
 from .memory import BufferPool, MemoryLedger
 from .nodes import (
     AsyncFetchNode,
@@ -42,6 +43,7 @@ from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode
 from .nodes.pin_or_cuda import resolve_device
 from .nodes.static import StaticFieldsNode
+from .nodes.views import ChannelsLastNode
 from .permute import resolve_rank
 from .quality import shuffle_quality
 from .schedule import ScheduleContext, n_units
@@ -49,7 +51,7 @@ from .source import Source
 from .split import SplitManifest
 from .staging import StagingSeam
 from .stats import Stats
-from .windows import SampleWindow
+from .windows import SampleWindow, chunks_touching
 
 STAGES = ("split", "permute", "plan", "fetch", "shuffle", "gather", "pin")
 
@@ -69,6 +71,8 @@ class Resolved:
     shuffle_quality: float  # the model's score for this configuration (1.0: global shuffle)
     frame_decoder: FrameDecoder | None  # decode="gpu": the device decoder
     channels: tuple[Channel, ...] | None  # sample.channels resolved against the source
+    channels_key: str  # the batch key they are stacked into
+    excluded: tuple[int, ...]  # chunks left out: their samples touch the store's missing steps
     layout: BatchLayout | None  # where each variable lands in a host-gathered batch
     in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
 
@@ -117,6 +121,9 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     steps = config.sample.time_steps
     grid = source.grid if steps is None else steps.grid(source.grid)
     chunk_ids = manifest.chunk_ids(split)
+    excluded = chunks_touching(source.missing, source.grid, steps)
+    if excluded.size:
+        chunk_ids = np.setdiff1d(chunk_ids, excluded)
     if len(chunk_ids) == 0:
         raise ValueError(
             f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "
@@ -128,9 +135,28 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     decoder = resolve_decode(f.decode, config.device.device)
     sm = config.sample
     channels = tuple(resolve_channels(source, sm.channels)) if sm.channels else None
+    channels_key = CHANNELS_KEY
+    if source.selection is not None:
+        if channels:
+            raise ValueError(
+                f"the anemoi dataset {source.url!r} was opened with variables="
+                f"{list(source.selection)} and the loader was given channels="
+                f"{list(sm.channels or ())}: choose the variables in one of the two")
+        # an anemoi selection: the chosen variables, in order, as batch["data"]
+        channels = tuple(resolve_channels(source, source.selection))
+        channels_key = source.variables[0].name
+    if (sm.channels_last or sm.drop_ensemble) and not channels and source.format != "anemoi":
+        raise ValueError("sample.channels_last / drop_ensemble apply to stacked channels "
+                         "(channels=[...]) or an anemoi dataset's data; this loader has "
+                         f"neither (variables {list(source.names)})")
+    if sm.drop_ensemble and source.format != "anemoi":
+        raise ValueError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
+                         "it has no ensemble axis")
+    if not channels and source.format == "anemoi":
+        channels_key = source.variables[0].name  # the whole of "data"
     # Host gathers write channels straight into their slice of "channels"; batches gathered
     # on a GPU (decode="gpu") are stacked afterwards.
-    layout = (build_layout(source.variables, channels) if decoder is None
+    layout = (build_layout(source.variables, channels, channels_key) if decoder is None
               else None)
     why_not = _not_in_place(source, steps, decoder, layout)
     if f.in_place and why_not:
@@ -156,7 +182,9 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         n_chunks=len(chunk_ids), block_chunks=block_chunks, resident_bound=bound,
         shuffle_quality=shuffle_quality(len(chunk_ids), source.grid.chunk_size, block_chunks,
                                         s.batch_size),
-        frame_decoder=decoder, channels=channels, layout=layout, in_place=in_place,
+        frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
+        excluded=tuple(int(c) for c in excluded),
+        in_place=in_place,
     )
 
 
@@ -239,7 +267,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
         stages[name] = node
         return name == upto
 
-    node: BaseNode = SplitNode(manifest, split)
+    node: BaseNode = SplitNode(manifest, split, exclude=resolved.excluded)
     if done("split", node):
         return Graph(node, stages, ledger)
     node = ChunkPermuteNode(node, resolved.grid, seed=s.seed, rank=resolved.rank,
@@ -274,19 +302,25 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     node, between = gather, []
     if sm.stats is not None or sm.dtype is not None:
         node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
-                             source.variables, dtype=sm.dtype, layout=layout)
+                             source.variables, dtype=sm.dtype, layout=layout,
+                             schemes=sm.normalize)
         between.append(node)
     if sm.static:
         node = StaticFieldsNode(node, sm.static, device=resolve_device(d.device))
         between.append(node)
     if channels and layout is None:
-        node = StackChannelsNode(node, channels)
+        node = StackChannelsNode(node, channels, key=resolved.channels_key)
         between.append(node)
     if sm.patch_size is not None:
         spatial = source.variables[0].sample_shape[-len(sm.patch_size):]
         # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
         # patch corners once
         node = PatchNode(node, sm.patch_size, sm.patch_stride, spatial_shape=spatial)
+        between.append(node)
+    if sm.channels_last or sm.drop_ensemble:
+        node = ChannelsLastNode(node, (resolved.channels_key,),
+                                -3 if sm.channels_last else None,
+                                (-2,) if sm.drop_ensemble else ())
         between.append(node)
     dev = ops.device if ops is not None else resolve_device(d.device)
     seam = connect_staging(gather, between) if dev is not None and dev.type == "cuda" else None

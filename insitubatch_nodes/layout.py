@@ -86,10 +86,12 @@ def _sample_shape(var: VariableGeometry) -> tuple[int, ...]:
 
 
 def build_layout(variables: Sequence[VariableGeometry],
-                 channels: Sequence[Channel] | None = None) -> BatchLayout | None:
-    """The layout for ``variables`` with ``channels`` stacked into ``"channels"`` (the
-    channel variables are then not served on their own, as ``StackChannelsNode`` does).
-    ``None`` when the channels cannot share one array (different dtypes)."""
+                 channels: Sequence[Channel] | None = None,
+                 key: str = CHANNELS_KEY) -> BatchLayout | None:
+    """The layout for ``variables`` with ``channels`` stacked into ``key`` (the channel
+    variables are then not served on their own, as ``StackChannelsNode`` does; an anemoi
+    selection stacks into ``"data"``). ``None`` when the channels cannot share one array
+    (different dtypes)."""
     by_name = {v.name: i for i, v in enumerate(variables)}
     placements: list[list[Placement]] = [[] for _ in variables]
     keys: list[KeySpec] = []
@@ -110,18 +112,18 @@ def build_layout(variables: Sequence[VariableGeometry],
             spatial = shape[-2:] if ch.index is None else shape[1:][-2:]
             prev = placements[v][-1] if placements[v] else None
             if ch.index is None:
-                placements[v].append(Placement(CHANNELS_KEY, c))
+                placements[v].append(Placement(key, c))
             elif (prev is not None and isinstance(prev.channel, slice) and prev.levels
                   is not None and prev.channel.stop == c and prev.levels.stop == ch.index):
                 # the next level of the same variable in the next channel: one range
-                placements[v][-1] = Placement(CHANNELS_KEY, slice(prev.channel.start, c + 1),
+                placements[v][-1] = Placement(key, slice(prev.channel.start, c + 1),
                                               slice(prev.levels.start, ch.index + 1))
             else:
-                placements[v].append(Placement(CHANNELS_KEY, slice(c, c + 1),
+                placements[v].append(Placement(key, slice(c, c + 1),
                                                slice(ch.index, ch.index + 1)))
             c += 1
         assert spatial is not None
-        keys.append(KeySpec(CHANNELS_KEY, (c, *spatial), dtypes.pop()))
+        keys.append(KeySpec(key, (c, *spatial), dtypes.pop()))
         # A range holding every level of its variable, in order, is the whole sample.
         for v, ps in enumerate(placements):
             n_levels = _sample_shape(variables[v])[0] if variables[v].sample_shape else 0

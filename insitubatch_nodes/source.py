@@ -15,6 +15,7 @@ import numpy as np
 import zarr
 import zarr.storage
 
+from .anemoi import DATA, is_anemoi, read_layout, select
 from .geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
@@ -41,6 +42,13 @@ class Source:
     # Numeric arrays beside the variables without the sample dimension (a land-sea mask,
     # orography): served whole by ``open_static``, never planned like data chunks.
     static: tuple[str, ...] = ()
+    # Sample indices the store marks as missing (anemoi's ``missing_dates``): splits leave
+    # out every chunk holding one, so no sample or time window ever touches them.
+    missing: tuple[int, ...] = ()
+    # anemoi datasets: the variables chosen along ``data``'s variable axis, in order; the
+    # loader serves them (only them) as ``batch["data"]``.
+    selection: tuple[str, ...] | None = None
+    format: str = "zarr"  # or "anemoi"
 
     def coordinate(self, dim: str) -> np.ndarray:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables."""
@@ -282,6 +290,8 @@ def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.
 
 def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
               sample_dim: str | None, snapshot_id: str | None) -> Source:
+    if is_anemoi(group):
+        return _describe_anemoi(group, display, variables, snapshot_id)
     arrays = dict(group.arrays())
     if not arrays:
         raise ValueError(f"the Zarr group at {display!r} holds no arrays")
@@ -359,3 +369,24 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
                   sample_dim=sample_dim, snapshot_id=snapshot_id,
                   sample_coord=_sample_coordinate(group, sample_dim, n), group=group,
                   static=static)
+
+
+def _describe_anemoi(group: zarr.Group, display: str, variables: Sequence[str] | None,
+                     snapshot_id: str | None) -> Source:
+    """An anemoi dataset: ``data`` served along its dates, its variables as labels of axis
+    1 (``variables=`` picks and orders them), ``dates`` as the sample coordinate."""
+    layout = read_layout(group, display)
+    chosen = None if variables is None else select(layout, variables, display)
+    arr = group[DATA]
+    dtype = np.dtype(arr.dtype)
+    geom = VariableGeometry(
+        name=DATA, shape=tuple(int(s) for s in arr.shape),
+        chunks=tuple(int(c) for c in arr.chunks), dtype=dtype.newbyteorder("="),
+        dimension_names=layout.dimension_names,
+        shards=tuple(int(s) for s in arr.shards) if arr.shards else None,
+        labels=layout.variables)
+    grid = SampleGrid(n_samples=geom.shape[0], chunk_size=geom.sample_chunk)
+    return Source(url=display, variables=(geom,), grid=grid, arrays=(arr,),
+                  sample_dim=layout.dimension_names[0], snapshot_id=snapshot_id,
+                  sample_coord=layout.dates, group=group, missing=layout.missing,
+                  selection=chosen, format="anemoi")

@@ -16,8 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .anemoi import read_layout, stored_statistics
 from .source import Source
 from .split import SplitManifest
+
+# Normalisation schemes (anemoi-training's), per variable or label; "default" names the rest.
+SCHEMES = ("mean-std", "std", "min-max", "max", "none")
+DEFAULT_SCHEME = "default"
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,3 +123,27 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
         out.append(VariableStats(name, kept_names, np.asarray(m), np.sqrt(np.asarray(m2) / n),
                                  np.asarray(lo), np.asarray(hi), int(n)))
     return Stats(split, tuple(out))
+
+
+def dataset_stats(source: Source) -> Stats:
+    """The statistics an anemoi dataset stored when it was made, as ``Stats``: one entry per
+    anemoi variable (``dataset_stats(src)["2t"].mean``) and ``"data"`` per variable axis,
+    which ``NormalizeNode`` (``build_loader(stats=...)``) applies channel by channel."""
+    if source.format != "anemoi" or source.group is None:
+        raise ValueError(f"{source.url!r} is not an anemoi dataset, so it stores no "
+                         "statistics; compute them with ib.compute_stats(source, manifest)")
+    layout = read_layout(source.group, source.url)
+    stored = stored_statistics(source.group, layout, source.url)
+    have = set(source.group.array_keys())
+    count = (np.asarray(source.group["count"][:], dtype=np.int64) if "count" in have
+             else np.zeros(len(layout.variables), dtype=np.int64))
+    data = source.variables[0]
+    assert data.dimension_names is not None
+    whole = VariableStats(data.name, (str(data.dimension_names[1]),), stored["mean"],
+                          stored["stdev"], stored["minimum"], stored["maximum"],
+                          int(count.sum()))
+    each = tuple(VariableStats(name, (), *(np.asarray(stored[k][i]) for k in
+                                          ("mean", "stdev", "minimum", "maximum")),
+                               count=int(count[i]))
+                 for i, name in enumerate(layout.variables))
+    return Stats("stored", (whole, *each))

@@ -387,3 +387,71 @@ def write_wb2_store(path: str | Path, spec: WB2Spec, *, progress: bool = True) -
             bar.update(t1 - t0)
     zarr.consolidate_metadata(path, zarr_format=2)
     return path
+
+
+# -- anemoi datasets ---------------------------------------------------------------------
+ANEMOI_VARIABLES = ("10u", "10v", "2t", "msl", "t_500", "t_850", "z_500", "z_850", "lsm")
+
+
+def write_anemoi_store(path: str | Path, *, n_dates: int = 16, n_cells: int = 40,
+                       variables: tuple[str, ...] = ANEMOI_VARIABLES, n_ensemble: int = 1,
+                       missing: tuple[int, ...] = (), dimensions_attr: bool = True,
+                       frequency_hours: int = 6, seed: int = 0) -> Path:
+    """Write the layout ``anemoi-datasets create`` makes, without depending on it (it pins
+    zarr 2): a Zarr v2 group with ``data (dates, variables, ensemble, cells)`` float32, one
+    date per chunk, blosc lz4, NaN fill; ``dates`` datetime64[s]; ``latitudes``,
+    ``longitudes``; ``mean``/``stdev``/``minimum``/``maximum``/``sums``/``squares``/
+    ``count``/``has_nans`` per variable (over the dates that are not missing); root attrs
+    ``variables``, ``frequency``, ``missing_dates`` (the dates at ``missing``, whose fields
+    are NaN, as anemoi writes them), ``field_shape``, ``ensemble_dimension``, ``resolution``.
+    ``dimensions_attr=False`` drops ``_ARRAY_DIMENSIONS`` as ``anemoi-datasets copy`` does.
+    The value of (date t, variable v, member e, cell c) is ``1000 v + t + c / 1000 + e / 10``
+    plus noise, so a test can tell any two apart."""
+    import zarr
+
+    path = Path(path)
+    clear_store(path)
+    rng = np.random.default_rng(seed)
+    nv = len(variables)
+    t = np.arange(n_dates, dtype=np.float64)[:, None, None, None]
+    v = np.arange(nv, dtype=np.float64)[None, :, None, None]
+    e = np.arange(n_ensemble, dtype=np.float64)[None, None, :, None]
+    c = np.arange(n_cells, dtype=np.float64)[None, None, None, :]
+    data = (1000 * v + t + c / 1000 + e / 10
+            + rng.standard_normal((n_dates, nv, n_ensemble, n_cells)) * 0.01).astype("float32")
+    data[list(missing)] = np.nan
+    start = np.datetime64("2020-01-01T00:00:00", "s")
+    dates = start + np.arange(n_dates) * np.timedelta64(frequency_hours, "h").astype("m8[s]")
+    present = np.setdiff1d(np.arange(n_dates), np.asarray(missing, dtype=np.int64))
+    x = data[present].astype(np.float64)
+    g = zarr.open_group(path, mode="w", zarr_format=2)
+    dims = {"_ARRAY_DIMENSIONS": ["time", "variable", "ensemble", "cell"]}
+    g.create_array("data", shape=data.shape, chunks=(1, nv, n_ensemble, n_cells),
+                   dtype="float32", compressors=_blosc_lz4(), fill_value=np.nan,
+                   attributes=dims if dimensions_attr else {})[:] = data
+
+    def small(name: str, values: np.ndarray, dim: str) -> None:
+        attrs = {"_ARRAY_DIMENSIONS": [dim]} if dimensions_attr else {}
+        g.create_array(name, shape=values.shape, chunks=values.shape, dtype=values.dtype,
+                       compressors=_blosc_lz4(), attributes=attrs)[:] = values
+
+    small("dates", dates, "time")
+    small("latitudes", np.linspace(-90, 90, n_cells), "cell")
+    small("longitudes", np.linspace(0, 360, n_cells, endpoint=False), "cell")
+    axes = (0, 2, 3)
+    stats = {"mean": x.mean(axis=axes), "stdev": x.std(axis=axes),
+             "minimum": x.min(axis=axes), "maximum": x.max(axis=axes),
+             "sums": x.sum(axis=axes), "squares": (x ** 2).sum(axis=axes),
+             "count": np.full(nv, x.shape[0] * n_ensemble * n_cells, dtype=np.int64),
+             "has_nans": np.zeros(nv, dtype=bool)}
+    for name, values in stats.items():
+        small(name, values, "variable")
+    g.attrs.update({
+        "variables": list(variables), "frequency": f"{frequency_hours}h",
+        "missing_dates": [str(dates[i]) for i in missing], "field_shape": [n_cells],
+        "ensemble_dimension": n_ensemble, "resolution": "synthetic", "flatten_grid": True,
+        "start_date": str(dates[0]), "end_date": str(dates[-1]), "version": "0.30",
+        **({} if dimensions_attr else {}),
+    })
+    zarr.consolidate_metadata(path, zarr_format=2)
+    return path

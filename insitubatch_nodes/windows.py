@@ -7,6 +7,7 @@ window lies on the axis are samples, and exactly-once applies to anchors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,3 +65,20 @@ class SampleWindow:
     def grid(self, grid: SampleGrid) -> SampleGrid:
         """The same chunk grid, with only complete windows' anchors as samples."""
         return grid.with_valid(self.before, grid.n_samples - self.after)
+
+
+def chunks_touching(missing: Sequence[int], grid: SampleGrid,
+                    steps: SampleWindow | None = None) -> np.ndarray:
+    """The chunk ids holding a sample (an anchor, with ``steps``) whose time steps include a
+    ``missing`` one, ascending: leaving them out of a split keeps every served sample off
+    the missing steps, as anemoi excludes every anchor whose window touches a missing date.
+    Whole chunks go: a chunk is the unit of a split (anemoi stores hold one date each)."""
+    if len(missing) == 0:
+        return np.empty(0, dtype=np.int64)
+    before = 0 if steps is None else steps.before
+    after = 0 if steps is None else steps.after
+    m = np.asarray(missing, dtype=np.int64)
+    # anchor a touches m when a - before <= m <= a + after
+    lo = np.clip(m - after, 0, grid.n_samples - 1) // grid.chunk_size
+    hi = np.clip(m + before, 0, grid.n_samples - 1) // grid.chunk_size
+    return np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, hi, strict=True)]))

@@ -117,3 +117,158 @@ def test_the_weatherbench2_layout_opens_as_it_is(tmp_path):
                              channels=list(src.names))
     batch = next(iter(loader))
     assert batch["channels"].shape[1] == spec.channels == 83
+
+
+# -- anemoi datasets -----------------------------------------------------------------------
+
+from insitubatch_nodes.synthetic import ANEMOI_VARIABLES, write_anemoi_store  # noqa: E402
+
+
+def _stored(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    import zarr
+
+    g = zarr.open_group(path, mode="r")
+    return g["data"][:], g["dates"][:]
+
+
+def _epoch(loader) -> list[dict]:
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+@pytest.mark.parametrize("dimensions_attr", [True, False])
+def test_an_anemoi_dataset_serves_its_variables_by_name(tmp_path, dimensions_attr):
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=12, dimensions_attr=dimensions_attr)
+    data, dates = _stored(path)
+    src = ib.open_source(path)
+    assert src.format == "anemoi" and src.names == ("data",) and src.sample_dim == "time"
+    assert src.variables[0].labels == ANEMOI_VARIABLES
+    pick = ["t_500", "2t", "10u"]  # any order: the batch follows it
+    sel = [ANEMOI_VARIABLES.index(n) for n in pick]
+    sub = ib.open_source(path, variables=pick)
+    loader = ib.build_loader(sub, ib.split_by_chunk(sub, (1.0,)), "train", batch_size=5)
+    seen = []
+    for b in _epoch(loader):
+        idx = b["sample_index"].numpy()
+        seen += idx.tolist()
+        np.testing.assert_array_equal(b["data"].numpy(), data[idx][:, sel])
+        np.testing.assert_array_equal(b["time"].numpy(),
+                                      dates[idx].astype("datetime64[ns]").astype(np.int64))
+    assert sorted(seen) == list(range(12))
+    # channels by name over the whole dataset: the same values
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=12,
+                             channels=pick)
+    b = next(iter(loader))
+    np.testing.assert_array_equal(b["channels"].numpy(), data[b["sample_index"].numpy()][:, sel])
+
+
+def test_anemoi_names_that_do_not_exist_are_listed(tmp_path):
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=4)
+    with pytest.raises(KeyError, match=r"unknown variable\(s\) \['t2m'\].*'2t'"):
+        ib.open_source(path, variables=["t2m"])
+    src = ib.open_source(path)
+    with pytest.raises(KeyError, match=r"unknown channel 'msl2'.*named channels: .*'msl'"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", channels=["msl2"])
+    sub = ib.open_source(path, variables=["2t"])
+    with pytest.raises(ValueError, match="choose the variables in one of the two"):
+        ib.build_loader(sub, ib.split_by_chunk(sub, (1.0,)), "train", channels=["msl"])
+
+
+@pytest.mark.parametrize("window", [None, ib.SampleWindow(history=2, lead=(1,))])
+def test_anchors_touching_a_missing_date_are_never_served(tmp_path, window):
+    missing = (7, 8, 20)
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=30, missing=missing)
+    src = ib.open_source(path)
+    assert src.missing == missing
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=4, window=window)
+    seen = []
+    for b in _epoch(loader):
+        seen += b["sample_index"].tolist()
+        for key in ("data", "target/data"):
+            if key in b:
+                assert not np.isnan(b[key].numpy()).any()
+    before, after = (0, 0) if window is None else (window.before, window.after)
+    valid = [a for a in range(before, 30 - after)
+             if not any(a - before <= d <= a + after for d in missing)]
+    assert sorted(seen) == valid  # exactly once over every anchor that stays clear of them
+
+
+def test_dates_are_the_sample_coordinate_for_splits(tmp_path):
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=20)
+    _, dates = _stored(path)
+    src = ib.open_source(path)
+    m = ib.split_by_coordinate(src, {"train": (None, "2020-01-03T18:00"),
+                                     "val": ("2020-01-04", None)})
+    loader = ib.build_loader(src, m, "val", batch_size=32)
+    idx = np.sort(next(iter(loader))["sample_index"].numpy())
+    assert dates[idx[0]] == np.datetime64("2020-01-04T00:00:00")
+    assert idx[-1] == 19
+
+
+def test_stored_statistics_and_normalization_schemes(tmp_path):
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=10)
+    import zarr
+
+    g = zarr.open_group(path, mode="r")
+    src = ib.open_source(path, variables=["2t", "msl", "lsm", "10u", "z_500"])
+    stats = ib.dataset_stats(src)
+    i2t = ANEMOI_VARIABLES.index("2t")
+    assert stats["2t"].mean == g["mean"][i2t] and stats["2t"].std == g["stdev"][i2t]
+    assert stats["data"].kept_dims == ("variable",) and stats["data"].mean.shape == (9,)
+    schemes = {"default": "mean-std", "msl": "min-max", "lsm": "none", "10u": "std",
+               "z_500": "max"}
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=10,
+                             stats=stats, normalize=schemes)
+    b = next(iter(loader))
+    raw = g["data"][:][b["sample_index"].numpy()].astype(np.float64)
+    mean, std = g["mean"][:], g["stdev"][:]
+    lo, hi = g["minimum"][:], g["maximum"][:]
+    want = {"2t": lambda x, k: (x - mean[k]) / std[k],
+            "msl": lambda x, k: (x - lo[k]) / (hi[k] - lo[k]),
+            "lsm": lambda x, k: x, "10u": lambda x, k: x / std[k],
+            "z_500": lambda x, k: x / hi[k]}
+    for c, name in enumerate(["2t", "msl", "lsm", "10u", "z_500"]):
+        k = ANEMOI_VARIABLES.index(name)
+        np.testing.assert_allclose(b["data"][:, c].numpy(), want[name](raw[:, k], k),
+                                   rtol=1e-4, atol=1e-4, err_msg=name)  # float32 math
+    with pytest.raises(ValueError, match=r"unknown schemes \{'2t': 'zscore'\}"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=stats,
+                        normalize={"2t": "zscore"})
+    with pytest.raises(ValueError, match="not an anemoi dataset"):
+        ib.dataset_stats(ib.open_source(write_wb2_store(
+            tmp_path / "wb2.zarr", WB2Spec.small(n_times=2), progress=False)))
+
+
+def test_channels_last_without_the_ensemble_axis(tmp_path):
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=10)
+    data, _ = _stored(path)
+    src = ib.open_source(path)
+    w = ib.SampleWindow(history=2, lead=(1,))
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=3,
+                             window=w, channels_last=True, drop_ensemble=True)
+    b = next(iter(loader))
+    idx = b["sample_index"].numpy()
+    assert b["data"].shape == (3, 2, 40, 9) and b["target/data"].shape == (3, 1, 40, 9)
+    want = np.stack([data[idx - 1], data[idx]], axis=1)[:, :, :, 0].transpose(0, 1, 3, 2)
+    np.testing.assert_array_equal(b["data"].numpy(), want)
+    two = write_anemoi_store(tmp_path / "e.zarr", n_dates=4, n_ensemble=2)
+    src2 = ib.open_source(two)
+    loader = ib.build_loader(src2, ib.split_by_chunk(src2, (1.0,)), "train", batch_size=2,
+                             drop_ensemble=True)
+    with pytest.raises(ValueError, match="has 2 along axis -2.*single ensemble member"):
+        next(iter(loader))
+
+
+def test_an_anemoi_epoch_resumes_exactly(tmp_path):
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=40, missing=(13,))
+    src = ib.open_source(path, variables=["2t", "10v"])
+    m = ib.split_by_chunk(src, (1.0,))
+    full = [b["sample_index"].tolist() for b in
+            ib.build_loader(src, m, "train", batch_size=3, seed=5)]
+    loader = ib.build_loader(src, m, "train", batch_size=3, seed=5)
+    it = iter(loader)
+    head = [next(it)["sample_index"].tolist() for _ in range(4)]
+    state = loader.state_dict()
+    again = ib.build_loader(src, m, "train", batch_size=3, seed=5)
+    again.load_state_dict(state)
+    assert head + [b["sample_index"].tolist() for b in again] == full

@@ -108,7 +108,7 @@ def test_no_import_cycle():
 LAYERS = [
     {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute", "fingerprint",
      "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout", "arena"},
-    {"io", "storage", "source", "stats", "split"},
+    {"io", "storage", "anemoi", "source", "stats", "split"},
     {"config"},
     {"nodes"},
     {"metrics", "graph"},

@@ -16,13 +16,24 @@ from .transform import TransformNode
 
 def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) -> list[Channel]:
     """``["t2m", "z", ("t", 850)]`` -> channels: a name alone is the variable (every level
-    of it, in the order of its level coordinate, when it has a level axis), a pair picks one
-    level by coordinate value (the variable's second dimension, e.g. ``level``). The order
-    given is the channel order."""
+    of it, in the order of its level coordinate, when it has a level axis) or a label of a
+    labelled axis (an anemoi dataset's ``2t``), a pair picks one level by coordinate value
+    (the variable's second dimension, e.g. ``level``). The order given is the channel
+    order."""
     out = []
     shapes = set()
+    labelled = {label: (var, k) for var in source.variables for k, label in
+                enumerate(var.labels or ()) if label not in source.names}
     for item in channels:
         name, level = (item, None) if isinstance(item, str) else (item[0], item[1])
+        if level is None and name in labelled:  # an anemoi variable: a label of "data"
+            var, k = labelled[name]
+            out.append(Channel(var.name, k, name))
+            shapes.add(var.sample_shape[1:][-2:])
+            continue
+        if name not in source.names and labelled:
+            raise KeyError(f"unknown channel {name!r}; variables: {list(source.names)}, "
+                           f"named channels: {list(labelled)}")
         var = source.variable(name)
         if level is None:
             if len(var.sample_shape) > 2 and var.sample_shape[0] > 1:

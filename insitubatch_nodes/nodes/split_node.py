@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..split import SplitManifest
@@ -11,7 +13,7 @@ from .state import require_count
 
 
 class SplitNode(BaseNode[int]):
-    """Yields a split's chunk ids in ascending order; the head of the graph.
+    """Yields a split's chunk ids in ascending order, less ``exclude``; the head of the graph.
 
     Its only state is a position, so the split itself always comes from the manifest and a
     checkpoint never carries chunk lists.
@@ -19,11 +21,16 @@ class SplitNode(BaseNode[int]):
 
     POSITION_KEY = "position"
 
-    def __init__(self, manifest: SplitManifest, split: str) -> None:
+    def __init__(self, manifest: SplitManifest, split: str,
+                 exclude: Sequence[int] | np.ndarray = ()) -> None:
         super().__init__()
         ids = manifest.chunk_ids(split)  # raises a KeyError listing the splits that exist
         self.manifest = manifest
         self.split = split
+        # chunks never served (they hold samples touching the store's missing dates)
+        self.exclude = tuple(int(i) for i in exclude)
+        if self.exclude:
+            ids = np.setdiff1d(ids, np.asarray(self.exclude, dtype=np.int64))
         self._ids = [int(i) for i in ids]
         self._pos = 0
 
