@@ -16,24 +16,31 @@ log = logging.getLogger("insitubatch_nodes")
 
 
 class ReadTimes:
-    """Stripe-seconds the readers spent getting bytes, decoding, and queued for the pool.
+    """Stripe-seconds the readers spent getting bytes, decoding, and queued for the pool,
+    and the reads they tried again (``retries``, counted when the retry is decided, so a
+    read that fails for good still shows its retries).
 
     Pool threads add concurrently, so additions take a lock (once per stripe read).
     """
 
-    __slots__ = ("_lock", "store_s", "decode_s", "pool_wait_s")
+    __slots__ = ("_lock", "store_s", "decode_s", "pool_wait_s", "retries")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.store_s = 0.0  # getting the stored bytes (file read, object GET, zarr getitem)
         self.decode_s = 0.0  # decoding them into the stripe buffer (incl. placing inner chunks)
         self.pool_wait_s = 0.0  # handed to the decode pool but not yet running
+        self.retries = 0  # stripe reads tried again after a failure
 
     def add(self, store_s: float, decode_s: float, pool_wait_s: float = 0.0) -> None:
         with self._lock:
             self.store_s += store_s
             self.decode_s += decode_s
             self.pool_wait_s += pool_wait_s
+
+    def retried(self, reads: int = 1) -> None:
+        with self._lock:
+            self.retries += reads
 
 
 class ConsumerMeter:
@@ -85,11 +92,15 @@ class FetchStats:
     bytes_decoded: int = 0  # decoded bytes of those stripes (the "bytes fetched")
     wait_s: float = 0.0  # time the consumer blocked on a window that was not ready
     next_s: float = 0.0  # consumer time inside next() (wait_s, planning, submitting)
-    retries: int = 0  # stripe reads that needed another attempt
     in_flight: int = 0  # stripe reads holding an in-flight slot now
     peak_in_flight: int = 0
     slot_wait_s: float = 0.0  # stripe-seconds waiting for an in-flight slot
     read: ReadTimes = field(default_factory=ReadTimes)  # store / decode / pool-queue times
+
+    @property
+    def retries(self) -> int:
+        """Stripe reads tried again, counted by the readers as they retry."""
+        return self.read.retries
 
 
 @dataclass

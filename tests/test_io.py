@@ -119,12 +119,17 @@ def test_read_paths_group_only_local_files(store_factory, case, mode, groups):
             reader.read_local(0, outs[0])
 
 
-def test_corrupt_chunk_raises_codec_error(tmp_path):
+def test_corrupt_chunk_raises_an_error_naming_it(tmp_path):
+    from insitubatch_nodes.io.retry import ChunkDecodeError, CorruptChunkError
+
     write_store(tmp_path / "s.zarr", [Var("a", (16, 4), (8, 4))])
     (tmp_path / "s.zarr" / "a" / "c" / "1" / "0").write_bytes(b"not zstd at all")
     src = ib.open_source(tmp_path / "s.zarr")
-    with pytest.raises(Exception):  # noqa: B017 - the codec's own error type
+    with pytest.raises(CorruptChunkError, match=r"chunk 'a/c/1/0' of variable 'a' in file://.*"
+                       r"did not decode in 1 attempt .*Zstd decompression error") as info:
         read_all(src)
+    assert isinstance(info.value.__cause__, ChunkDecodeError)
+    assert isinstance(info.value.__cause__.__cause__, RuntimeError)  # numcodecs' own error
 
 
 def test_truncated_blosc_frame_is_an_error_not_stale_data():

@@ -9,6 +9,8 @@ zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
+import lzma
+import zlib
 from dataclasses import dataclass
 
 import numcodecs
@@ -18,6 +20,11 @@ import zarr
 
 from .blosc_frame import check_header
 from .codec_chain import CodecChain, classify
+from .retry import ChunkDecodeError
+
+# What codecs raise for bytes that do not decode: numcodecs RuntimeError/ValueError, gzip
+# EOFError/BadGzipFile (an OSError), zlib.error, LZMAError, our frame checks' ValueError.
+_CODEC_ERRORS = (ValueError, RuntimeError, EOFError, OSError, zlib.error, lzma.LZMAError)
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,15 @@ class ChunkDecoder:
     chain: str  # human-readable codec chain, for errors and inspect
 
     def decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode received ``data`` into ``out``. Bytes that do not decode raise
+        ``ChunkDecodeError`` (the codec's error as ``__cause__``): the type the retries
+        treat as a possibly truncated transfer."""
+        try:
+            self._decode_into(data, out)
+        except _CODEC_ERRORS as e:
+            raise ChunkDecodeError(f"{self.chain}: {e}") from e
+
+    def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         buf: object = data
         for i, codec in enumerate(reversed(self.codecs)):
             last = i == len(self.codecs) - 1

@@ -10,9 +10,11 @@ keys, the decoding into the stripe buffer, and the retries.
 from __future__ import annotations
 
 import asyncio
+import lzma
 import os
 import threading
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -28,9 +30,13 @@ from zarr.core.buffer import default_buffer_prototype
 
 from ..counters import ReadTimes
 from .pool_task import OneShot
+from .retry import ChunkDecodeError
 
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
+# What zarr's codec pipeline raises for stored bytes that do not decode (numcodecs' errors;
+# not OSError: there it may be the store's own error).
+_ZARR_DECODE_ERRORS = (ValueError, RuntimeError, EOFError, zlib.error, lzma.LZMAError)
 Loop = asyncio.AbstractEventLoop
 
 
@@ -247,7 +253,10 @@ class ZarrGetitem(ReadPath):
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor) -> None:
         t0 = time.perf_counter()
-        data = await self.arr.async_array.getitem((stripes.rows(index),))
+        try:
+            data = await self.arr.async_array.getitem((stripes.rows(index),))
+        except _ZARR_DECODE_ERRORS as e:  # zarr fetched and decoded: received bytes
+            raise ChunkDecodeError(f"zarr could not decode the stripe: {e}") from e
         stripes.times.add(time.perf_counter() - t0, 0.0)
         rows = int(data.shape[0])
         # Pass the pooled view itself, not a slice: a slice's base is the pool's array, so
@@ -295,7 +304,7 @@ def _checked(check: FrameCheck, data: bytes | memoryview | None, key: str) -> No
     try:
         check(data)
     except ValueError as e:
-        raise ValueError(f"chunk {key!r}: {e}") from None
+        raise ChunkDecodeError(f"chunk {key!r}: {e}", key) from e
 
 
 _local = threading.local()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -22,15 +23,24 @@ import zarr
 
 from ..counters import ReadTimes
 from ..geometry import VariableGeometry
+from ..storage import redact_url
 from .codec_chain import CodecChain, classify
 from .decode import ChunkDecoder, decoder_from
 from .read_paths import FrameCheck, Frames, LocalFiles, ReadPath, read_path_for
-from .retry import NO_RETRY, RetryPolicy
+from .retry import (
+    NO_RETRY,
+    ChunkDecodeError,
+    ChunkReadError,
+    CorruptChunkError,
+    RetryPolicy,
+    is_store_error,
+)
 from .retry import classify as classify_error
 
 __all__ = ["FrameCheck", "Frames", "StripeReader"]
 
 T = TypeVar("T")
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
 
 
 class StripeReader:
@@ -124,11 +134,15 @@ class StripeReader:
             out[dst] = self.fill_value
             return
         assert self.decoder is not None
-        if self.direct:
-            self.decoder.decode_into(data, out)
-            return
-        tmp = np.empty(self.geom.chunks, dtype=self.geom.dtype)
-        self.decoder.decode_into(data, tmp)
+        try:
+            if self.direct:
+                self.decoder.decode_into(data, out)
+                return
+            tmp = np.empty(self.geom.chunks, dtype=self.geom.dtype)
+            self.decoder.decode_into(data, tmp)
+        except ChunkDecodeError as e:
+            e.inner = inner  # the reader names the chunk key (it knows the stripe)
+            raise
         dst, src = self.region(inner)
         out[dst] = tmp[src]
 
@@ -171,8 +185,10 @@ class StripeReader:
                    pool: Executor, retry: RetryPolicy = NO_RETRY) -> int:
         """Fill ``out`` with stripe ``index``, retrying transient failures; returns attempts.
 
-        The error that ends the retries keeps its type and gets a note naming the array,
-        the chunk key, the store (without credentials) and the number of attempts.
+        A store or decode failure that ends the retries is raised as ``ChunkReadError``
+        (``CorruptChunkError`` for bytes that never decoded) naming the store (without
+        credentials), the variable, the chunk key and the attempts, the failure as its
+        ``__cause__``; any other error keeps its type. Either gets a note naming the stripe.
         """
         _, attempts = await self._retrying(
             index, retry, lambda: self._path.read(self, index, out, loop, pool))
@@ -235,6 +251,7 @@ class StripeReader:
         except asyncio.CancelledError:
             raise
         except Exception:
+            self.times.retried(len(indices))
             results, attempts = await self._each(indices, one)
             return results, attempts + len(indices)
 
@@ -257,7 +274,52 @@ class StripeReader:
                 if give_up:
                     why = ("not retried: this error does not heal by waiting"
                            if kind == "permanent" else f"gave up after {attempt} attempt(s)")
-                    e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
-                    raise
+                    if not is_store_error(e):  # a programming error keeps its own type
+                        e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
+                        raise
+                    final = self._failure(index, e, attempt, kind)
+                    final.add_note(f"insitubatch: {why} reading {self.describe(index)}")
+                    raise final from e
+                self.times.retried()
                 rng = rng or random.Random()
                 await asyncio.sleep(retry.delay(attempt, rng))
+
+    def _failure(self, index: int, exc: BaseException, attempts: int,
+                 kind: str) -> ChunkReadError:
+        """The error that ends the reads of stripe ``index``: its message alone says where
+        (store, variable, chunk key), how often it was tried, and what failed last."""
+        key = exc.key if isinstance(exc, ChunkDecodeError) else None
+        if key is None and isinstance(exc, ChunkDecodeError) and exc.inner is not None:
+            key = self.chunk_key((index, *exc.inner))
+        if key is None and len(self.inner) == 1:
+            key = self.chunk_key((index, *self.inner[0]))
+        if key is not None:
+            chunk = f"chunk {key!r}"
+        else:
+            keys = self.keys(index)
+            chunk = (f"one of the {len(keys)} chunks {keys[0]!r} ... {keys[-1]!r} of "
+                     f"sample-axis chunk {index}")
+        where = f"{chunk} of variable {self.geom.name!r} in {self.source_url}"
+        plural = "s" if attempts != 1 else ""
+        last = f"{type(exc).__name__}: {_summary(exc)}"
+        if kind == "decode":
+            return CorruptChunkError(
+                f"{where} did not decode in {attempts} attempt{plural} (the stored bytes are "
+                f"damaged, or every transfer was cut short): {last}",
+                self.source_url, self.geom.name, key, attempts)
+        if kind == "permanent":
+            return ChunkReadError(
+                f"cannot read {where}: failed after {attempts} attempt{plural}, not retried "
+                f"further since this error does not heal by waiting: {last}",
+                self.source_url, self.geom.name, key, attempts)
+        return ChunkReadError(f"cannot read {where}: gave up after {attempts} "
+                              f"attempt{plural}: {last}",
+                              self.source_url, self.geom.name, key, attempts)
+
+
+def _summary(exc: BaseException) -> str:
+    """The first line of an error, before any response body (which can echo request
+    details), URLs without user info or query strings, at most 300 characters."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text.split("<", 1)[0].rstrip(" :")
+    return _URL.sub(lambda m: redact_url(m.group(0)), text)[:300]

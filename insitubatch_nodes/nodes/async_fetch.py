@@ -226,10 +226,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         async with self._slot():
             bufs = outs if outs is not None else [
                 self.pool.take(reader.geom.stripe_shape, reader.geom.dtype) for _ in idxs]
-            attempts = await (
+            await (
                 reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
                 else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
-        self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
+        self._count(len(idxs), reader.geom.stripe_nbytes)
         return bufs
 
     async def _read_items(self, items: list[tuple[int, int, int, np.ndarray]],
@@ -243,7 +243,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         per_var: dict[int, int] = {}
         for v, _, _, _ in items:
             per_var[v] = per_var.get(v, 0) + 1
-        attempts = dict(per_var)
         async with self._slot():
             if all(self.readers[v].groups_reads for v, _, _, _ in items):
                 try:
@@ -253,16 +252,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    for v, i, _, out in items:  # the failed group try counted once each
-                        attempts[v] += await self.readers[v].read(i, out, lt.loop, lt.pool,
-                                                                  self.retry)
+                    self.stats.read.retried(len(items))  # the failed group try: all again
+                    for v, i, _, out in items:
+                        await self.readers[v].read(i, out, lt.loop, lt.pool, self.retry)
             else:
-                attempts = dict.fromkeys(per_var, 0)
                 for v, i, _, out in items:
-                    attempts[v] += await self.readers[v].read(i, out, lt.loop, lt.pool,
-                                                              self.retry)
+                    await self.readers[v].read(i, out, lt.loop, lt.pool, self.retry)
         for v, n in per_var.items():
-            self._count(n, attempts[v], self.readers[v].geom.stripe_nbytes)
+            self._count(n, self.readers[v].geom.stripe_nbytes)
         per_batch: dict[int, int] = {}
         for _, _, b, _ in items:
             per_batch[b] = per_batch.get(b, 0) + 1
@@ -285,8 +282,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             finally:
                 stats.in_flight -= 1
 
-    def _count(self, stripes: int, attempts: int, stripe_nbytes: int) -> None:
-        self.stats.retries += attempts - stripes
+    def _count(self, stripes: int, stripe_nbytes: int) -> None:
+        # retries are counted by the readers as they retry (a failed read's too)
         self.stats.stripes += stripes
         self.stats.bytes_decoded += stripes * stripe_nbytes
 
@@ -298,9 +295,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         nbytes = reader.chunk_nbytes
         lt = self._lt
         async with self._slot():
-            frames, attempts = await reader.read_frames(
+            frames, _ = await reader.read_frames(
                 idxs, lambda f: chain.check(f, nbytes), lt.loop, lt.pool, self.retry)
-        self._count(len(idxs), attempts, reader.geom.stripe_nbytes)
+        self._count(len(idxs), reader.geom.stripe_nbytes)
         return frames
 
     def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
