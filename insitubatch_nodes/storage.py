@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import zarr
+import zarr.errors
 import zarr.storage
 from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
@@ -63,6 +64,8 @@ def _with_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
     opts.setdefault("retry_config", DEFAULT_RETRY_CONFIG)
     client = dict(DEFAULT_CLIENT_OPTIONS)
     client.update(opts.get("client_options") or {})
+    if "allow_http" in opts:  # a client option (obstore panics on it at the top level)
+        client.setdefault("allow_http", opts.pop("allow_http"))
     # obstore wants strings for client options (measured): accept Python bools/numbers too.
     opts["client_options"] = {k: (str(v).lower() if isinstance(v, bool) else
                                   v if isinstance(v, (str, timedelta)) else str(v))
@@ -92,7 +95,9 @@ def open_url(url: str | os.PathLike[str],
         opts = _with_defaults(storage_options)
         try:
             obs = obstore.store.from_url(text, **opts)
-        except Exception as e:  # bad option names or values: say which, without values
+        except BaseException as e:  # bad option names or values: say which, without values
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise  # KeyboardInterrupt and the like; a Rust panic is a bad option too
             raise ValueError(
                 f"cannot configure an object store for {redact_url(text)!r}: "
                 f"{type(e).__name__}: {_first_line(e)} (storage_options keys given: "
@@ -120,9 +125,28 @@ def explain(opened: OpenedStore, exc: BaseException) -> BaseException:
     """Turn a failure to open the group into an error that says what to fix."""
     import obstore.exceptions as oe
 
+    from .io.retry import http_status
+
     where = opened.display + (f" (endpoint {opened.endpoint})" if opened.endpoint else "")
+    not_found = (FileNotFoundError, zarr.errors.GroupNotFoundError, oe.NotFoundError)
+    if isinstance(exc, zarr.errors.ContainsArrayError) or (
+            isinstance(exc, not_found) and _holds_array(opened)):
+        parent, _, name = opened.display.rstrip("/").rpartition("/")
+        return ValueError(
+            f"{opened.display} is a Zarr array, not a group: open_source reads the variables "
+            f"of a group. Open the group that holds it and name the variable: "
+            f"open_source({parent!r}, variables=[{name!r}])"
+        )
+    if isinstance(exc, oe.BaseError) and _plain_http_refused(opened):
+        return ConnectionError(
+            f"cannot read from {where}: the endpoint is plain http:// and obstore refuses "
+            "non-TLS requests unless they are allowed (its error says only \"builder "
+            "error\"). For a plain-HTTP endpoint such as moto or MinIO, pass "
+            "storage_options={..., 'client_options': {'allow_http': True}} (or "
+            "'allow_http': True)."
+        )
     if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or (
-            isinstance(exc, oe.BaseError) and re.search(r"\b40[13]\b", str(exc))):
+            http_status(exc) in (401, 403)):
         code = _s3_code(exc) or "403 Forbidden"
         return PermissionError(
             f"access to {where} was denied ({code}). Check the credentials and region in "
@@ -135,13 +159,35 @@ def explain(opened: OpenedStore, exc: BaseException) -> BaseException:
             "reachable; retries and timeouts are set with storage_options "
             "retry_config / client_options (e.g. {'timeout': '30s'})."
         )
-    if isinstance(exc, (FileNotFoundError, zarr.errors.GroupNotFoundError, oe.NotFoundError)):
+    if isinstance(exc, not_found):
         hint = _probe(opened)
         return FileNotFoundError(
             f"no Zarr group at {where}: {hint} Point open_source at the group that holds "
             "the variables (the directory with zarr.json or .zgroup)."
         )
     return exc
+
+
+def _plain_http_refused(opened: OpenedStore) -> bool:
+    """The object store talks to a plain ``http://`` endpoint without ``allow_http``: obstore
+    then fails every request with a bare "builder error"."""
+    obs = opened.obstore
+    if obs is None:
+        return False
+    config = getattr(obs, "config", None) or {}
+    target = str(config.get("endpoint") or getattr(obs, "url", None) or "")
+    allowed = str((getattr(obs, "client_options", None) or {}).get("allow_http", "")).lower()
+    return target.lower().startswith("http://") and allowed != "true" and (
+        os.environ.get("AWS_ALLOW_HTTP", "").lower() != "true")
+
+
+def _holds_array(opened: OpenedStore) -> bool:
+    """Whether the store's root is an array (zarr v2 reports a missing group there)."""
+    try:
+        zarr.open_array(opened.store, mode="r")
+    except Exception:
+        return False
+    return True
 
 
 def _probe(opened: OpenedStore) -> str:

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import obstore.exceptions as oe
 import pytest
 import torch
 from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.io.retry import ChunkReadError
 from insitubatch_nodes.testing.faultproxy import FaultPlan, FaultProxy
 from insitubatch_nodes.testing.s3server import start_moto
 
@@ -143,13 +145,16 @@ def test_a_chunk_that_always_fails_ends_the_epoch_loudly(s3):
         loader = ib.build_loader(src, m, "train", batch_size=16, retry=FAST_RETRY)
         it = iter(loader)
         t = time.monotonic()
-        with pytest.raises(Exception) as info:  # noqa: B017 - obstore's own error type
+        with pytest.raises(ChunkReadError) as info:
             for _ in range(1000):
                 next(it)
         assert time.monotonic() - t < 30  # not a hang
-        notes = "\n".join(info.value.__notes__)
-        assert "gave up after 5 attempt(s)" in notes
-        assert "'x'" in notes and "s3://data/era5.zarr" in notes and "x/c/5/0/0" in notes
+        text = str(info.value)  # the message itself names the chunk, not only a note
+        assert "gave up after 5 attempts" in text, text
+        assert "'x'" in text and "s3://data/era5.zarr" in text and "'x/c/5/0/0'" in text
+        assert "503 Service Unavailable" in text and "<Error>" not in text
+        assert isinstance(info.value.__cause__, oe.GenericError)
+        assert loader.stats().retries >= 4  # the failed chunk's retries count too
         with pytest.raises(type(info.value)):  # not a silent short epoch either
             next(it)
         loader.close()
@@ -171,6 +176,27 @@ def test_bad_remote_inputs_are_clear(s3):
         ib.open_source("s3://data/missing.zarr", storage_options=server.options())
     with pytest.raises(ValueError, match="storage_options keys"):
         ib.open_source("s3://data/era5.zarr", storage_options={"no_such_option": "x"})
+
+
+def test_plain_http_endpoint_without_allow_http_says_so(s3):
+    """obstore refuses http:// endpoints unless allowed, with only "builder error"."""
+    server, data = s3
+    with pytest.raises(ConnectionError, match=r"plain http://.*'allow_http': True") as info:
+        open_s3(server, client_options={"timeout": "5s"})
+    assert "Check that the endpoint is reachable" not in str(info.value)
+    # allow_http at the top level of storage_options is taken as the client option it is
+    src = open_s3(server, client_options={"timeout": "5s"}, allow_http=True)
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=100)
+    check_exact(epoch(loader), data)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_the_path_of_an_array_says_to_open_its_group(tmp_path, zarr_format):
+    write_store(tmp_path / "s.zarr", [Var("x", (16, 3), (8, 3), zarr_format=zarr_format)])
+    with pytest.raises(ValueError, match=r"s\.zarr/x is a Zarr array, not a group") as info:
+        ib.open_source(tmp_path / "s.zarr" / "x")
+    parent = (tmp_path / "s.zarr").resolve()
+    assert f"open_source('file://{parent}', variables=['x'])" in str(info.value)
 
 
 def test_secrets_never_leak(s3, caplog):
