@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--record", default=None, help="directory for per-rank sample_index logs")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.resume and not Path(args.checkpoint).is_file():
+        p.error(f"--resume: there is no checkpoint at {args.checkpoint!r}; run once without "
+                "--resume to write one (every --every steps), or give its path with --checkpoint")
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -119,6 +119,9 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", default="auto")
     args = p.parse_args()
+    if args.resume and not Path(args.checkpoint).is_file():
+        p.error(f"--resume: there is no checkpoint at {args.checkpoint!r}; run once without "
+                "--resume to write one, or give its path with --checkpoint")
     if args.record:
         Path(args.record).mkdir(parents=True, exist_ok=True)
     L.seed_everything(0, verbose=False)

@@ -60,6 +60,9 @@ def main() -> None:
     p.add_argument("--gpu-decode", action="store_true",
                    help="decode on the GPU (needs CUDA and the gpu-cu12/gpu-cu13 extra)")
     args = p.parse_args()
+    if args.resume and not Path(args.checkpoint).is_file():
+        p.error(f"--resume: there is no checkpoint at {args.checkpoint!r}; run once without "
+                "--resume to write one (every --every steps), or give its path with --checkpoint")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     source = ib.open_source(args.store, variables=["t2m", "u10", "v10", "msl"])

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from insitubatch_nodes.demo import DemoSpec, make_demo_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,3 +38,15 @@ def test_forecast_recipe(tmp_path):
     assert len(lines) == 2 and "val loss" in lines[0]
     losses = [float(ln.split("train loss ")[1].split()[0]) for ln in lines]
     assert losses[1] < losses[0]  # it learns
+
+
+@pytest.mark.parametrize("recipe", ["train_resume.py", "ddp_torchrun.py",
+                                    "lightning_datamodule.py"])
+def test_resume_without_a_checkpoint_is_a_clear_usage_error(tmp_path, recipe):
+    missing = tmp_path / "none.pt"
+    res = subprocess.run([sys.executable, str(ROOT / "recipes" / recipe), "--resume",
+                          "--checkpoint", str(missing)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr  # argparse's usage error, not a traceback
+    assert f"--resume: there is no checkpoint at {str(missing)!r}" in res.stderr
+    assert "Traceback" not in res.stderr
