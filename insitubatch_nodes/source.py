@@ -264,9 +264,63 @@ def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | Non
             f"{src.url} has {src.n_samples}: the loader reads whole stores, so pass the "
             "unsliced dataset and choose periods with split_by_coordinate"
         )
+    _check_as_stored(ds, src)
     if sample_dim in ds.coords:
         src = replace(src, sample_coord=np.asarray(ds[sample_dim].values))
     return src
+
+
+def _check_as_stored(ds: Any, src: Source) -> None:
+    """Refuse a Dataset that is not its store as stored: the loader reads the store's
+    chunks, so a selection, transpose, reversal, computation or CF decoding done in xarray
+    would silently not apply. Each refusal says what differs and how to ask for it."""
+    how = ("the loader reads the store itself: pass the Dataset as opened (xr.open_zarr), "
+           "choose periods with split_by_coordinate, levels with channels=[(name, level)]")
+    for geom in src.variables:
+        var = ds[geom.name]
+        dims = tuple(var.dims)
+        if geom.dimension_names is not None and dims != tuple(geom.dimension_names):
+            raise ValueError(f"variable {geom.name!r} of the Dataset has dimensions {dims} but "
+                             f"the store {src.url} has {tuple(geom.dimension_names)} (it was "
+                             f"transposed); {how}")
+        if tuple(var.shape) != geom.shape:
+            cut = [d for d, a, b in zip(dims, var.shape, geom.shape, strict=False) if a != b]
+            raise ValueError(f"variable {geom.name!r} of the Dataset has shape "
+                             f"{tuple(var.shape)} but {geom.shape} in the store {src.url}: it "
+                             f"was sliced along {cut}; {how}")
+        if not var.encoding or "dtype" not in var.encoding:
+            raise ValueError(f"variable {geom.name!r} of the Dataset is not backed by the store "
+                             f"{src.url} (its values were computed: arithmetic, astype, where "
+                             "... drop the Zarr encoding), so the loader would serve the stored "
+                             f"values, not these; {how}, and transform batches instead "
+                             "(NormalizeNode, a TransformNode)")
+        cf = [k for k in ("scale_factor", "add_offset") if k in var.encoding]
+        if cf:
+            raise ValueError(f"variable {geom.name!r} is stored CF-encoded ({cf} in its "
+                             f"encoding): xarray shows decoded values but the loader serves "
+                             f"the stored {geom.dtype} values; open it with "
+                             "xr.open_zarr(..., mask_and_scale=False) to train on what is "
+                             "stored, or rescale batches in a TransformNode")
+    group = src.group
+    for dim in ds.dims:
+        if dim not in ds.coords or group is None or dim not in group.array_keys():
+            continue
+        stored = group[dim]
+        shown = np.asarray(ds[dim].values)
+        if not isinstance(stored, zarr.Array) or stored.shape != shown.shape:
+            continue  # shapes were checked above through the variables
+        if dim == src.sample_dim:
+            values = _sample_coordinate(group, dim, stored.shape[0])
+        else:
+            values = np.asarray(stored[:])
+        if values is None or values.dtype.kind != shown.dtype.kind:
+            continue  # undecodable or differently typed: nothing to compare reliably
+        if not np.array_equal(values, shown):
+            order = ("reversed" if np.array_equal(values[::-1], shown) else
+                     "reordered or relabelled")
+            raise ValueError(f"coordinate {dim!r} of the Dataset differs from the store "
+                             f"{src.url} ({order}: first values {shown[:3].tolist()} vs "
+                             f"{values[:3].tolist()}); {how}")
 
 
 def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.ndarray | None:

@@ -272,3 +272,50 @@ def test_an_anemoi_epoch_resumes_exactly(tmp_path):
     again = ib.build_loader(src, m, "train", batch_size=3, seed=5)
     again.load_state_dict(state)
     assert head + [b["sample_index"].tolist() for b in again] == full
+
+
+# -- xarray Datasets: served only as stored -------------------------------------------------
+
+@pytest.fixture
+def opened(arco):
+    import warnings
+
+    path, _ = arco
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return xr.open_zarr(path)
+
+
+def test_an_opened_dataset_is_served_from_its_store(opened):
+    src = ib.open_source(opened)
+    assert set(src.names) == {"temperature", "2m_temperature"}
+    np.testing.assert_array_equal(src.sample_coord, opened.time.values)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda ds: ds.isel(latitude=slice(0, 4)), r"sliced along \['latitude'\]"),
+    (lambda ds: ds.isel(time=slice(None, None, -1)), r"coordinate 'time' .*reversed"),
+    (lambda ds: ds.assign(temperature=ds.temperature + 1), "values were computed"),
+    (lambda ds: ds.assign(temperature=ds.temperature.astype("float64")),
+     "values were computed"),
+    (lambda ds: ds.transpose("time", "level", "longitude", "latitude", ...), "transposed"),
+    (lambda ds: ds.assign_coords(longitude=ds.longitude + 1), r"coordinate 'longitude'"),
+])
+def test_a_changed_dataset_is_refused_saying_what_changed(opened, change, match):
+    with pytest.raises(ValueError, match=match):
+        ib.open_source(change(opened), variables=["temperature", "2m_temperature"])
+
+
+def test_a_cf_encoded_variable_is_refused_unless_opened_raw(tmp_path):
+    import warnings
+
+    ds = xr.Dataset({"t": (("time", "x"), np.linspace(200, 300, 12, dtype="float32")
+                           .reshape(4, 3))})
+    ds.t.encoding = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 250.0}
+    ds.to_zarr(tmp_path / "cf.zarr", zarr_format=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"CF-encoded.*mask_and_scale=False"):
+            ib.open_source(xr.open_zarr(tmp_path / "cf.zarr"))
+        raw = ib.open_source(xr.open_zarr(tmp_path / "cf.zarr", mask_and_scale=False))
+    assert raw.variable("t").dtype == np.dtype("int16")
