@@ -17,7 +17,7 @@ from typing import Any
 from .bench import BELUGA_MODES, BELUGA_ZARR_READ, PEER_NAMES, PEERS_HINT
 
 EXIT_USAGE = 2
-LAYOUTS = ("era5", "wb2")  # make-demo --layout
+LAYOUTS = ("era5", "wb2", "anemoi")  # make-demo --layout
 SMALL_GRID = (12, 24)  # make-demo --small: (lat, lon)
 SMALL_TIMES = 16
 
@@ -146,11 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "it: Zarr v2, consolidated, 6 pressure-level variables x 13 "
                                    "levels + 5 surface variables (83 channels) on time x "
                                    "[level] x longitude x latitude, one step per chunk, "
-                                   "blosc-lz4, plus a static land_sea_mask.")
+                                   "blosc-lz4, plus a static land_sea_mask. --layout anemoi: "
+                                   "the anemoi-datasets layout: one data array (dates, "
+                                   "variables, ensemble, cells), one date per chunk, dates, "
+                                   "latitudes/longitudes, stored statistics, missing_dates.")
     d.add_argument("path", metavar="PATH", help="directory to write (a new one, or an existing "
                    "Zarr store with --force)")
     d.add_argument("--layout", choices=LAYOUTS, default="era5",
-                   help="era5: the demo store (default); wb2: the WeatherBench2 ERA5 layout")
+                   help="era5: the demo store (default); wb2: the WeatherBench2 ERA5 layout; "
+                        "anemoi: an anemoi dataset (--lat x --lon cells, flattened)")
     d.add_argument("--size-mb", type=_positive_float, default=300.0,
                    help="decoded size of the store in MB (default 300); --n-times overrides it")
     d.add_argument("--n-times", type=_positive_int, default=None,
@@ -276,9 +280,9 @@ def _open(parser: argparse.ArgumentParser, url: str, variables: list[str] | None
 def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .synthetic import is_zarr_store
 
-    if args.layout == "wb2" and args.time_chunk not in (None, 1):
-        parser.error(f"--time-chunk {args.time_chunk}: the wb2 layout holds one time step per "
-                     "chunk (as WeatherBench2 does); leave --time-chunk out")
+    if args.layout != "era5" and args.time_chunk not in (None, 1):
+        parser.error(f"--time-chunk {args.time_chunk}: the {args.layout} layout holds one time "
+                     "step per chunk (as WeatherBench2 and anemoi do); leave --time-chunk out")
     path = Path(args.path)
     if path.exists():
         if not is_zarr_store(path):
@@ -291,6 +295,8 @@ def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     n_times = args.n_times or (SMALL_TIMES if args.small else None)
     if args.layout == "wb2":
         return _make_wb2(parser, args, path, n_times, n_lat, n_lon)
+    if args.layout == "anemoi":
+        return _make_anemoi(args, path, n_times, n_lat * n_lon)
     from .synthetic import VARIABLES, DemoSpec, write_store
 
     time_chunk = args.time_chunk or 12
@@ -316,6 +322,19 @@ def _make_wb2(parser: argparse.ArgumentParser, args: argparse.Namespace, path: P
           f"({spec.n_times}, [13], {spec.n_lon}, {spec.n_lat}) float32, one time step per "
           f"chunk, {spec.sample_nbytes / 1e6:,.2f} MB per step, {spec.nbytes / 1e6:,.0f} MB "
           "decoded")
+    return 0
+
+
+def _make_anemoi(args: argparse.Namespace, path: Path, n_times: int | None, n_cells: int,
+                 ) -> int:
+    from .synthetic import ANEMOI_VARIABLES, write_anemoi_store
+
+    per_date = len(ANEMOI_VARIABLES) * n_cells * 4
+    n = n_times or max(1, int(args.size_mb * 1e6 / per_date))
+    write_anemoi_store(path, n_dates=n, n_cells=n_cells, seed=args.seed)
+    print(f"wrote {path}: anemoi layout, data (dates, variables, ensemble, cells) = ({n}, "
+          f"{len(ANEMOI_VARIABLES)}, 1, {n_cells}) float32, one date per chunk, variables "
+          f"{', '.join(ANEMOI_VARIABLES)}, {n * per_date / 1e6:,.0f} MB decoded")
     return 0
 
 

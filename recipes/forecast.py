@@ -1,12 +1,19 @@
-"""Recipe: forecast t+1 from (t-1, t) on the demo store, normalized, with a time split.
+"""Recipe: forecast t+1 from (t-1, t), normalized, with a time split, on any store.
 
     python recipes/forecast.py --store demo-data/era5.zarr --epochs 3
+    insitubatch make-demo wb2.zarr --layout wb2 --small && \
+        python recipes/forecast.py --store wb2.zarr
+    insitubatch make-demo an.zarr --layout anemoi --small && \
+        python recipes/forecast.py --store an.zarr --variables 2t msl t_500
 
-Samples are time windows (``SampleWindow(history=2, lead=(1,))``); the split is by dates,
-with a gap so that no target of the training period is an input of the validation period;
-statistics come from the training period only; the four variables are stacked as channels.
-Prints train and validation loss per epoch. (Make the store with ``scripts/demo`` first, or
-pass ``--make-store`` to write it.)
+Samples are time windows (``SampleWindow(history=2, lead=(1,))``); the split is by dates
+(default: the first 80% of the store's dates train, the rest validate), with a gap so that
+no target of the training period is an input of the validation period; statistics come
+from the training period only (an anemoi dataset's own stored statistics); the variables
+are stacked as channels (whole pressure levels, anemoi variables by name). The model is a
+per-point residual MLP, so it runs on lat-lon grids and anemoi's flattened cells alike.
+Prints what the loaders serve, then train and validation loss per epoch. (Make the store
+with ``scripts/demo`` first, or pass ``--make-store`` to write the demo store.)
 """
 
 from __future__ import annotations
@@ -22,21 +29,24 @@ from insitubatch_nodes.demo import VARIABLES, DemoSpec, make_demo_store
 
 
 class Forecaster(nn.Module):
-    """Residual CNN: the next state is the current one plus a learned increment."""
+    """Per-point residual MLP: the next state is the current one plus a learned increment
+    from every channel of every input step at that point (any spatial layout)."""
 
-    def __init__(self, channels: int, history: int, width: int = 24) -> None:
+    def __init__(self, channels: int, history: int, width: int = 32) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(channels * history, width, 3, padding=1), nn.GELU(),
-            nn.Conv2d(width, width, 3, padding=1), nn.GELU(),
-            nn.Conv2d(width, channels, 3, padding=1))
+            nn.Conv1d(channels * history, width, 1), nn.GELU(),
+            nn.Conv1d(width, width, 1), nn.GELU(),
+            nn.Conv1d(width, channels, 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, history, C, y, x)
-        return x[:, -1] + self.net(x.flatten(1, 2))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, history, C, *space)
+        flat = x.flatten(1, 2).flatten(2)  # (batch, history * C, points)
+        return x[:, -1] + self.net(flat).reshape(x[:, -1].shape)
 
 
 def run_epoch(model: nn.Module, loader: ib.InSituLoader, opt: torch.optim.Optimizer | None,
-              ) -> float:
+              ) -> tuple[float, int]:
+    """Mean loss over the epoch and the number of samples the loader served."""
     total, n = 0.0, 0
     model.train(opt is not None)
     for batch in loader:
@@ -49,7 +59,16 @@ def run_epoch(model: nn.Module, loader: ib.InSituLoader, opt: torch.optim.Optimi
             opt.step()
         total += loss.item() * len(x)
         n += len(x)
-    return total / max(n, 1)
+    return total / max(n, 1), n
+
+
+def default_periods(source: ib.Source) -> dict[str, tuple]:
+    """The first 80% of the store's dates train, the rest validate."""
+    coord = source.sample_coord
+    if coord is None:
+        raise SystemExit(f"{source.url} has no time coordinate: give --train and --val")
+    cut = int(len(coord) * 0.8)
+    return {"train": (None, coord[cut - 1]), "val": (coord[cut], None)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,8 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--make-store", action="store_true", help="write the demo store first")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--train", nargs=2, default=["2000-01", "2000-04"], metavar=("FROM", "TO"))
-    p.add_argument("--val", nargs=2, default=["2000-05", "2000-06"], metavar=("FROM", "TO"))
+    p.add_argument("--variables", nargs="+", default=None,
+                   help="variables to stack as channels (default: the demo's four; every "
+                        "variable of a WeatherBench2 or anemoi store)")
+    p.add_argument("--train", nargs=2, default=None, metavar=("FROM", "TO"))
+    p.add_argument("--val", nargs=2, default=None, metavar=("FROM", "TO"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.make_store:
@@ -67,27 +89,37 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)
     window = ib.SampleWindow(history=2, lead=(1,))
-    source = ib.open_source(args.store, variables=list(VARIABLES), sample_dim="time")
-    split = ib.split_by_coordinate(source, {"train": tuple(args.train), "val": tuple(args.val)},
-                                   window=window)
-    stats = ib.compute_stats(source, split, "train")
+    source = ib.open_source(args.store)
+    if args.variables:
+        names = list(args.variables)
+    elif source.format == "anemoi":
+        names = list(source.variables[0].labels or ())
+    else:
+        names = [n for n in VARIABLES if n in source.names] or list(source.names)
+    periods = ({"train": tuple(args.train), "val": tuple(args.val)} if args.train and args.val
+               else default_periods(source))
+    split = ib.split_by_coordinate(source, periods, window=window)
+    stats = (ib.dataset_stats(source) if source.format == "anemoi"
+             else ib.compute_stats(source, split, "train", progress=False))
     # One config for both loaders: same samples, channels and normalisation.
     config = ib.LoaderConfig(
-        sampling=ib.SamplingConfig(batch_size=args.batch_size, block_chunks=8, seed=args.seed),
-        sample=ib.SampleConfig(steps=window, stats=stats, channels=tuple(VARIABLES)),
+        sampling=ib.SamplingConfig(batch_size=args.batch_size, seed=args.seed),
+        sample=ib.SampleConfig(steps=window, stats=stats, channels=tuple(names)),
     )
     train = ib.build_loader(source, split, "train", config)
     val = ib.build_loader(source, split, "val", config)
-    model = Forecaster(len(VARIABLES), window.history)
+    print(f"{source.url}: {source.format} store, channels {names}; split periods "
+          f"{ {k: [str(v) for v in p] for k, p in periods.items()} }, gap {split.gap} steps")
+    channels = next(iter(val))["channels"].shape[2]  # whole levels count one channel each
+    model = Forecaster(channels, window.history)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    print(f"train {split.n_samples_in('train')} / val {split.n_samples_in('val')} anchors; "
-          f"gap {split.gap} steps between them")
     with train, val:
         for epoch in range(args.epochs):
             t0 = time.perf_counter()
-            tl = run_epoch(model, train, opt)
-            vl = run_epoch(model, val, None)
-            print(f"epoch {epoch}: train loss {tl:.4f} | val loss {vl:.4f} | "
+            tl, n_train = run_epoch(model, train, opt)
+            vl, n_val = run_epoch(model, val, None)
+            print(f"epoch {epoch}: served {n_train} train / {n_val} val samples | train loss "
+                  f"{tl:.4f} | val loss {vl:.4f} | "
                   f"{time.perf_counter() - t0:.1f} s | waited for data "
                   f"{100 * train.stats().starvation:.0f}%", flush=True)
 
