@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .schedule import UNEVEN_POLICIES
+
 # Fields whose change leaves the rest of the epoch exactly-once: the counters count windows
 # and draws, never batches, so another batch size (or drop_last) only cuts the remaining
 # draws differently. allow_state_change=True accepts these and nothing else.
@@ -111,6 +113,9 @@ class StateFingerprint:
                                  f"{'an integer >= 0' if kind is int else kind.__name__}, "
                                  f"got {v!r}")
             values[name] = v
+        if values["uneven"] not in UNEVEN_POLICIES:
+            raise ValueError(f"loader state field 'fingerprint.uneven' must be one of "
+                             f"{UNEVEN_POLICIES}, got {values['uneven']!r}")
         return cls(**values)
 
     def merged(self) -> StateFingerprint:

@@ -267,6 +267,14 @@ class InSituLoader(Loader):
                 f"loader state has unknown field(s) {unknown} (a "
                 f"{'merged' if elastic else 'rank'} state has {sorted(known)}): load a state "
                 "saved by state_dict() or merge_rank_states")
+        if not elastic:
+            if LoaderIterator.ROOT_KEY not in state_dict:
+                raise ValueError(
+                    f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, "
+                    f"from state_dict()) nor {ELASTIC_KEY!r} (a merged state, from "
+                    f"merge_rank_states); it has {sorted(state_dict)}")
+            require_dict(state_dict, LoaderIterator.ROOT_KEY, "loader")
+            require_count(state_dict, LoaderIterator.NUM_YIELDED_KEY, "loader")
         fmt = state_dict.pop(FORMAT_KEY, 1)
         if fmt not in (1, 2, STATE_FORMAT) or isinstance(fmt, bool):
             raise ValueError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
@@ -289,10 +297,8 @@ class InSituLoader(Loader):
                                                                       history),
                           LoaderIterator.NUM_YIELDED_KEY: 0}
         else:
-            root = require_dict(state_dict, LoaderIterator.ROOT_KEY, "loader")
-            require_count(state_dict, LoaderIterator.NUM_YIELDED_KEY, "loader")
             if fmt == 1:
-                upgrade_v1(self.nodes(), root)
+                upgrade_v1(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
         found = check_root_state(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
         if progress is not None and found is not None and progress != found:
             raise ValueError(_progress_mismatch(progress, found))

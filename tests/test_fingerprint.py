@@ -265,10 +265,23 @@ def test_a_malformed_merged_state_names_the_field(store):
 # -- fuzz: mutated states ------------------------------------------------------------------
 
 def _paths(d, prefix=()):
-    for k, v in d.items():
+    items = d.items() if isinstance(d, dict) else enumerate(d)
+    for k, v in items:
         yield (*prefix, k)
-        if isinstance(v, dict):
+        if isinstance(v, (dict, list)):
             yield from _paths(v, (*prefix, k))
+
+
+def _mutate(state, path, how, values):
+    bad = copy.deepcopy(state)
+    parent = bad
+    for k in path[:-1]:
+        parent = parent[k]
+    if how == "remove":
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = copy.deepcopy(values[how])
+    return bad
 
 
 MUTATIONS = {
@@ -303,14 +316,7 @@ def test_fuzz_mutated_states_raise_naming_the_field_or_resume_exactly(fuzz_base,
     src, m, state, seen, paths, nodes = fuzz_base
     path = data.draw(st.sampled_from(paths), label="path")
     how = data.draw(st.sampled_from(sorted(MUTATIONS)), label="mutation")
-    bad = copy.deepcopy(state)
-    parent = bad
-    for k in path[:-1]:
-        parent = parent[k]
-    if how == "remove":
-        del parent[path[-1]]
-    else:
-        parent[path[-1]] = copy.deepcopy(MUTATIONS[how])
+    bad = _mutate(state, path, how, MUTATIONS)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -342,3 +348,59 @@ def test_harmless_mutations_resume_exactly(fuzz_base, path, value):
         rest = rest_of_epoch(src, m, bad)
     assert rest == rest_of_epoch(src, m, state)
     assert sorted(seen + rest) == split_samples(m, "train")
+
+
+# -- fuzz: mutated merged states -----------------------------------------------------------
+# A merged state holds nothing twice (a rank's state repeats its node counters in
+# "progress"), so an in-range edit of its history is another valid point of the epoch:
+# mutations here are removals, other types and values out of range.
+
+MERGED_MUTATIONS = {k: MUTATIONS[k] for k in
+                    ("remove", "str", "float", "none", "list", "dict", "bool", "negative")}
+PAST = 999  # out of range for a window or offset counter of this store
+
+
+@pytest.fixture(scope="module")
+def merged_base(store):
+    src, m = store
+    states, seen = _rank_states(src, m, 2, k=2, uneven="none")
+    merged = ib.merge_rank_states(states)
+    paths = sorted(p for p in _paths(merged) if p[-1] != "epoch")  # see above
+    return src, m, merged, seen, paths
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_mutated_merged_states_raise_naming_the_field_or_resume_exactly(merged_base,
+                                                                            data):
+    src, m, merged, seen, paths = merged_base
+    path = data.draw(st.sampled_from(paths), label="path")
+    counter = path[:2] == ("elastic", "history") and len(path) == 6  # a window or offset
+    how = data.draw(st.sampled_from(sorted(MERGED_MUTATIONS) + (["past"] if counter else [])),
+                    label="mutation")
+    bad = _mutate(merged, path, how, {**MERGED_MUTATIONS, "past": PAST})
+    try:
+        rest = []
+        for r in range(3):
+            rest += rest_of_epoch(src, m, bad, rank=r, world_size=3, uneven="none")
+    except ValueError as e:
+        words = [f"'{p}" for p in path if isinstance(p, str)] + [f"{p}:" for p in path
+                                                                  if isinstance(p, str)]
+        if path[:2] == ("elastic", "history"):
+            words.append("'history'")
+        assert any(w in str(e) for w in words), (path, how, str(e))
+        event("refused")
+        return
+    event("accepted")
+    assert sorted(seen + rest) == split_samples(m, "train"), (path, how)
+
+
+def test_a_merged_history_past_a_window_is_refused(merged_base):
+    src, m, merged, _, _ = merged_base
+    bad = copy.deepcopy(merged)
+    bad["elastic"]["history"][-1][1][1][1] = 500  # rank 1 took 500 draws of an 8-draw window
+    with ib.build_loader(src, m, "train", **KW, rank=0, world_size=3, uneven="none") as ld, \
+            pytest.raises(ValueError, match=r"'history'\[0\] says rank 1 of 2 finished \d+ "
+                                            r"windows and took 500 draws of the next"):
+        ld.load_state_dict(bad)

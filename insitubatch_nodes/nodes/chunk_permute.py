@@ -91,6 +91,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
         epoch's windows and, given ``offset`` (draws taken in the head window, from the
         ``ShuffleBufferNode``), that the head window has that many draws."""
         epoch, pos, history = self.parse_state(state)
+        self._check_history(epoch, history)
         schedule = rank_schedule(self._context(), epoch, self.rank, self.world_size, history)
         n = len(schedule.windows)
         require_count(state, self.POSITION_KEY, self, n,
@@ -105,6 +106,25 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
                     f"{self.world_size}: the state was edited or saved by a loader built "
                     "differently")
         return schedule
+
+    def _check_history(self, epoch: int, history: Sequence[Resumption]) -> None:
+        """Each old rank's recorded progress must lie within the schedule it ran (the one
+        the generation before computed for it): a record past a window's draws would make
+        the re-deal skip the rest of that window silently. One schedule per old rank per
+        resume: paid once, on load."""
+        for g, res in enumerate(history):
+            for r, p in enumerate(res.progress):
+                wins = rank_schedule(self._context(), epoch, r, res.world_size,
+                                     history[:g]).windows
+                size = wins[p.window].n_final if p.window < len(wins) else 0
+                if p.window > len(wins) or p.offset > size:
+                    raise ValueError(
+                        f"{type(self).__name__} state field {self.HISTORY_KEY!r}[{g}] says "
+                        f"rank {r} of {res.world_size} finished {p.window} windows and took "
+                        f"{p.offset} draws of the next, but it had {len(wins)} windows "
+                        f"{'' if p.window >= len(wins) else f'and that one {size} draws '}"
+                        "in that epoch: the state was edited (merge the ranks' own states "
+                        "again with merge_rank_states)")
 
     def __len__(self) -> int:
         return 0 if self.schedule is None else len(self.schedule.windows)
