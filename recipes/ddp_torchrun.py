@@ -10,7 +10,14 @@ on CPU with the gloo backend (make the store first with ``scripts/demo``):
 The checkpoint holds the model, the optimizer and the loader state of *every* rank. Resumed on
 the same number of ranks, each rank continues exactly where it was; on another number, the
 ranks' states are merged and the rest of the epoch is re-dealt, so no sample of the epoch is
-lost or repeated. ``--record DIR`` writes the sample indices of every step, one file per rank.
+lost or repeated, wherever in the epoch the job stopped. ``--record DIR`` writes the sample
+indices of every step, one file per rank.
+
+``--uneven`` is the loader's policy for ranks whose shares of an epoch differ in size. DDP
+needs every rank to take the same number of steps: ``pad`` (default) repeats a few samples
+of a short rank, ``drop`` leaves a few out; ``none`` serves every sample exactly once and
+keeps the steps equal here instead: a rank whose share is done takes zero-weight steps (its
+gradient is zero, as under torch's ``Join``) until the last rank is done.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +34,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import insitubatch_nodes as ib
+
+
+def lockstep(batches: Iterable[dict]) -> Iterator[dict | None]:
+    """This rank's batches, then ``None`` while any other rank still has some: with
+    uneven="none" shares differ, and every rank must keep meeting DDP's all-reduce and the
+    checkpoint's gather until the last one is done."""
+    it = iter(batches)
+    while True:
+        batch = next(it, None)
+        busy = torch.tensor([batch is not None], dtype=torch.int64)
+        dist.all_reduce(busy)  # how many ranks still have a batch
+        if not busy.item():
+            return
+        yield batch
 
 
 def main() -> None:
@@ -40,6 +62,10 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--record", default=None, help="directory for per-rank sample_index logs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--uneven", choices=["pad", "drop", "none"], default="pad",
+                   help="unequal shares: pad (repeat a few samples), drop (leave a few out), "
+                        "or none (each sample exactly once; finished ranks take zero-weight "
+                        "steps until all are done)")
     args = p.parse_args()
     if args.resume and not Path(args.checkpoint).is_file():
         p.error(f"--resume: there is no checkpoint at {args.checkpoint!r}; run once without "
@@ -51,10 +77,16 @@ def main() -> None:
 
     source = ib.open_source(args.store, variables=["t2m", "u10", "v10", "msl"])
     manifest = ib.split_by_chunk(source, fractions=(0.9, 0.1, 0.0), seed=args.seed)
-    # rank/world_size come from the process group; the default uneven="pad" gives every rank
+    # rank/world_size come from the process group; uneven="pad" or "drop" gives every rank
     # the same number of steps, so DDP's all-reduce never waits for a rank that has finished.
     loader = ib.build_loader(source, manifest, "train", batch_size=args.batch_size,
-                             block_chunks=args.block_chunks, seed=args.seed)
+                             block_chunks=args.block_chunks, seed=args.seed,
+                             uneven=args.uneven)
+    if args.uneven == "none":
+        # A rank restored with its share done must sit out the rest of that epoch, not start
+        # the next one while the others finish (torchdata's default restarts it).
+        loader.restart_on_stop_iteration = False
+    height, width = source.variables[0].shape[1:]
     model = DistributedDataParallel(nn.Sequential(
         nn.AvgPool2d(4), nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 1, 3, padding=1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -85,15 +117,20 @@ def main() -> None:
             batches = iter(loader)
             if loader.epoch >= args.epochs:
                 break
-            for batch in batches:
-                x = (torch.stack([batch["u10"], batch["v10"], batch["msl"]], 1) - offset) / scale
-                y = nn.functional.avg_pool2d(((batch["t2m"] - 288.0) / 20.0)[:, None], 4)
-                loss = nn.functional.mse_loss(model(x), y)
+            for batch in (lockstep(batches) if args.uneven == "none" else batches):
+                if batch is None:  # this rank's share is done, another rank's is not
+                    x, y = torch.zeros(1, 3, height, width), torch.zeros(1, 1, height // 4,
+                                                                         width // 4)
+                else:
+                    x = (torch.stack([batch["u10"], batch["v10"], batch["msl"]], 1)
+                         - offset) / scale
+                    y = nn.functional.avg_pool2d(((batch["t2m"] - 288.0) / 20.0)[:, None], 4)
+                loss = nn.functional.mse_loss(model(x), y) * (batch is not None)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 step += 1
-                if record is not None:
+                if record is not None and batch is not None:
                     record.write(json.dumps({"step": step, "epoch": loader.epoch,
                                              "samples": batch["sample_index"].tolist()}) + "\n")
                     record.flush()

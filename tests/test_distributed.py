@@ -179,22 +179,35 @@ def test_torchrun_recipe_resume_is_exact(demo_store, tmp_path):
 
 
 @pytest.mark.torchrun
-def test_torchrun_recipe_elastic_resume(demo_store, tmp_path):
-    common = ["--store", str(demo_store), "--every", "1", "--epochs", "1", "--checkpoint",
-              str(tmp_path / "c.pt")]
-    _torchrun(2, *common, "--stop-after", "3", "--record", str(tmp_path / "before"),
+@pytest.mark.parametrize("uneven", ["pad", "none"])
+def test_torchrun_recipe_elastic_resume_late_in_the_epoch(demo_store, tmp_path, uneven):
+    """2 ranks stop after step 11 of 12: what is left is one rank's last batch, fewer
+    windows than the 3 new ranks (a rank used to get nothing and crash). 3 ranks finish
+    the epoch and run the next: every sample once (``pad``: plus at most one padded sample
+    per rank), the same steps on every rank; with ``none`` the 3 ranks' next epoch has
+    shares of 8, 8 and 7 batches, so one rank takes a zero-weight step."""
+    common = ["--store", str(demo_store), "--every", "1", "--epochs", "2", "--batch-size",
+              "8", "--checkpoint", str(tmp_path / "c.pt"), "--uneven", uneven]
+    _torchrun(2, *common, "--stop-after", "11", "--record", str(tmp_path / "before"),
               cwd=tmp_path)
     out = _torchrun(3, *common, "--resume", "--record", str(tmp_path / "after"), cwd=tmp_path)
-    assert "from 2 ranks onto 3" in out
-    before = [s for r in _records(tmp_path / "before", 2) for x in r for s in x["samples"]]
-    after = [s for r in _records(tmp_path / "after", 3) for x in r for s in x["samples"]]
+    assert "resumed at step 11 from 2 ranks onto 3" in out and "done: 20 steps" in out
     src = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
     m = ib.split_by_chunk(src, fractions=(0.9, 0.1, 0.0))
-    want = set(m.grid.samples_of(m.chunk_ids("train")).tolist())
-    assert set(before) | set(after) == want and not set(before) & set(after)
-    assert len(before) == len(set(before))
-    steps = {len(r) for r in _records(tmp_path / "after", 3)}
-    assert len(steps) == 1  # equal steps after the elastic resume too
+    want = sorted(m.grid.samples_of(m.chunk_ids("train")).tolist())
+    before = [s for r in _records(tmp_path / "before", 2) for x in r for s in x["samples"]]
+    after = [[x for x in r if x["epoch"] == 0] for r in _records(tmp_path / "after", 3)]
+    nxt = [[x for x in r if x["epoch"] == 1] for r in _records(tmp_path / "after", 3)]
+    rest = [s for r in after for x in r for s in x["samples"]]
+    assert not set(before) & set(rest) and len(before) == len(set(before))
+    if uneven == "none":
+        assert sorted(before + rest) == want  # exactly once
+        assert sorted(s for r in nxt for x in r for s in x["samples"]) == want
+        assert [len(r) for r in nxt] == [8, 8, 7]
+    else:
+        assert sorted(set(before + rest)) == want and len(rest) - len(set(rest)) <= 2
+        for epoch in (after, nxt):  # equal steps, equal batch sizes
+            assert len({tuple(len(x["samples"]) for x in r) for r in epoch}) == 1
 
 
 @pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
