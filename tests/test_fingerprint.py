@@ -404,3 +404,16 @@ def test_a_merged_history_past_a_window_is_refused(merged_base):
             pytest.raises(ValueError, match=r"'history'\[0\] says rank 1 of 2 finished \d+ "
                                             r"windows and took 500 draws of the next"):
         ld.load_state_dict(bad)
+
+
+def test_a_state_saved_with_another_time_window_is_refused(store):
+    src, m = store
+    w2 = ib.SampleWindow(history=2, lead=1)
+    state, _ = saved_after(src, m, k=1, window=w2)
+    assert state["fingerprint"]["contiguous"] is True
+    with ib.build_loader(src, m, "train", **KW, window=ib.SampleWindow(history=4, lead=1)) as ld, \
+            pytest.raises(ValueError, match=r"first: saved 1, this loader 3 \(.*window="):
+        ld.load_state_dict(state)
+    with ib.build_loader(src, m, "train", **KW) as ld, \
+            pytest.raises(ValueError, match="contiguous: saved True, this loader False"):
+        ld.load_state_dict(state)
