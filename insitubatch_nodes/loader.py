@@ -257,48 +257,21 @@ class InSituLoader(Loader):
         except (TypeError, ValueError) as e:
             raise ValueError(f"a loader state is plain JSON data (from state_dict()); this "
                              f"one is not: {e}") from None
-        elastic = ELASTIC_KEY in state_dict
-        known = ({ELASTIC_KEY} if elastic else
-                 {LoaderIterator.ROOT_KEY, LoaderIterator.NUM_YIELDED_KEY, PROGRESS_KEY})
-        known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
-        unknown = sorted(set(state_dict) - known)
-        if unknown:
-            raise ValueError(
-                f"loader state has unknown field(s) {unknown} (a "
-                f"{'merged' if elastic else 'rank'} state has {sorted(known)}): load a state "
-                "saved by state_dict() or merge_rank_states")
-        if not elastic:
-            if LoaderIterator.ROOT_KEY not in state_dict:
-                raise ValueError(
-                    f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, "
-                    f"from state_dict()) nor {ELASTIC_KEY!r} (a merged state, from "
-                    f"merge_rank_states); it has {sorted(state_dict)}")
-            require_dict(state_dict, LoaderIterator.ROOT_KEY, "loader")
-            require_count(state_dict, LoaderIterator.NUM_YIELDED_KEY, "loader")
+        check_top_level(state_dict)
         fmt = state_dict.pop(FORMAT_KEY, 1)
-        if fmt not in (1, 2, STATE_FORMAT) or isinstance(fmt, bool):
+        if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt not in (1, 2, STATE_FORMAT):
             raise ValueError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
                              f"insitubatch_nodes reads formats 1 to {STATE_FORMAT}")
         self._check_snapshot(state_dict)
         self._check_fingerprint(state_dict, fmt)
         progress = state_dict.pop(PROGRESS_KEY, None)
-        if elastic:
-            el = state_dict[ELASTIC_KEY]
-            if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
-                raise ValueError(f"loader state field {ELASTIC_KEY!r} must be "
-                                 f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
-            epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
-            history = list(parse_history(el["history"], f"loader state field "
-                                                        f"'{ELASTIC_KEY}.history'"))
-            if not history:
-                raise ValueError(f"loader state field '{ELASTIC_KEY}.history' is empty: a "
-                                 "merged state records at least the resume that made it")
+        if ELASTIC_KEY in state_dict:
+            epoch, history = parse_elastic(state_dict[ELASTIC_KEY])
             state_dict = {LoaderIterator.ROOT_KEY: elastic_root_state(self.nodes(), epoch,
                                                                       history),
                           LoaderIterator.NUM_YIELDED_KEY: 0}
-        else:
-            if fmt == 1:
-                upgrade_v1(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
+        elif fmt == 1:
+            upgrade_v1(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
         found = check_root_state(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
         if progress is not None and found is not None and progress != found:
             raise ValueError(_progress_mismatch(progress, found))
@@ -393,6 +366,44 @@ def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[st
             return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
                     "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
     return None
+
+
+def check_top_level(state: dict[str, Any]) -> None:
+    """A rank's state has ``root`` (a dict) and ``num_yielded`` (a count), a merged one
+    ``elastic``; both may have the format, snapshot and fingerprint. Anything else is a
+    ValueError naming the field."""
+    elastic = ELASTIC_KEY in state
+    known = ({ELASTIC_KEY} if elastic else
+             {LoaderIterator.ROOT_KEY, LoaderIterator.NUM_YIELDED_KEY, PROGRESS_KEY})
+    known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
+    unknown = sorted(set(state) - known)
+    if unknown:
+        raise ValueError(
+            f"loader state has unknown field(s) {unknown} (a {'merged' if elastic else 'rank'} "
+            f"state has {sorted(known)}): load a state saved by state_dict() or "
+            "merge_rank_states")
+    if elastic:
+        return
+    if LoaderIterator.ROOT_KEY not in state:
+        raise ValueError(
+            f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, from "
+            f"state_dict()) nor {ELASTIC_KEY!r} (a merged state, from merge_rank_states); it "
+            f"has {sorted(state)}")
+    require_dict(state, LoaderIterator.ROOT_KEY, "loader")
+    require_count(state, LoaderIterator.NUM_YIELDED_KEY, "loader")
+
+
+def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
+    """(epoch, history) of a merged state's ``elastic`` field, checked field by field."""
+    if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
+        raise ValueError(f"loader state field {ELASTIC_KEY!r} must be "
+                         f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
+    epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
+    history = list(parse_history(el["history"], f"loader state field '{ELASTIC_KEY}.history'"))
+    if not history:
+        raise ValueError(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
+                         "state records at least the resume that made it")
+    return epoch, history
 
 
 def check_root_state(nodes: list[BaseNode], root_state: Any) -> dict[str, Any] | None:
