@@ -124,14 +124,14 @@ class SplitManifest:
             n_samples=_field(d, "n_samples", int),
             chunk_size=_field(d, "chunk_size", int),
             splits=tuple(parsed),
-            variables=tuple(str(v) for v in d.get("variables", ())),
+            variables=tuple(str(v) for v in _field(d, "variables", list, [])),
             seed=_field(d, "seed", int, 0),
-            fractions=tuple(float(f) for f in d.get("fractions", ())),
+            fractions=_fractions(_field(d, "fractions", list, [])),
             mode=str(d.get("mode", "contiguous")),
             source_url=str(d.get("source_url", "")),
-            snapshot_id=d.get("snapshot_id"),
+            snapshot_id=_snapshot(d.get("snapshot_id")),
             gap=_field(d, "gap", int, 0),
-            periods=tuple((str(n), a, b) for n, a, b in d.get("periods", ())),
+            periods=_periods(_field(d, "periods", list, [])),
         )
         recorded = d.get("content_hash")
         if recorded is not None and recorded != m.content_hash:
@@ -197,6 +197,29 @@ def _field(d: dict, key: str, kind: type, default: object = _MISSING) -> object:
     if not ok:
         raise ValueError(f"split manifest field {key!r} must be {kind.__name__}, got {value!r}")
     return value
+
+
+def _fractions(raw: list) -> tuple[float, ...]:
+    if not all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in raw):
+        raise ValueError(f"split manifest field 'fractions' must be a list of numbers, "
+                         f"got {raw!r}")
+    return tuple(float(f) for f in raw)
+
+
+def _snapshot(raw: object) -> str | None:
+    if raw is not None and not isinstance(raw, str):
+        raise ValueError(f"split manifest field 'snapshot_id' must be a string or null, "
+                         f"got {raw!r}")
+    return raw
+
+
+def _periods(raw: list) -> tuple[tuple[str, str | None, str | None], ...]:
+    ok = all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
+             and all(x is None or isinstance(x, str) for x in p[1:]) for p in raw)
+    if not ok:
+        raise ValueError(f"split manifest field 'periods' must be a list of [split, start, "
+                         f"end] (start/end strings or null), got {raw!r}")
+    return tuple((n, a, b) for n, a, b in raw)
 
 
 def check_splits(n_samples: int, chunk_size: int,

@@ -190,3 +190,14 @@ def test_fuzz_mutated_manifests_are_refused_or_serve_each_sample_once(source, ra
             assert got == m.grid.samples_of(ids).tolist()  # each of its samples once
             served += got
     assert len(served) == len(set(served))  # no sample in two splits
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda d: d.update(fractions=[0.8, None]), "'fractions' must be a list of numbers"),
+    (lambda d: d.update(periods=[["train", 1979]]), r"'periods' must be a list of \[split"),
+    (lambda d: d.update(snapshot_id=7), "'snapshot_id' must be a string or null"),
+    (lambda d: d.update(variables="x"), "field 'variables' must be list"),
+])
+def test_bad_metadata_is_named(manifest, tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        ib.SplitManifest.from_json(edited(tmp_path, manifest, edit))
