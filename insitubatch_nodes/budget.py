@@ -30,10 +30,12 @@ def parse_bytes(value: int | str) -> int:
 
 def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], block_chunks: int,
                    prefetch_windows: int, batch_size: int,
-                   steps: SampleWindow | None = None, in_place: bool = False) -> int:
+                   steps: SampleWindow | None = None, in_place: bool = False,
+                   runs: int = 1) -> int:
     """Decoded bytes that can be resident: the window being drawn, the prefetched ones, and
     the stripes of the previous window that a batch straddling the edge still needs (each
-    with its halo of neighbouring chunks when a sample spans several time ``steps``).
+    with its halo of neighbouring chunks when a sample spans several time ``steps``; a
+    window of ``runs`` contiguous runs has a halo per run).
 
     ``in_place`` (one sample per chunk, decoded into the batches): the batches that the
     windows being drawn, prefetched and just finished feed, two partly filled batches at
@@ -45,43 +47,49 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
         batches = -(-(2 + prefetch_windows) * window_samples // batch_size) + 3
         return batches * batch_size * sample_bytes
     halo = 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
-    window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo)
+    # a window of ``runs`` runs reads each run's halo
+    window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo * runs)
     window_samples = block_chunks * grid.chunk_size
     if batch_size > window_samples:
         # A batch spans whole windows: all of them (and the one it starts in) stay resident
         # until the batch is gathered, besides the prefetched ones.
         spans = -(-batch_size // window_samples) + 1
         return (spans + prefetch_windows) * window_bytes
-    straddle = max_window_nbytes(grid, variables, min(batch_size, block_chunks) + 2 * halo)
+    straddle = max_window_nbytes(grid, variables, min(batch_size, block_chunks)
+                                 + 2 * halo * min(runs, batch_size))
     return (1 + prefetch_windows) * window_bytes + straddle
 
 
 def largest_block_chunks(grid: SampleGrid, variables: Sequence[VariableGeometry], budget: int,
                          prefetch_windows: int, batch_size: int, hi: int,
                          steps: SampleWindow | None = None, in_place: bool = False,
-                         ) -> int | None:
+                         run_chunks: int | None = None) -> int | None:
     """Largest ``block_chunks`` in ``[1, hi]`` whose resident bound fits ``budget``. A scan,
     not a bisection: the bound is not monotone where batches span several windows."""
     fits = [b for b in range(1, hi + 1)
             if resident_bound(grid, variables, b, prefetch_windows, batch_size, steps,
-                              in_place) <= budget]
+                              in_place, _runs(b, run_chunks)) <= budget]
     return fits[-1] if fits else None
+
+
+def _runs(block_chunks: int, run_chunks: int | None) -> int:
+    return 1 if run_chunks is None else max(1, block_chunks // min(run_chunks, block_chunks))
 
 
 def check_budget(grid: SampleGrid, variables: Sequence[VariableGeometry],
                  memory_budget: int | str | None, block_chunks: int, prefetch_windows: int,
                  batch_size: int, steps: SampleWindow | None = None,
-                 in_place: bool = False) -> int:
+                 in_place: bool = False, run_chunks: int | None = None) -> int:
     """The resident bound of this configuration; a ``ValueError`` naming the largest
     ``block_chunks`` that fits when it exceeds ``memory_budget``."""
     need = resident_bound(grid, variables, block_chunks, prefetch_windows, batch_size, steps,
-                          in_place)
+                          in_place, _runs(block_chunks, run_chunks))
     if memory_budget is None:
         return need
     budget = parse_bytes(memory_budget)
     if need > budget:
         fits = largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size,
-                                    block_chunks - 1, steps, in_place)
+                                    block_chunks - 1, steps, in_place, run_chunks)
         hint = (f"block_chunks={fits} fits" if fits else
                 "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
         raise ValueError(

@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows fetched ahead (default: the loader's, 1 local / 2 remote)")
     i.add_argument("--sample-objects", type=_positive_int, default=5,
                    help="stored chunks per variable whose compressed size is measured")
+    i.add_argument("--history", type=_positive_int, default=None,
+                   help="samples are time windows of this many input steps: recommend the "
+                        "run length (run_chunks) and block_chunks for them")
+    i.add_argument("--lead", type=int, nargs="+", default=None, metavar="STEP",
+                   help="target steps after the last input (with --history; default 1)")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     b = sub.add_parser("bench", help="benchmark the loader against a naive DataLoader and the "
@@ -342,9 +347,17 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     from .inspection import format_report, inspect_source
 
     source = _open(parser, args.url, args.variables)
+    steps = None
+    if args.history is not None or args.lead is not None:
+        from .windows import SampleWindow
+
+        try:
+            steps = SampleWindow(history=args.history or 1, lead=tuple(args.lead or (1,)))
+        except ValueError as e:
+            parser.error(f"--history/--lead: {e}")
     report = inspect_source(source, quality=args.quality, memory_budget=args.memory,
                             batch_size=args.batch_size, prefetch_windows=args.prefetch_windows,
-                            sample_objects=args.sample_objects)
+                            sample_objects=args.sample_objects, steps=steps)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

@@ -41,6 +41,9 @@ class SamplingConfig:
 
     batch_size: int = 32
     block_chunks: int | None = None  # None: 16, or ~64 MB windows when decoding in place
+    # time windows: chunks per contiguous run (None: halos <= 25% of the reads); a window
+    # holds block_chunks // run_chunks runs from scattered places in the split
+    run_chunks: int | None = None
     seed: int = 0
     drop_last: bool = False
     uneven: str = "pad"
@@ -51,6 +54,11 @@ class SamplingConfig:
         _positive_int("sampling", "batch_size", self.batch_size)
         if self.block_chunks is not None:
             _positive_int("sampling", "block_chunks", self.block_chunks)
+        if self.run_chunks is not None:
+            _positive_int("sampling", "run_chunks", self.run_chunks)
+            if self.block_chunks is not None and self.run_chunks > self.block_chunks:
+                raise ValueError(f"sampling.run_chunks={self.run_chunks} exceeds block_chunks="
+                                 f"{self.block_chunks}: a window holds whole runs")
         if self.uneven not in UNEVEN_POLICIES:
             raise ValueError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
                              f"got {self.uneven!r}")

@@ -42,6 +42,8 @@ _HOW = {
     "block_chunks": "windows are cut by block_chunks: build the loader with the saved value",
     "uneven": "the equal-steps policy changes every rank's share: build with the saved value",
     "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
+    "run_chunks": "time windows deal runs of run_chunks adjacent chunks: build the loader with "
+                  "the saved run_chunks (and window=)",
     "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
@@ -73,6 +75,7 @@ class StateFingerprint:
     block_chunks: int
     uneven: str
     contiguous: bool
+    run_chunks: int  # chunks per contiguous run with time windows; 0 without
     batch_size: int
     drop_last: bool
     rank: int | None = None

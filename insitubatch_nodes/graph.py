@@ -51,7 +51,7 @@ from .source import Source
 from .split import SplitManifest
 from .staging import StagingSeam
 from .stats import Stats
-from .windows import SampleWindow, chunks_touching
+from .windows import SampleWindow, chunks_touching, default_run_chunks
 
 STAGES = ("split", "permute", "plan", "fetch", "shuffle", "gather", "pin")
 
@@ -67,6 +67,7 @@ class Resolved:
     grid: SampleGrid  # the sample grid, or the anchor grid when samples are time windows
     n_chunks: int  # chunks of the split
     block_chunks: int  # chunks per window (sampling.block_chunks, or the default for the path)
+    run_chunks: int | None  # time windows: chunks per contiguous run (a window holds several)
     resident_bound: int  # bytes of decoded data that can be resident (memory.py's ledger)
     shuffle_quality: float  # the model's score for this configuration (1.0: global shuffle)
     frame_decoder: FrameDecoder | None  # decode="gpu": the device decoder
@@ -163,11 +164,22 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
                          f"batches: {why_not}. Leave in_place=None to decide per store.")
     in_place = f.in_place is not False and why_not is None
-    block_chunks = (s.block_chunks if s.block_chunks is not None
-                    else default_block_chunks(source, in_place and steps is None))
     contiguous = steps is not None
-    units = n_units(ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven,
-                                    contiguous))
+    run_chunks = None
+    if contiguous:
+        assert steps is not None
+        run_chunks = (s.run_chunks if s.run_chunks is not None
+                      else default_run_chunks(steps, source.grid.chunk_size))
+    block_chunks = (s.block_chunks if s.block_chunks is not None
+                    else default_block_chunks(source, in_place and steps is None, run_chunks))
+    if run_chunks is not None:
+        if s.run_chunks is not None and s.run_chunks > block_chunks:
+            raise ValueError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
+                             f"{block_chunks}: a window holds whole runs")
+        run_chunks = min(run_chunks, block_chunks)
+    ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, contiguous,
+                          run_chunks)
+    units = n_units(ctx)
     if world_size > units:
         raise ValueError(
             f"world_size={world_size} exceeds the {units} "
@@ -176,12 +188,19 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
             f"{units} ranks, or a split with more chunks."
         )
     bound = check_budget(source.grid, source.variables, f.memory_budget, block_chunks,
-                         prefetch, s.batch_size, steps, in_place)
+                         prefetch, s.batch_size, steps, in_place, run_chunks)
+    if contiguous:
+        # mixing is over runs: samples of one run are neighbours in time, so a batch of
+        # them is as correlated as a batch of one chunk
+        quality = shuffle_quality(units, ctx.run_length * source.grid.chunk_size,
+                                  ctx.runs_per_window, s.batch_size)
+    else:
+        quality = shuffle_quality(len(chunk_ids), source.grid.chunk_size, block_chunks,
+                                  s.batch_size)
     return Resolved(
         config=config, rank=rank, world_size=world_size, prefetch_windows=prefetch, grid=grid,
-        n_chunks=len(chunk_ids), block_chunks=block_chunks, resident_bound=bound,
-        shuffle_quality=shuffle_quality(len(chunk_ids), source.grid.chunk_size, block_chunks,
-                                        s.batch_size),
+        n_chunks=len(chunk_ids), block_chunks=block_chunks, run_chunks=run_chunks,
+        resident_bound=bound, shuffle_quality=quality,
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place,
@@ -192,16 +211,26 @@ DEFAULT_BLOCK_CHUNKS = 16
 IN_PLACE_WINDOW_BYTES = 64 << 20
 
 
-def default_block_chunks(source: Source, in_place: bool) -> int:
+WINDOW_RUNS = (4, 8)  # runs per window with time steps: at least, at most
+WINDOW_BYTES = 256 << 20  # decoded bytes of a window with time steps, by default
+
+
+def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None = None) -> int:
     """16 chunks per window; decoding in place without time steps (one sample per chunk,
     where the window's size does not change the shuffle: every chunk is one sample of a
     global permutation; with time steps windows are runs of adjacent chunks, and size does),
     windows of about 64 MB, at most 256 chunks, so the per-window planning is spread over
     enough chunks to keep the decode threads fed; batches go out as their rows land, so a
-    larger window does not delay the first batch."""
+    larger window does not delay the first batch. With time steps (``run_chunks``), 4 to 8
+    runs per window, as many as ~256 MB allow."""
+    sample_bytes = sum(v.stripe_nbytes for v in source.variables)
+    if run_chunks is not None:
+        # time windows: several runs from scattered places mix a batch across the split;
+        # as many as ~256 MB allow, between 4 and 8
+        runs = WINDOW_BYTES // max(1, run_chunks * sample_bytes)
+        return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
     if not in_place:
         return DEFAULT_BLOCK_CHUNKS
-    sample_bytes = sum(v.stripe_nbytes for v in source.variables)
     return max(DEFAULT_BLOCK_CHUNKS, min(256, IN_PLACE_WINDOW_BYTES // max(1, sample_bytes)))
 
 
@@ -272,7 +301,8 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
         return Graph(node, stages, ledger)
     node = ChunkPermuteNode(node, resolved.grid, seed=s.seed, rank=resolved.rank,
                             world_size=resolved.world_size, block_chunks=resolved.block_chunks,
-                            uneven=s.uneven, contiguous=steps is not None)
+                            uneven=s.uneven, contiguous=steps is not None,
+                            run_chunks=resolved.run_chunks)
     if done("permute", node):
         return Graph(node, stages, ledger)
     node = ReadPlanNode(node, source.variables, offsets=None if steps is None else steps.offsets,

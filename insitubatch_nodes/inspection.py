@@ -23,6 +23,7 @@ from .io.device_chain import HostOnly, device_chain_from
 from .io.reader import StripeReader
 from .quality import recommend_block_chunks, shuffle_quality
 from .source import Source
+from .windows import SampleWindow, default_run_chunks
 
 READ_PATHS = {
     "local": "local file read + numcodecs decode straight into the window, small stripes "
@@ -71,6 +72,7 @@ class Recommendation:
     quality: float | None  # modelled score at block_chunks
     resident_bound_bytes: int | None  # at block_chunks
     note: str
+    run_chunks: int | None = None  # time windows: chunks per contiguous run
 
 
 @dataclass(frozen=True)
@@ -143,31 +145,51 @@ def _gpu_verdict(reader: StripeReader) -> str:
 
 def recommend(source: Source, quality: float, memory_budget: int | str | None = None,
               batch_size: int = 32, prefetch_windows: int | None = None,
-              in_place: bool | None = None) -> Recommendation:
+              in_place: bool | None = None, steps: SampleWindow | None = None,
+              ) -> Recommendation:
     """``block_chunks`` for a target shuffle quality, capped by a memory budget (with the
-    loader's own default ``prefetch_windows`` for this store unless given)."""
+    loader's own default ``prefetch_windows`` for this store unless given). With time
+    ``steps``, also the run length: runs long enough that halos add <= 25% to the reads,
+    and as many runs per window as the quality asks for (scored over runs)."""
     if not 0 < quality <= 1:
         raise ValueError(f"quality must be in (0, 1], got {quality!r}")
+    if steps is not None and steps.is_single_step:
+        steps = None
     if prefetch_windows is None:
         prefetch_windows = default_prefetch_windows(source)
     n_chunks, cs = source.grid.n_chunks, source.grid.chunk_size
-    want = recommend_block_chunks(n_chunks, cs, batch_size, quality)
+    run = None if steps is None else min(default_run_chunks(steps, cs), n_chunks)
+    step = 1 if run is None else run  # block_chunks in whole runs
+    n_units, unit = (n_chunks, cs) if run is None else (-(-n_chunks // run), run * cs)
+
+    def score(block: int) -> float:
+        return shuffle_quality(n_units, unit, max(1, block // step), batch_size)
+
+    want = recommend_block_chunks(n_units, unit, batch_size, quality) * step
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     grid, variables = source.grid, source.variables
     if in_place is None:  # what build_loader decides with its defaults for this store
-        in_place = decodes_in_place(source)
-    cap = (largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size, n_chunks,
-                                None, in_place)
+        in_place = decodes_in_place(source) and steps is None
+    runs = 1 if run is None else max(1, want // run)
+
+    def bound(block: int) -> int:
+        return resident_bound(grid, variables, block, prefetch_windows, batch_size, steps,
+                              in_place, 1 if run is None else max(1, block // run))
+
+    cap = (largest_block_chunks(grid, variables, budget, prefetch_windows, batch_size,
+                                max(n_chunks, want), steps, in_place, run)
            if budget is not None else None)
+    if cap is not None and run is not None:
+        cap = cap // run * run or None  # whole runs only
     if budget is not None and cap is None:
-        need = resident_bound(grid, variables, 1, prefetch_windows, batch_size, None, in_place)
+        need = bound(step)
         return Recommendation(quality, budget, batch_size, prefetch_windows, want, None, None,
                               None, None,
-                              f"even block_chunks=1 needs {need:,} B resident, above the "
+                              f"even block_chunks={step} needs {need:,} B resident, above the "
                               f"budget of {budget:,} B: raise the budget or lower "
-                              "prefetch_windows")
+                              "prefetch_windows", run)
     block = want if cap is None else min(want, cap)
-    q = shuffle_quality(n_chunks, cs, block, batch_size)
+    q = score(block)
     if q < quality and block < want:
         note = (f"the budget caps block_chunks at {cap}: quality {q:.3f} < target {quality}")
     elif q < quality:
@@ -175,21 +197,23 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
                 f"{batch_size} from chunks of {cs} samples)")
     else:
         note = f"reaches the target {quality}"
+    if run is not None:
+        note += (f"; runs of {run} chunks keep halo reads <= 25%, {max(1, block // run)} runs "
+                 f"per window (quality alone asks for {runs})")
     return Recommendation(quality, budget, batch_size, prefetch_windows, want, cap, block, q,
-                          resident_bound(grid, variables, block, prefetch_windows, batch_size,
-                                         None, in_place),
-                          note)
+                          bound(block), note, run)
 
 
 def inspect_source(source: Source, *, quality: float | None = 0.9,
                    memory_budget: int | str | None = None, batch_size: int = 32,
-                   prefetch_windows: int | None = None, sample_objects: int = 5) -> StoreReport:
+                   prefetch_windows: int | None = None, sample_objects: int = 5,
+                   steps: SampleWindow | None = None) -> StoreReport:
     """Describe every served variable and recommend ``block_chunks`` (``quality=None``: no
     recommendation)."""
     variables = tuple(inspect_variable(a, g, source.url, sample_objects)
                       for a, g in zip(source.arrays, source.variables, strict=True))
-    rec = (recommend(source, quality, memory_budget, batch_size, prefetch_windows)
-           if quality is not None else None)
+    rec = (recommend(source, quality, memory_budget, batch_size, prefetch_windows,
+                     steps=steps) if quality is not None else None)
     return StoreReport(url=source.url, n_samples=source.n_samples,
                        samples_per_chunk=source.grid.chunk_size, n_chunks=source.grid.n_chunks,
                        sample_nbytes=source.sample_nbytes, variables=variables,
@@ -241,7 +265,8 @@ def format_report(r: StoreReport) -> str:
         else:
             cap = ("" if rec.block_chunks_memory_cap is None
                    else f"; the budget allows up to {rec.block_chunks_memory_cap}")
-            lines.append(f"  block_chunks={rec.block_chunks} -> modelled quality "
+            runs = "" if rec.run_chunks is None else f", run_chunks={rec.run_chunks}"
+            lines.append(f"  block_chunks={rec.block_chunks}{runs} -> modelled quality "
                          f"{rec.quality:.3f}, resident bound {_mb(rec.resident_bound_bytes)} "
                          f"({rec.note}; quality alone asks for "
                          f"{rec.block_chunks_for_quality}{cap})")

@@ -100,7 +100,8 @@ class InSituLoader(Loader):
 
     Built by ``build_loader``, it exposes what the build computed: ``config`` (the
     ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
-    stay under), ``shuffle_quality`` (the model's score) and ``snapshot_id`` (the icechunk
+    stay under), ``shuffle_quality`` (the model's score; with time windows over runs of
+    ``run_chunks`` adjacent chunks) and ``snapshot_id`` (the icechunk
     snapshot read, checked on resume) and ``fingerprint`` (what every state records and
     ``load_state_dict`` checks). Wrapping a hand-built graph leaves them ``None``.
     """
@@ -116,6 +117,8 @@ class InSituLoader(Loader):
                                            else None)
         self.shuffle_quality: float | None = (resolved.shuffle_quality if resolved is not None
                                               else None)
+        # time windows: chunks per contiguous run, the unit shuffle_quality counts
+        self.run_chunks: int | None = resolved.run_chunks if resolved is not None else None
         self.ledger: MemoryLedger | None = ledger
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
@@ -517,5 +520,6 @@ def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> S
         first=resolved.grid.first, end=resolved.grid.end,
         block_chunks=resolved.block_chunks, uneven=s.uneven,
         contiguous=resolved.config.sample.time_steps is not None,
+        run_chunks=resolved.run_chunks or 0,
         batch_size=s.batch_size, drop_last=s.drop_last,
         rank=resolved.rank, world_size=resolved.world_size)

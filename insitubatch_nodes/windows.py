@@ -82,3 +82,14 @@ def chunks_touching(missing: Sequence[int], grid: SampleGrid,
     lo = np.clip(m - after, 0, grid.n_samples - 1) // grid.chunk_size
     hi = np.clip(m + before, 0, grid.n_samples - 1) // grid.chunk_size
     return np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, hi, strict=True)]))
+
+
+HALO_SHARE = 0.25  # at most this much extra reading for the halos of a run, by default
+
+
+def default_run_chunks(steps: SampleWindow, chunk_size: int) -> int:
+    """Chunks per contiguous run so that reading its halo (the chunks before and after it
+    that its samples' steps reach into) adds at most ``HALO_SHARE`` to the run's reads: the
+    run must be long for the halo, the window need not be (it holds several runs)."""
+    halo = -(-steps.before // chunk_size) + -(-steps.after // chunk_size)
+    return max(1, int(np.ceil(halo / HALO_SHARE)))

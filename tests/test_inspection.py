@@ -151,3 +151,20 @@ def test_text_report(store):
     assert "read path: local" in text and "read path: zarr" in text
     assert "decode='gpu': yes" in text and "decode='gpu': no" in text
     assert "block_chunks=" in text and "modelled quality" in text
+
+
+def test_recommendation_for_time_windows_gives_runs_and_windows(tmp_path):
+    from stores import write_store
+
+    write_store(tmp_path / "w.zarr", [Var("x", (2000, 8, 8), (1, 8, 8))])
+    src = ib.open_source(tmp_path / "w.zarr")
+    w = ib.SampleWindow(history=2, lead=(1,))
+    rec = recommend(src, 0.9, batch_size=8, steps=w)
+    assert rec.run_chunks == 8  # 2 halo chunks per run: <= 25% extra reads
+    assert rec.block_chunks % 8 == 0 and rec.quality >= 0.9
+    # what the loader built with it scores the same
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             window=w, block_chunks=rec.block_chunks, run_chunks=rec.run_chunks)
+    assert loader.shuffle_quality == pytest.approx(rec.quality, abs=0.05)
+    capped = recommend(src, 0.9, batch_size=8, steps=w, memory_budget="40kB")
+    assert capped.block_chunks is None or capped.block_chunks % 8 == 0

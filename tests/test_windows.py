@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import zarr
-from stores import BLOSC
+from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.windows import SampleWindow
@@ -287,3 +287,49 @@ def test_windows_across_ranks_and_elastic_resume(weather):
     padded = [ib.build_loader(src, m, "train", rank=r, world_size=2, batch_size=5,
                               block_chunks=3, window=win) for r in range(2)]
     assert len({sum(1 for _ in ld) for ld in padded}) == 1  # equal steps with windows too
+
+
+def test_windows_on_one_step_chunks_mix_the_whole_split(tmp_path):
+    """Runs long enough for the halo (<= 25% extra reads), several per window from
+    scattered places: a batch mixes periods across the split, and the score says so."""
+    write_store(tmp_path / "s.zarr", [Var("x", (1000, 4, 4), (1, 4, 4))])
+    src = ib.open_source(tmp_path / "s.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    w = SampleWindow(history=2, lead=(1,))
+    n = 998  # anchors
+
+    def run(**kw):
+        loader = ib.build_loader(src, m, "train", batch_size=8, window=w, **kw)
+        batches = [b["sample_index"].numpy() for b in loader]
+        assert sorted(np.concatenate(batches).tolist()) == list(range(1, 999))
+        runs = -(-n // loader.run_chunks)
+        measured = ib.measured_shuffle_quality(batches, loader.run_chunks, runs)
+        spread = np.median([b.max() - b.min() for b in batches if len(b) == 8])
+        st = loader.stats()
+        return loader, spread, measured, st.stripes_fetched
+
+    loader, spread, measured, stripes = run()
+    assert spread >= 0.25 * n
+    assert stripes <= 1.25 * 1000  # halo reads: at most 25% over the chunks themselves
+    assert abs(loader.shuffle_quality - measured) <= 0.1
+    # one long run per window (the old way): batches from consecutive dates, and a low score
+    old, spread, measured, _ = run(block_chunks=16, run_chunks=16)
+    assert spread < 0.05 * n
+    assert old.shuffle_quality < 0.3 and abs(old.shuffle_quality - measured) <= 0.1
+    with pytest.raises(ValueError, match="run_chunks=32 exceeds block_chunks=16"):
+        ib.build_loader(src, m, "train", window=w, block_chunks=16, run_chunks=32)
+
+
+def test_a_state_from_another_run_length_is_refused(tmp_path):
+    write_store(tmp_path / "s.zarr", [Var("x", (200, 2), (1, 2))])
+    src = ib.open_source(tmp_path / "s.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    w = SampleWindow(history=2, lead=(1,))
+    loader = ib.build_loader(src, m, "train", batch_size=4, window=w, block_chunks=16)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    other = ib.build_loader(src, m, "train", batch_size=4, window=w, block_chunks=16,
+                            run_chunks=4)
+    with pytest.raises(ValueError, match=r"run_chunks: saved 8, this loader 4"):
+        other.load_state_dict(state)

@@ -30,7 +30,8 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
 
     def __init__(self, source: BaseNode[int], grid: SampleGrid, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, block_chunks: int = 16, uneven: str = "pad",
-                 contiguous: bool = False, epoch: int = 0) -> None:
+                 contiguous: bool = False, epoch: int = 0,
+                 run_chunks: int | None = None) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
@@ -43,7 +44,9 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
         self.block_chunks = int(block_chunks)
         self.uneven = uneven
         self.contiguous = bool(contiguous)
-        ScheduleContext(np.empty(0, np.int64), grid, self.seed, self.block_chunks, uneven)
+        self.run_chunks = run_chunks  # contiguous mode: chunks per run (None: block_chunks)
+        ScheduleContext(np.empty(0, np.int64), grid, self.seed, self.block_chunks, uneven,
+                        self.contiguous, run_chunks)
         self.epoch = int(epoch)
         self.history: tuple[Resumption, ...] = ()
         self.schedule: RankSchedule | None = None
@@ -56,7 +59,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
         ids = np.fromiter(self.source, dtype=np.int64)
         if self._ctx is None or not np.array_equal(self._ctx.chunk_ids, ids):
             self._ctx = ScheduleContext(ids, self.grid, self.seed, self.block_chunks, self.uneven,
-                                        self.contiguous)
+                                        self.contiguous, self.run_chunks)
         return self._ctx
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
