@@ -172,8 +172,10 @@ class CheckpointConfig:
 
     ``allow_state_change=True`` loads a state saved with another ``batch_size`` or
     ``drop_last``: sound, since states count windows and draws, not batches (the rest of the
-    epoch is still served exactly once). Any other difference (manifest, split, seed, grid,
-    ranks, ``block_chunks``, ``uneven``, time windows) is refused whatever this says.
+    epoch is still served exactly once), except the batch size mid-epoch when decoding in
+    place (batches planned from the epoch's start). Any other difference (manifest, split,
+    seed, grid, ranks, ``block_chunks``, ``uneven``, time windows) is refused whatever this
+    says.
     """
 
     keep_states: int = 0

@@ -16,8 +16,13 @@ from .schedule import UNEVEN_POLICIES
 
 # Fields whose change leaves the rest of the epoch exactly-once: the counters count windows
 # and draws, never batches, so another batch size (or drop_last) only cuts the remaining
-# draws differently. allow_state_change=True accepts these and nothing else.
+# draws differently. allow_state_change=True accepts these and nothing else. Except the
+# batch size when decoding in place: there batches are planned from the epoch's start, so a
+# resume point is a batch boundary only for the batch size it was saved with.
 SOUND_CHANGES: tuple[str, ...] = ("batch_size", "drop_last")
+_IN_PLACE_BATCH = ("this loader decodes straight into batches planned from the epoch's "
+                   "start, so the batch size can change only between epochs: build it with "
+                   "the saved batch_size (or in_place=False) to resume mid-epoch")
 # Per-rank fields; a merged (elastic) state has none: any world size may load it.
 RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # Not compared for a merged state: the resumed generation deals the rest of the epoch
@@ -140,14 +145,17 @@ class StateFingerprint:
 
 
 def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
-                      allow_state_change: bool = False) -> None:
+                      allow_state_change: bool = False, in_place: bool = False) -> None:
     """Refuse a state saved under ``saved`` for a loader built as ``current``: one
     ValueError naming every differing field, both values and how to proceed. With
-    ``allow_state_change`` the ``SOUND_CHANGES`` pass; no other change ever does."""
+    ``allow_state_change`` the ``SOUND_CHANGES`` pass (the batch size not ``in_place``);
+    no other change ever does."""
+    how = {**_HOW, "batch_size": _IN_PLACE_BATCH} if in_place else _HOW
+    sound = set(SOUND_CHANGES) - ({"batch_size"} if in_place else set())
     diffs = [d for d in saved.differences(current)
-             if not (allow_state_change and d[0] in SOUND_CHANGES)]
+             if not (allow_state_change and d[0] in sound)]
     if not diffs:
         return
-    lines = [f"{name}: saved {a!r}, this loader {b!r} ({_HOW[name]})" for name, a, b in diffs]
+    lines = [f"{name}: saved {a!r}, this loader {b!r} ({how[name]})" for name, a, b in diffs]
     raise ValueError("this loader state was saved by a loader built differently, so its "
                      "counters would point at other samples; " + "; ".join(lines))

@@ -126,6 +126,7 @@ class InSituLoader(Loader):
         self.fingerprint: StateFingerprint | None = fingerprint
         self.allow_state_change: bool = (resolved is not None and
                                          resolved.config.checkpoint.allow_state_change)
+        self._in_place = resolved is not None and resolved.in_place
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
@@ -239,7 +240,7 @@ class InSituLoader(Loader):
                 UserWarning, stacklevel=3)
             return
         saved = StateFingerprint.from_json(raw, merged=ELASTIC_KEY in state)
-        check_fingerprint(saved, self.fingerprint, self.allow_state_change)
+        check_fingerprint(saved, self.fingerprint, self.allow_state_change, self._in_place)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a state at the next ``iter()``: one rank's own state, or the output of
@@ -249,8 +250,9 @@ class InSituLoader(Loader):
         negative or out of range) is one ``ValueError`` naming the field and node, and a
         state saved by a loader built differently (another manifest, split, seed, sample
         grid, rank or shuffle) one naming each differing field. Only changes that keep the
-        rest of the epoch exactly-once (``batch_size``, ``drop_last``) pass, and only with
-        ``allow_state_change=True``. Formats 1 and 2 (no fingerprint) load with a warning.
+        rest of the epoch exactly-once (``batch_size`` unless decoding in place,
+        ``drop_last``) pass, and only with ``allow_state_change=True``. Formats 1 and 2 (no
+        fingerprint) load with a warning.
         """
         if not isinstance(state_dict, dict):
             raise ValueError(f"a loader state is a dict (from state_dict() or "

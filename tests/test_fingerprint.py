@@ -417,3 +417,20 @@ def test_a_state_saved_with_another_time_window_is_refused(store):
     with ib.build_loader(src, m, "train", **KW) as ld, \
             pytest.raises(ValueError, match="contiguous: saved True, this loader False"):
         ld.load_state_dict(state)
+
+
+def test_another_batch_size_in_place_is_refused_mid_epoch(tmp_path):
+    """Decoding in place plans batches from the epoch's start: 24 draws taken are not a
+    batch boundary for batches of 5, so resuming there would split a planned batch."""
+    write_store(tmp_path / "one.zarr", [Var("x", (60, 3), (1, 3))])
+    src = ib.open_source(tmp_path / "one.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    state, seen = saved_after(src, m, block_chunks=4)
+    with ib.build_loader(src, m, "train", **{**KW, "block_chunks": 4, "batch_size": 5},
+                         allow_state_change=True) as ld, \
+            pytest.raises(ValueError, match=r"batch_size: saved 8, this loader 5 \(this loader "
+                                            "decodes straight into batches.*in_place=False"):
+        ld.load_state_dict(state)
+    rest = rest_of_epoch(src, m, state, block_chunks=4, batch_size=5, in_place=False,
+                         allow_state_change=True)
+    assert sorted(seen + rest) == list(range(60))
