@@ -63,28 +63,12 @@ class ScheduleContext:
     block_chunks: int
     uneven: str = "pad"
     contiguous: bool = False  # windows are runs of adjacent chunks (samples span chunks)
-    # Contiguous mode: chunks per run (what a sample's halo needs); a window holds
-    # ``block_chunks // run_chunks`` runs from scattered places (what mixing needs).
-    # None: one run of ``block_chunks``.
-    run_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.uneven not in UNEVEN_POLICIES:
             raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {self.uneven!r}")
         if self.block_chunks < 1:
             raise ValueError(f"block_chunks must be >= 1, got {self.block_chunks}")
-        if self.run_chunks is not None and not 1 <= self.run_chunks <= self.block_chunks:
-            raise ValueError(f"run_chunks must be between 1 and block_chunks="
-                             f"{self.block_chunks}, got {self.run_chunks}")
-
-    @property
-    def run_length(self) -> int:
-        """Chunks per contiguous run (contiguous mode)."""
-        return self.block_chunks if self.run_chunks is None else self.run_chunks
-
-    @property
-    def runs_per_window(self) -> int:
-        return max(1, self.block_chunks // self.run_length)
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,13 +187,12 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
 
 
 def contiguous_blocks(ctx: ScheduleContext) -> list[np.ndarray]:
-    """The split's runs of adjacent chunks, cut into blocks of ``run_length`` chunks (the
-    units dealt in contiguous mode; a window takes ``runs_per_window`` of them)."""
+    """The split's runs of adjacent chunks, cut into blocks of ``block_chunks``."""
     ids = np.sort(np.asarray(ctx.chunk_ids, dtype=np.int64))
     if ids.size == 0:
         return []
     runs = np.split(ids, np.flatnonzero(np.diff(ids) != 1) + 1)
-    b = ctx.run_length
+    b = ctx.block_chunks
     return [run[i:i + b] for run in runs for i in range(0, run.size, b)]
 
 
@@ -235,14 +218,8 @@ def _global_order(ctx: ScheduleContext, epoch: int) -> np.ndarray:
 def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list[WindowSpec]]:
     if ctx.contiguous:
         dealt = _permuted_blocks(ctx, epoch)
-        k = ctx.runs_per_window  # runs from scattered places in one window: they mix
-        out: list[list[WindowSpec]] = []
-        for r in range(world_size):
-            mine = dealt[r::world_size]
-            out.append([WindowSpec(ctx, epoch, (0, r, world_size, i // k),
-                                   np.concatenate(mine[i:i + k]))
-                        for i in range(0, len(mine), k)])
-        return out
+        return [[WindowSpec(ctx, epoch, (0, r, world_size, i), blk)
+                 for i, blk in enumerate(dealt[r::world_size])] for r in range(world_size)]
     order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
     out = []
     for r in range(world_size):
@@ -285,8 +262,9 @@ def _remainder(ctx: ScheduleContext, prev: list[list[WindowSpec]],
 
 def _pooled_units(ctx: ScheduleContext, epoch: int, untouched: list[np.ndarray],
                   ) -> list[np.ndarray]:
-    """The untouched chunks one by one (contiguous mode: blocks kept whole, their neighbours
-    are their halo), back in the epoch's global order; units without samples left out."""
+    """The untouched chunks back in the epoch's global order, a window's worth per unit
+    (``block_chunks`` chunks; contiguous mode: the windows, kept whole, their neighbours
+    are their halo): O(windows) units, not O(chunks). Units without samples left out."""
     order = _global_order(ctx, epoch)
     rank_in_order = np.zeros(int(order.max()) + 1 if order.size else 0, dtype=np.int64)
     rank_in_order[order] = np.arange(order.size)
@@ -294,60 +272,54 @@ def _pooled_units(ctx: ScheduleContext, epoch: int, untouched: list[np.ndarray],
         units = sorted(untouched, key=lambda ids: int(rank_in_order[ids[0]]))
     else:
         pool = np.concatenate(untouched) if untouched else np.empty(0, dtype=np.int64)
-        units = [pool[i:i + 1] for i in np.argsort(rank_in_order[pool], kind="stable")]
+        pool = pool[np.argsort(rank_in_order[pool], kind="stable")]
+        b = ctx.block_chunks
+        units = [pool[i:i + b] for i in range(0, pool.size, b)]
     return [u for u in units if ctx.grid.n_samples_of(u)]
 
 
-def _cut_units(ctx: ScheduleContext, epoch: int, key: tuple[int, ...],
-               parts: list[tuple[np.ndarray, int, int]]) -> WindowSpec:
-    """One window of pooled units; ``(unit, lo, hi)`` keeps samples ``[lo, hi)`` of a unit.
-    A window holding part of a unit (the unit is shared with a neighbouring rank) gets
-    explicit draws: a permutation of its samples keyed like a fresh window's."""
-    ids = np.concatenate([u for u, _, _ in parts])
-    if all(lo == 0 and hi == ctx.grid.n_samples_of(u) for u, lo, hi in parts):
-        return WindowSpec(ctx, epoch, key, ids)
-    samples = np.concatenate([ctx.grid.samples_of(u)[lo:hi] for u, lo, hi in parts])
+def _unit_window(ctx: ScheduleContext, epoch: int, key: tuple[int, ...], unit: np.ndarray,
+                 lo: int, hi: int) -> WindowSpec:
+    """The window of samples ``[lo, hi)`` of a pooled unit. Part of a unit (the rest went to
+    a neighbouring rank) gets explicit draws: a permutation keyed like a fresh window's."""
+    if lo == 0 and hi == ctx.grid.n_samples_of(unit):
+        return WindowSpec(ctx, epoch, key, unit)
+    samples = ctx.grid.samples_of(unit)[lo:hi]
+    chunks = unit if ctx.contiguous else np.unique(samples // ctx.grid.chunk_size)
     rng = np.random.default_rng(np.random.SeedSequence([DRAW_STREAM, ctx.seed, epoch, *key]))
-    return WindowSpec(ctx, epoch, key, ids, draws=samples[rng.permutation(samples.size)])
+    return WindowSpec(ctx, epoch, key, chunks, draws=samples[rng.permutation(samples.size)])
 
 
 def _redeal(ctx: ScheduleContext, epoch: int, g: int, world_size: int,
             tails: list[WindowSpec], units: list[np.ndarray]) -> list[list[WindowSpec]]:
-    """Generation ``g``: the remainder — tails first, then the pooled units — laid end to
-    end and cut into ``world_size`` runs whose sample counts differ by at most one, so every
-    rank has work and equal steps need at most one padded (or dropped) sample per rank. A
-    tail or unit cut between two ranks is read by both (at most ``world_size - 1`` such
-    cuts). Tails stay windows of their own; units are cut into windows of ``block_chunks``
-    chunks (contiguous mode: a block per window)."""
+    """Generation ``g``: tails, then pooled units, laid end to end and cut into
+    ``world_size`` runs whose sample counts differ by at most one, so every rank has work
+    and equal steps cost at most one padded (or dropped) sample per rank. Each tail or unit
+    (or the part of it in a run) is a window; one cut between two runs is read by both."""
     sizes = [t.n_base for t in tails] + [ctx.grid.n_samples_of(u) for u in units]
     starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
     q, rem = divmod(int(starts[-1]), world_size)
     bounds = [r * q + min(r, rem) for r in range(world_size + 1)]
-    per_window = 1 if ctx.contiguous else ctx.block_chunks
     out = []
     for r in range(world_size):
         lo, hi = bounds[r], bounds[r + 1]
         mine: list[WindowSpec] = []
-        run: list[tuple[np.ndarray, int, int]] = []
         first = int(np.searchsorted(starts, lo, side="right")) - 1
         for k in range(max(first, 0), len(sizes)):
             s0 = int(starts[k])
             if s0 >= hi:
                 break
             a, z = max(lo - s0, 0), min(hi - s0, sizes[k])
+            key = (g, r, world_size, len(mine))
             if k < len(tails):
-                t = tails[k]
-                d = t.draws[a:z]
-                chunks = t.chunk_ids if ctx.contiguous else np.unique(d // ctx.grid.chunk_size)
-                mine.append(WindowSpec(ctx, epoch, (g, r, world_size, -1 - len(mine)), chunks,
-                                       draws=d))
+                d = tails[k].draws[a:z]
+                chunks = (tails[k].chunk_ids if ctx.contiguous
+                          else np.unique(d // ctx.grid.chunk_size))
+                mine.append(WindowSpec(ctx, epoch, key, chunks, draws=d))
             else:
-                run.append((units[k - len(tails)], a, z))
-        for i in range(0, len(run), per_window):
-            mine.append(_cut_units(ctx, epoch, (g, r, world_size, i // per_window),
-                                   run[i:i + per_window]))
+                mine.append(_unit_window(ctx, epoch, key, units[k - len(tails)], a, z))
         if not mine:  # nothing left for it: one empty window that padding can fill
-            mine.append(WindowSpec(ctx, epoch, (g, r, world_size, -1), np.empty(0, np.int64),
+            mine.append(WindowSpec(ctx, epoch, (g, r, world_size, 0), np.empty(0, np.int64),
                                    draws=np.empty(0, np.int64)))
         out.append(mine)
     return out
