@@ -63,12 +63,28 @@ class ScheduleContext:
     block_chunks: int
     uneven: str = "pad"
     contiguous: bool = False  # windows are runs of adjacent chunks (samples span chunks)
+    # Contiguous mode: chunks per run (what a sample's halo needs); a window holds
+    # ``block_chunks // run_chunks`` runs from scattered places (what mixing needs).
+    # None: one run of ``block_chunks``.
+    run_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.uneven not in UNEVEN_POLICIES:
             raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {self.uneven!r}")
         if self.block_chunks < 1:
             raise ValueError(f"block_chunks must be >= 1, got {self.block_chunks}")
+        if self.run_chunks is not None and not 1 <= self.run_chunks <= self.block_chunks:
+            raise ValueError(f"run_chunks must be between 1 and block_chunks="
+                             f"{self.block_chunks}, got {self.run_chunks}")
+
+    @property
+    def run_length(self) -> int:
+        """Chunks per contiguous run (contiguous mode)."""
+        return self.block_chunks if self.run_chunks is None else self.run_chunks
+
+    @property
+    def runs_per_window(self) -> int:
+        return max(1, self.block_chunks // self.run_length)
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,12 +203,13 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
 
 
 def contiguous_blocks(ctx: ScheduleContext) -> list[np.ndarray]:
-    """The split's runs of adjacent chunks, cut into blocks of ``block_chunks``."""
+    """The split's runs of adjacent chunks, cut into blocks of ``run_length`` chunks (the
+    units dealt in contiguous mode; a window takes ``runs_per_window`` of them)."""
     ids = np.sort(np.asarray(ctx.chunk_ids, dtype=np.int64))
     if ids.size == 0:
         return []
     runs = np.split(ids, np.flatnonzero(np.diff(ids) != 1) + 1)
-    b = ctx.block_chunks
+    b = ctx.run_length
     return [run[i:i + b] for run in runs for i in range(0, run.size, b)]
 
 
@@ -218,8 +235,14 @@ def _global_order(ctx: ScheduleContext, epoch: int) -> np.ndarray:
 def _generation0(ctx: ScheduleContext, epoch: int, world_size: int) -> list[list[WindowSpec]]:
     if ctx.contiguous:
         dealt = _permuted_blocks(ctx, epoch)
-        return [[WindowSpec(ctx, epoch, (0, r, world_size, i), blk)
-                 for i, blk in enumerate(dealt[r::world_size])] for r in range(world_size)]
+        k = ctx.runs_per_window  # runs from scattered places in one window: they mix
+        out: list[list[WindowSpec]] = []
+        for r in range(world_size):
+            mine = dealt[r::world_size]
+            out.append([WindowSpec(ctx, epoch, (0, r, world_size, i // k),
+                                   np.concatenate(mine[i:i + k]))
+                        for i in range(0, len(mine), k)])
+        return out
     order = epoch_chunk_order(ctx.chunk_ids, ctx.seed, epoch)
     out = []
     for r in range(world_size):
