@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from insitubatch_nodes.demo import DemoSpec, make_demo_store
@@ -38,6 +39,24 @@ def test_forecast_recipe(tmp_path):
     assert len(lines) == 2 and "val loss" in lines[0]
     losses = [float(ln.split("train loss ")[1].split()[0]) for ln in lines]
     assert losses[1] < losses[0]  # it learns
+
+
+@pytest.mark.parametrize("layout", ["wb2", "anemoi"])
+def test_forecast_recipe_on_the_archives_people_train_on(tmp_path, layout):
+    from insitubatch_nodes.synthetic import WB2Spec, write_anemoi_store, write_wb2_store
+
+    store = (write_wb2_store(tmp_path / "w.zarr", WB2Spec.small(n_times=40), progress=False)
+             if layout == "wb2" else write_anemoi_store(tmp_path / "a.zarr", n_dates=40,
+                                                         missing=(17,)))
+    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "forecast.py"), "--store",
+                          str(store), "--epochs", "2", "--batch-size", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert (f"{layout if layout == 'anemoi' else 'zarr'} store" in res.stdout)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("epoch")]
+    assert len(lines) == 2 and "served" in lines[0] and "val loss" in lines[0]
+    losses = [float(ln.split("train loss ")[1].split()[0]) for ln in lines]
+    assert all(np.isfinite(losses))  # a missing date (NaN) never reaches the model
 
 
 @pytest.mark.parametrize("recipe", ["train_resume.py", "ddp_torchrun.py",
