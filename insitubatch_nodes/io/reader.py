@@ -267,22 +267,73 @@ class StripeReader:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                kind = classify_error(e)
-                decode_failures += kind == "decode"
-                give_up = (kind == "permanent" or attempt >= retry.attempts
-                           or decode_failures >= retry.decode_attempts)
-                if give_up:
-                    why = ("not retried: this error does not heal by waiting"
-                           if kind == "permanent" else f"gave up after {attempt} attempt(s)")
-                    if not is_store_error(e):  # a programming error keeps its own type
-                        e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
-                        raise
-                    final = self._failure(index, e, attempt, kind)
-                    final.add_note(f"insitubatch: {why} reading {self.describe(index)}")
+                decode_failures, final = self._after_failure(index, e, attempt,
+                                                             decode_failures, retry)
+                if final is e:
+                    raise
+                if final is not None:
                     raise final from e
-                self.times.retried()
                 rng = rng or random.Random()
                 await asyncio.sleep(retry.delay(attempt, rng))
+
+    def _after_failure(self, index: int, e: Exception, attempt: int, decode_failures: int,
+                       retry: RetryPolicy) -> tuple[int, BaseException | None]:
+        """Attempt ``attempt`` of stripe ``index`` failed with ``e``: (decode failures so far,
+        the error to raise — ``e`` itself, or the ``ChunkReadError`` naming the chunk — or
+        ``None`` to try again). The one policy of the async and the pool-thread retries."""
+        kind = classify_error(e)
+        decode_failures += kind == "decode"
+        give_up = (kind == "permanent" or attempt >= retry.attempts
+                   or decode_failures >= retry.decode_attempts)
+        if not give_up:
+            self.times.retried()
+            return decode_failures, None
+        why = ("not retried: this error does not heal by waiting"
+               if kind == "permanent" else f"gave up after {attempt} attempt(s)")
+        if not is_store_error(e):  # a programming error keeps its own type
+            e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
+            return decode_failures, e
+        final = self._failure(index, e, attempt, kind)
+        final.add_note(f"insitubatch: {why} reading {self.describe(index)}")
+        return decode_failures, final
+
+    # -- local stores, retried on the pool thread -------------------------------------
+    def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
+                            retry: RetryPolicy = NO_RETRY,
+                            submitted: float | None = None) -> int:
+        """``read_group`` for a local store, run on the calling (pool) thread: the same
+        grouped try, per-stripe fallback and retries, without an event loop, so the
+        consumer thread can submit a window's reads straight to the pool. Returns attempts."""
+        if len(indices) > 1:
+            try:
+                self.read_local_many(indices, outs, submitted)
+                return len(indices)
+            except Exception:
+                self.times.retried(len(indices))
+                attempts = len(indices)  # the failed group try, once per stripe
+        else:
+            attempts = 0
+        for index, out in zip(indices, outs, strict=True):
+            attempts += self._read_local_one(index, out, retry)
+        return attempts
+
+    def _read_local_one(self, index: int, out: np.ndarray, retry: RetryPolicy) -> int:
+        rng: random.Random | None = None
+        attempt = decode_failures = 0
+        while True:
+            attempt += 1
+            try:
+                self.read_local(index, out)
+                return attempt
+            except Exception as e:
+                decode_failures, final = self._after_failure(index, e, attempt,
+                                                             decode_failures, retry)
+                if final is e:
+                    raise
+                if final is not None:
+                    raise final from e
+                rng = rng or random.Random()
+                time.sleep(retry.delay(attempt, rng))
 
     def _failure(self, index: int, exc: BaseException, attempts: int,
                  kind: str) -> ChunkReadError:

@@ -138,12 +138,17 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
         # (window future, upstream state, its plan when decoded in place (delivered at once))
-        self._fifo: deque[tuple[Future, dict, ReadPlan | None]] = deque()
+        self._fifo: deque[tuple[Future | _DirectWindow, dict, ReadPlan | None]] = deque()
         self._running: list[Future] = []  # in-place windows delivered, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
         self._error: BaseException | None = None
         self._shut_down = False
+        self._flight_lock = threading.Lock()
+        self._direct_slots = threading.BoundedSemaphore(self.max_inflight)
+        # Local stores decoded on the host: windows go straight to the decode pool.
+        self._direct = (self.window_decoder is None
+                        and all(r.groups_reads for r in self.readers))
 
     # -- lifecycle --------------------------------------------------------------------
     def _check_process(self) -> None:
@@ -427,6 +432,36 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
 
+    def _submit_direct(self, plan: ReadPlan, lt: _LoopThread) -> _DirectWindow:
+        """A local store's window: its stripe groups submitted to the decode pool from this
+        (the consumer's) thread, each retried on its pool thread (``read_local_retrying``).
+        No event-loop hop: waking the loop cost the consumer a GIL hand-back per window
+        (~19% of its time on 8-sample chunks, profiled)."""
+        jobs = self._jobs(plan)
+        bufs = [[self.pool.take(self.readers[v].geom.stripe_shape,
+                                self.readers[v].geom.dtype) for _ in idxs] for v, idxs in jobs]
+        now = time.perf_counter()
+        futures = [lt.pool.submit(OneShot(self._run_direct, v, idxs, out, now))
+                   for (v, idxs), out in zip(jobs, bufs, strict=True)]
+        return _DirectWindow(plan, jobs, bufs, futures)
+
+    def _run_direct(self, v: int, idxs: list[int], outs: list[np.ndarray],
+                    submitted: float) -> int:
+        """One stripe group on a pool thread, holding one of the ``max_inflight`` slots (a
+        group reads its stripes one after another, as on the event-loop path)."""
+        stats = self.stats
+        t0 = time.perf_counter()
+        with self._direct_slots:
+            with self._flight_lock:
+                stats.slot_wait_s += time.perf_counter() - t0
+                stats.in_flight += 1
+                stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            try:
+                return self.readers[v].read_local_retrying(idxs, outs, self.retry, submitted)
+            finally:
+                with self._flight_lock:
+                    stats.in_flight -= 1
+
     def _top_up(self, depth: int) -> None:
         """Keep ``depth`` undelivered windows submitted (pulling plans from upstream)."""
         lt = self._ensure_loop()
@@ -443,6 +478,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 # Delivered at once: the shuffle buffer waits per batch (BatchArena.take),
                 # so a batch goes out as soon as its rows are in, not its whole window.
                 self._fifo.append((fut, snap, plan))
+            elif self._direct:
+                self._fifo.append((self._submit_direct(plan, lt), snap, None))
             else:
                 fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
                 self._fifo.append((fut, snap, None))
@@ -477,6 +514,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             raise
         finally:
             self.stats.wait_s += time.perf_counter() - t0
+        if isinstance(fut, _DirectWindow):
+            for (v, idxs) in fut.jobs:
+                self._count(len(idxs), self.readers[v].geom.stripe_nbytes)
+            self.stats.windows += 1
+            self.stats.chunks += len(win.plan.chunk_ids)
         self._fifo.popleft()
         self._delivered = snap
         if self.window_decoder is not None:
@@ -499,6 +541,40 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
         """The state of this node before its first window, over ``upstream``'s state."""
         return {self.SOURCE_KEY: upstream}
+
+
+class _DirectWindow:
+    """A window whose stripe groups run as pool tasks submitted by the consumer thread:
+    ``result()`` waits for them (the first failure raised, the rest cancelled) and makes the
+    ``DecodedWindow``; ``cancel``/``done`` as the event-loop window futures have."""
+
+    def __init__(self, plan: ReadPlan, jobs: list[tuple[int, list[int]]],
+                 bufs: list[list[np.ndarray]], futures: list[Future]) -> None:
+        self.plan, self.jobs, self.futures = plan, jobs, futures
+        self._bufs: list[list[np.ndarray]] | None = bufs
+
+    def cancel(self) -> bool:
+        for f in self.futures:
+            f.cancel()
+        self._bufs = None
+        return True
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> DecodedWindow:
+        try:
+            for f in self.futures:
+                f.result()
+        except BaseException:
+            self.cancel()
+            raise
+        assert self._bufs is not None
+        arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in self.plan.reads)
+        for (v, idxs), bufs in zip(self.jobs, self._bufs, strict=True):
+            arrays[v].update(zip(idxs, bufs, strict=True))
+        self._bufs = None  # the window holds them now: dropped stripes can go back
+        return DecodedWindow(self.plan, arrays)
 
 
 def _read_local_items(items: list[tuple[StripeReader, int, np.ndarray]],
