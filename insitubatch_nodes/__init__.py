@@ -13,6 +13,7 @@ from .config import (
     SampleConfig,
     SamplingConfig,
 )
+from .dataset import SampleDataset
 from .distributed import merge_rank_states
 from .geometry import SampleGrid, VariableGeometry
 from .io.retry import RetryPolicy
@@ -51,5 +52,5 @@ __all__ = [
     "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
     "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
-    "CheckpointConfig", "StagingSeam",
+    "CheckpointConfig", "StagingSeam", "SampleDataset",
 ]

@@ -279,6 +279,40 @@ def connect_staging(gather: GatherNode, between: Sequence[BaseNode]) -> StagingS
     return seam
 
 
+def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
+                     device: torch.device | None = None) -> tuple[BaseNode, list[BaseNode]]:
+    """The per-batch stages after the gather (normalise and cast, static fields, channels
+    stacked after a device gather, patches, channels last) over ``node``, as ``resolved``
+    asks: (the last stage, the stages added). ``SampleDataset`` runs the same stages over
+    batches of one sample, so a sample read by index is the loader's row."""
+    sm = resolved.config.sample
+    layout, channels = resolved.layout, resolved.channels
+    between: list[BaseNode] = []
+    if sm.stats is not None or sm.dtype is not None:
+        node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
+                             source.variables, dtype=sm.dtype, layout=layout,
+                             schemes=sm.normalize)
+        between.append(node)
+    if sm.static:
+        node = StaticFieldsNode(node, sm.static, device=device)
+        between.append(node)
+    if channels and layout is None:
+        node = StackChannelsNode(node, channels, key=resolved.channels_key)
+        between.append(node)
+    if sm.patch_size is not None:
+        spatial = source.variables[0].sample_shape[-len(sm.patch_size):]
+        # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
+        # patch corners once
+        node = PatchNode(node, sm.patch_size, sm.patch_stride, spatial_shape=spatial)
+        between.append(node)
+    if sm.channels_last or sm.drop_ensemble:
+        node = ChannelsLastNode(node, (resolved.channels_key,),
+                                -3 if sm.channels_last else None,
+                                (-2,) if sm.drop_ensemble else ())
+        between.append(node)
+    return node, between
+
+
 def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: Resolved, *,
                 upto: str | None = None, ops: Any = None) -> Graph:
     """Wire the standard graph for ``resolved`` (from ``resolve``). ``upto`` stops after a
@@ -324,34 +358,11 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                              arena=arena)
     if done("shuffle", node):
         return Graph(node, stages, ledger)
-    channels = resolved.channels
     gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords(),
                         layout=layout)
     if done("gather", gather):
         return Graph(gather, stages, ledger)
-    node, between = gather, []
-    if sm.stats is not None or sm.dtype is not None:
-        node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
-                             source.variables, dtype=sm.dtype, layout=layout,
-                             schemes=sm.normalize)
-        between.append(node)
-    if sm.static:
-        node = StaticFieldsNode(node, sm.static, device=resolve_device(d.device))
-        between.append(node)
-    if channels and layout is None:
-        node = StackChannelsNode(node, channels, key=resolved.channels_key)
-        between.append(node)
-    if sm.patch_size is not None:
-        spatial = source.variables[0].sample_shape[-len(sm.patch_size):]
-        # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
-        # patch corners once
-        node = PatchNode(node, sm.patch_size, sm.patch_stride, spatial_shape=spatial)
-        between.append(node)
-    if sm.channels_last or sm.drop_ensemble:
-        node = ChannelsLastNode(node, (resolved.channels_key,),
-                                -3 if sm.channels_last else None,
-                                (-2,) if sm.drop_ensemble else ())
-        between.append(node)
+    node, between = transform_stages(gather, source, resolved, resolve_device(d.device))
     dev = ops.device if ops is not None else resolve_device(d.device)
     seam = connect_staging(gather, between) if dev is not None and dev.type == "cuda" else None
     node = PinOrCudaNode(node, device=d.device, ring_size=d.ring_size, ops=ops, staging=seam)

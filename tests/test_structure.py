@@ -112,7 +112,7 @@ LAYERS = [
     {"config"},
     {"nodes"},
     {"metrics", "graph"},
-    {"loader", "inspection", "synthetic", "demo", "testing"},
+    {"loader", "dataset", "inspection", "synthetic", "demo", "testing"},
     {"cli", "bench", ""},
 ]
 
