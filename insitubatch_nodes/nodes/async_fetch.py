@@ -139,7 +139,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._sem: asyncio.Semaphore | None = None
         # (window future, upstream state, its plan when decoded in place (delivered at once))
         self._fifo: deque[tuple[Future | _DirectWindow, dict, ReadPlan | None]] = deque()
-        self._running: list[Future] = []  # in-place windows delivered, still decoding
+        self._running: list[Future | _DirectWindow] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
         self._error: BaseException | None = None
@@ -445,6 +445,72 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                    for (v, idxs), out in zip(jobs, bufs, strict=True)]
         return _DirectWindow(plan, jobs, bufs, futures)
 
+    def _submit_in_place_direct(self, job: _InPlace, lt: _LoopThread) -> _DirectWindow:
+        """``_fetch_in_place`` for a local store, without the event loop: each batch-ordered
+        group of chunks is a pool task that tells the arena its rows landed; the task that
+        finishes last makes the window's copies (chunks feeding several slots)."""
+        left = [len(job.jobs)]
+        now = time.perf_counter()
+        futures = [lt.pool.submit(OneShot(self._run_items_direct, group, job, left, now))
+                   for group in job.jobs]
+        return _DirectWindow(job.plan, [], [], futures)
+
+    def _run_items_direct(self, items: list[tuple[int, int, int, np.ndarray]], job: _InPlace,
+                          left: list[int], submitted: float) -> None:
+        """One group of an in-place window on a pool thread (``_read_items`` and, for the
+        last group to finish, the rest of ``_fetch_in_place``). A failure fails every batch
+        the window feeds, as on the event-loop path."""
+        assert self.arena is not None
+        arena, stats = self.arena, self.stats
+        try:
+            t0 = time.perf_counter()
+            with self._direct_slots:
+                with self._flight_lock:
+                    stats.slot_wait_s += time.perf_counter() - t0
+                    stats.in_flight += 1
+                    stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+                try:
+                    try:
+                        _read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
+                                          submitted)
+                    except Exception:
+                        stats.read.retried(len(items))  # the failed group try: all again
+                        for v, i, _, out in items:
+                            self.readers[v].read_local_retrying([i], [out], self.retry)
+                finally:
+                    with self._flight_lock:
+                        stats.in_flight -= 1
+            per_var: dict[int, int] = {}
+            per_batch: dict[int, int] = {}
+            for v, _, b, _ in items:
+                per_var[v] = per_var.get(v, 0) + 1
+                per_batch[b] = per_batch.get(b, 0) + 1
+            with self._flight_lock:
+                for v, n in per_var.items():
+                    self._count(n, self.readers[v].geom.stripe_nbytes)
+            for b, n in per_batch.items():
+                arena.done(b, n, job.generation)
+            with self._flight_lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if not last:
+                return
+            copied: dict[int, int] = {}
+            for dst, src, b, src_b in job.copies:
+                np.copyto(dst, src)
+                copied[b] = copied.get(b, 0) + 1  # a row written
+                copied[src_b] = copied.get(src_b, 0) + 1  # a read of a row done
+            for b, n in copied.items():
+                arena.done(b, n, job.generation)
+            with self._flight_lock:
+                stats.windows += 1
+                stats.chunks += len(job.plan.chunk_ids)
+        except BaseException as e:
+            e.add_note(f"insitubatch: reading the window of chunks "
+                       f"{list(job.plan.chunk_ids)[:8]} into batches {job.batches[:8]}")
+            arena.fail(job.batches, e, job.generation)
+            raise
+
     def _run_direct(self, v: int, idxs: list[int], outs: list[np.ndarray],
                     submitted: float) -> int:
         """One stripe group on a pool thread, holding one of the ``max_inflight`` slots (a
@@ -474,7 +540,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             snap = copy.deepcopy(self.source.state_dict())
             if plan.slots is not None and self.arena is not None:
                 job = self._prepare_in_place(plan)
-                fut = asyncio.run_coroutine_threadsafe(self._fetch_in_place(job), lt.loop)
+                fut = (self._submit_in_place_direct(job, lt) if self._direct else
+                       asyncio.run_coroutine_threadsafe(self._fetch_in_place(job), lt.loop))
                 # Delivered at once: the shuffle buffer waits per batch (BatchArena.take),
                 # so a batch goes out as soon as its rows are in, not its whole window.
                 self._fifo.append((fut, snap, plan))
