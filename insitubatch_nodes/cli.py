@@ -195,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--lead", type=int, nargs="+", default=None, metavar="STEP",
                    help="target steps after the last input (with --history; default 1)")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    i.add_argument("--sample", type=_nonneg_int, default=None, metavar="I",
+                   help="show sample I (its global index; with --history/--lead the anchor) "
+                        "as the loader serves it: every key's shape, dtype, min/max/mean and "
+                        "NaN count, instead of the store report")
+    i.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="with --sample: write a PNG of one variable of it (needs matplotlib, "
+                        "the 'bench' extra)")
+    i.add_argument("--plot-key", default=None, metavar="KEY",
+                   help="the key of the sample to plot (default: the first field); leading "
+                        "axes beyond the last two are shown at index 0 (an anemoi dataset's "
+                        "variable: pick it with --variables NAME)")
 
     b = sub.add_parser("bench", help="benchmark the loader against a naive DataLoader and the "
                                      "read floor (or --sweep the knobs)",
@@ -355,6 +366,10 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             steps = SampleWindow(history=args.history or 1, lead=tuple(args.lead or (1,)))
         except ValueError as e:
             parser.error(f"--history/--lead: {e}")
+    if args.sample is None and (args.plot is not None or args.plot_key is not None):
+        parser.error("--plot/--plot-key need --sample I: the sample to plot")
+    if args.sample is not None:
+        return _inspect_sample(parser, args, source, steps)
     report = inspect_source(source, quality=args.quality, memory_budget=args.memory,
                             batch_size=args.batch_size, prefetch_windows=args.prefetch_windows,
                             sample_objects=args.sample_objects, steps=steps)
@@ -363,6 +378,89 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     else:
         print(format_report(report))
     return 0
+
+
+def _inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, source: Any,
+                    steps: Any) -> int:
+    """``inspect --sample I``: sample I over the whole store as ``SampleDataset`` (so as the
+    loader) serves it, key by key; ``--plot`` draws one of its fields."""
+    import numpy as np
+
+    from .dataset import SampleDataset, summarize_sample
+    from .split import split_by_chunk
+
+    try:
+        ds = SampleDataset(source, split_by_chunk(source, (1.0,), names=("store",)), "store",
+                           window=steps)
+        sample = ds[ds.index_of(args.sample)]
+    except (KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        parser.error(f"--sample {args.sample}: {msg}")
+    where = f"sample {args.sample} of {source.url}"
+    if source.sample_coord is not None and source.sample_dim is not None:
+        value = source.sample_coord[args.sample]
+        if isinstance(value, np.datetime64):
+            value = value.astype("datetime64[s]")
+        where += f" ({source.sample_dim} {value})"
+    keys = summarize_sample(sample)
+    plotted = (_plot_sample(parser, sample, args.plot, args.plot_key, where)
+               if args.plot is not None else None)
+    if args.json:
+        print(json.dumps({"sample": args.sample, "where": where,
+                          "keys": [k.as_dict() for k in keys],
+                          "plot": None if plotted is None else str(args.plot)}, indent=1))
+        return 0
+    print(where)
+
+    def num(x: float | None, exact: bool) -> str:
+        return "-" if x is None else str(int(x)) if exact else f"{x:.6g}"
+
+    for k in keys:
+        ints = k.dtype.startswith(("int", "uint"))
+        if not k.shape:  # one value: the sample index, a coordinate
+            print(f"  {k.key:<20} shape {'()':<18} {k.dtype:<9} value {num(k.min, ints)}")
+            continue
+        print(f"  {k.key:<20} shape {str(k.shape):<18} {k.dtype:<9} min {num(k.min, ints):<11} "
+              f"max {num(k.max, ints):<11} mean {num(k.mean, False):<11} NaN {k.nan}")
+    if plotted is not None:
+        print(f"wrote {args.plot}: {plotted}")
+    return 0
+
+
+def _plot_sample(parser: argparse.ArgumentParser, sample: dict[str, Any], path: Path,
+                 key: str | None, where: str) -> str:
+    """One field of ``sample`` as a PNG at ``path`` (axes of size 1 dropped, further leading
+    axes at index 0, a 1-D field as a line); returns what was drawn."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        parser.error("--plot needs matplotlib: pip install 'insitubatch-nodes[bench]'")
+    fields = [k for k, t in sample.items() if t.dim() >= 1 and k != "patch"]
+    if key is None:
+        key = next((k for k in fields if sample[k].squeeze().dim() >= 2), None) or (
+            fields[0] if fields else None)
+        if key is None:
+            parser.error(f"--plot: the sample has no field to plot (keys {list(sample)})")
+    elif key not in fields:
+        parser.error(f"--plot-key {key!r} is not a field of the sample; fields: {fields}")
+    if not path.parent.is_dir():
+        parser.error(f"--plot {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    x = sample[key].detach().cpu().float().numpy().squeeze()
+    what, taken = key, []
+    while x.ndim > 2:
+        x = x[0]
+        taken.append("0")
+    if taken:
+        what += f"[{', '.join(taken)}]"
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    if x.ndim == 2:
+        fig.colorbar(ax.imshow(x, aspect="auto", interpolation="nearest"), ax=ax)
+    else:
+        ax.plot(x.reshape(-1))
+    ax.set_title(f"{what}, {where}", fontsize=9)
+    fig.savefig(path, dpi=100)
+    return f"{what}, shape {tuple(x.shape)}"
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ from .nodes import GatherNode
 from .source import Source
 from .split import SplitManifest
 
-__all__ = ["CacheInfo", "SampleDataset"]
+__all__ = ["CacheInfo", "KeySummary", "SampleDataset", "summarize_sample"]
 
 T = TypeVar("T")
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -296,3 +296,39 @@ class SampleDataset(Dataset):
         state = self.__dict__.copy()
         state["_proc"] = None  # threads, clients and the cache stay in their process
         return state
+
+
+@dataclass(frozen=True)
+class KeySummary:
+    """One key of a sample: shape, dtype and the statistics ``inspect --sample`` prints
+    (over the finite values; ``None`` when there are none)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    min: float | None
+    max: float | None
+    mean: float | None
+    nan: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+
+
+def summarize_sample(sample: dict[str, torch.Tensor]) -> list[KeySummary]:
+    """Shape, dtype, min/max/mean and NaN count of every key of ``sample`` (``ds[k]``), in
+    its key order: a wrong normalisation or a NaN-filled missing date shows at a glance."""
+    out = []
+    for key, t in sample.items():
+        x = t.detach().cpu()
+        x = x.to(torch.float64) if x.dtype.is_floating_point or x.dtype == torch.bool else x
+        nan = int(torch.isnan(x).sum()) if x.dtype.is_floating_point else 0
+        finite = x[torch.isfinite(x)] if x.dtype.is_floating_point else x.reshape(-1)
+        if finite.numel():
+            lo, hi = float(finite.min()), float(finite.max())
+            mean = float(finite.to(torch.float64).mean())
+        else:
+            lo = hi = mean = None
+        out.append(KeySummary(key, tuple(t.shape), str(t.dtype).removeprefix("torch."), lo,
+                              hi, mean, nan))
+    return out

@@ -198,3 +198,49 @@ def test_bench_options_reach_the_sweep_loaders(monkeypatch, demo, tmp_path):
                      "--decode-threads", "3", "--max-inflight", "5", "--quiet"]) == 0
     kw = seen[0].loader_kwargs()
     assert kw["decode_threads"] == 3 and kw["max_inflight"] == 5
+
+
+# -- inspect --sample / --plot -------------------------------------------------------------
+def test_inspect_sample_prints_what_the_loader_serves(capsys, demo):
+    import zarr
+
+    stored = zarr.open_group(demo, mode="r")
+    assert cli.main(["inspect", str(demo), "--sample", "9"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("sample 9 of ") and "(time " in text
+    t2m = stored["t2m"][9]
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("t2m "))
+    assert "shape (16, 32)" in line and f"min {t2m.min():.6g}" in line and "NaN 0" in line
+    assert "sample_index" in text and "value 9" in text
+    assert cli.main(["inspect", str(demo), "--sample", "9", "--history", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    keys = {k["key"]: k for k in rep["keys"]}
+    assert keys["t2m"]["shape"] == [2, 16, 32] and keys["target/t2m"]["shape"] == [1, 16, 32]
+    assert keys["target/t2m"]["max"] == pytest.approx(float(stored["t2m"][10].max()))
+    assert keys["msl"]["mean"] == pytest.approx(float(stored["msl"][8:10].astype("f8").mean()))
+
+
+def test_inspect_sample_out_of_range_names_the_valid_ones(capsys, demo):
+    import zarr
+
+    n = zarr.open_group(demo, mode="r")["t2m"].shape[0]
+    err = _fails(capsys, ["inspect", str(demo), "--sample", str(n)])
+    assert f"--sample {n}" in err and f"0 to {n - 1}" in err
+    err = _fails(capsys, ["inspect", str(demo), "--sample", "0", "--history", "3"])
+    assert f"only anchors 2 to {n - 2} are samples" in err
+    err = _fails(capsys, ["inspect", str(demo), "--plot", "x.png"])
+    assert "--plot/--plot-key need --sample" in err
+
+
+def test_inspect_plot_writes_a_png_of_one_field(capsys, demo, tmp_path):
+    out = tmp_path / "s.png"
+    assert cli.main(["inspect", str(demo), "--sample", "3", "--plot", str(out),
+                     "--plot-key", "u10"]) == 0
+    assert f"wrote {out}: u10, shape (16, 32)" in capsys.readouterr().out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    err = _fails(capsys, ["inspect", str(demo), "--sample", "3", "--plot", str(out),
+                          "--plot-key", "sst"])
+    assert "'sst'" in err and "'t2m'" in err  # the fields there are
+    err = _fails(capsys, ["inspect", str(demo), "--sample", "3", "--plot",
+                          str(tmp_path / "no" / "s.png")])
+    assert "does not exist" in err
