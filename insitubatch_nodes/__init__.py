@@ -16,6 +16,7 @@ from .config import (
 from .dataset import SampleDataset
 from .distributed import merge_rank_states
 from .geometry import SampleGrid, VariableGeometry
+from .io.chunk_cache import ChunkCache
 from .io.retry import RetryPolicy
 from .loader import InSituLoader, build_loader
 from .memory import MemoryLedger
@@ -52,5 +53,5 @@ __all__ = [
     "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
     "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
-    "CheckpointConfig", "StagingSeam", "SampleDataset",
+    "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .io.chunk_cache import ChunkCache
 from .io.device_decode import FrameDecoder
 from .io.retry import RetryPolicy
 from .schedule import UNEVEN_POLICIES
@@ -75,6 +76,8 @@ class FetchConfig:
     ``FrameDecoder`` object (tests pass ``HostFrameDecoder``). ``in_place`` decodes every
     chunk straight into its batch row (one sample per chunk, CPU decode, no time steps):
     ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.
+    ``cache`` (a ``ChunkCache``) keeps the stored chunks of object stores and icechunk on
+    local disk, so later epochs read them from there.
     """
 
     max_inflight: int = 32
@@ -84,9 +87,13 @@ class FetchConfig:
     retry: RetryPolicy | None = None
     decode: str | FrameDecoder = "cpu"
     in_place: bool | None = None
+    cache: ChunkCache | None = None
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
+        if self.cache is not None and not isinstance(self.cache, ChunkCache):
+            raise TypeError(f"fetch.cache must be an ib.ChunkCache(directory, max_bytes=...), "
+                            f"got {self.cache!r}")
         if self.prefetch_windows is not None:
             _positive_int("fetch", "prefetch_windows", self.prefetch_windows, minimum=0)
         if self.decode_threads is not None:

@@ -23,7 +23,8 @@ class ReadTimes:
     Pool threads add concurrently, so additions take a lock (once per stripe read).
     """
 
-    __slots__ = ("_lock", "store_s", "decode_s", "pool_wait_s", "retries")
+    __slots__ = ("_lock", "store_s", "decode_s", "pool_wait_s", "retries", "cache_hits",
+                 "cache_misses", "cache_bytes", "store_bytes")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -31,6 +32,8 @@ class ReadTimes:
         self.decode_s = 0.0  # decoding them into the stripe buffer (incl. placing inner chunks)
         self.pool_wait_s = 0.0  # handed to the decode pool but not yet running
         self.retries = 0  # stripe reads tried again after a failure
+        # With a ChunkCache: stored chunks read from it / from the store, and their bytes.
+        self.cache_hits = self.cache_misses = self.cache_bytes = self.store_bytes = 0
 
     def add(self, store_s: float, decode_s: float, pool_wait_s: float = 0.0) -> None:
         with self._lock:
@@ -41,6 +44,18 @@ class ReadTimes:
     def retried(self, reads: int = 1) -> None:
         with self._lock:
             self.retries += reads
+
+    def cached(self, chunks: int, nbytes: int) -> None:
+        """``chunks`` stored chunks (``nbytes``) came from the local chunk cache."""
+        with self._lock:
+            self.cache_hits += chunks
+            self.cache_bytes += nbytes
+
+    def fetched(self, chunks: int, nbytes: int) -> None:
+        """``chunks`` stored chunks (``nbytes``) missed the chunk cache: read from the store."""
+        with self._lock:
+            self.cache_misses += chunks
+            self.store_bytes += nbytes
 
 
 class ConsumerMeter:
@@ -169,6 +184,17 @@ class LoaderStats:
     decode_s: float  # stripe-seconds decoding
     pool_wait_s: float  # stripe-seconds queued for a decode thread
     slot_wait_s: float  # stripe-seconds waiting for an in-flight slot (max_inflight)
+    # with a ChunkCache (fetch.cache): stored chunks and compressed bytes from it / the store
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_bytes: int = 0
+    cache_store_bytes: int = 0
+
+    @property
+    def cache_hit_ratio(self) -> float | None:
+        """Stored chunks served by the local chunk cache, of those looked up there."""
+        n = self.cache_hits + self.cache_misses
+        return self.cache_hits / n if n else None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,6 +218,10 @@ class LoaderStats:
             f"{self.shuffle_s:.2f} gather {self.gather_s:.2f} deliver {self.deliver_s:.2f} | "
             f"fetcher stripe-s: store {self.store_s:.2f} decode {self.decode_s:.2f} pool-queue "
             f"{self.pool_wait_s:.2f} slot-queue {self.slot_wait_s:.2f}"
+            + ("" if self.cache_hit_ratio is None else
+               f" | chunk cache {100 * self.cache_hit_ratio:.1f}% hits, "
+               f"{_size(self.cache_bytes)} from cache, {_size(self.cache_store_bytes)} "
+               "from the store")
         )
 
 

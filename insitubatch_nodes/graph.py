@@ -348,10 +348,14 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     layout = resolved.layout
     arena = (BatchArena(layout, pool, steps) if resolved.in_place and layout is not None
              else None)
-    node = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
-                          prefetch_windows=resolved.prefetch_windows,
-                          decode_threads=f.decode_threads, ledger=ledger, pool=pool,
-                          retry=f.retry, device_decode=resolved.frame_decoder, arena=arena)
+    fetch = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
+                           prefetch_windows=resolved.prefetch_windows,
+                           decode_threads=f.decode_threads, ledger=ledger, pool=pool,
+                           retry=f.retry, device_decode=resolved.frame_decoder, arena=arena)
+    if f.cache is not None:
+        for reader in fetch.readers:
+            reader.use_cache(f.cache, source.snapshot_id)
+    node = fetch
     if done("fetch", node):
         return Graph(node, stages, ledger)
     node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last,

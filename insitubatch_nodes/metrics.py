@@ -105,6 +105,10 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
         decode_s=rt.decode_s,
         pool_wait_s=rt.pool_wait_s,
         slot_wait_s=fs.slot_wait_s if fs else 0.0,
+        cache_hits=rt.cache_hits,
+        cache_misses=rt.cache_misses,
+        cache_bytes=rt.cache_bytes,
+        cache_store_bytes=rt.store_bytes,
     )
 
 

@@ -29,6 +29,7 @@ from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 
 from ..counters import ReadTimes
+from .chunk_cache import CacheScope, ChunkCache
 from .pool_task import OneShot
 from .retry import ChunkDecodeError
 
@@ -238,6 +239,115 @@ class ZarrStoreGets(AsyncGets):
     async def get(self, key: str) -> bytes | memoryview | None:
         buf = await self.store.get(key, prototype=default_buffer_prototype())
         return None if buf is None else buf.as_numpy_array().data
+
+
+_MISS = b""  # never stored in a cache entry's place: a stored chunk is never empty
+
+
+@dataclass(frozen=True, eq=False)
+class CachedGets(AsyncGets):
+    """``gets`` through a local ``ChunkCache``: a stripe's cached chunks are read (and, if
+    all were there, decoded) in one pool task; the others come from the store and enter the
+    cache only after they decoded (or passed ``check``), so damaged bytes are never cached.
+    The reader's retries and error naming see the store's own failures unchanged."""
+
+    gets: AsyncGets
+    cache: ChunkCache
+    scope: CacheScope
+    name: ClassVar[str] = "cached"
+
+    async def get(self, key: str) -> bytes | memoryview | None:
+        ident = self.scope.ident(key)
+        hit = self.cache.get(ident)
+        if hit is not None:
+            return hit
+        data = await self.gets.get(key)
+        if data is not None:
+            self.cache.put(ident, data)
+        return data
+
+    def _lookup(self, stripes: Stripes, keys: list[str]) -> Frames:
+        """The cached chunks of ``keys`` (``_MISS`` where not cached), counted."""
+        t0 = time.perf_counter()
+        datas: Frames = [self.cache.get(self.scope.ident(k)) or _MISS for k in keys]
+        hits = [d for d in datas if d is not _MISS]
+        stripes.times.add(time.perf_counter() - t0, 0.0)
+        stripes.times.cached(len(hits), sum(len(d) for d in hits))
+        return datas
+
+    async def _fill(self, stripes: Stripes, keys: list[str], datas: Frames) -> list[int]:
+        """Fetch the missed chunks of ``datas`` from the store, in place: their indices."""
+        missed = [i for i, d in enumerate(datas) if d is _MISS]
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(self.gets.get(keys[i]) for i in missed))
+        stripes.times.add(time.perf_counter() - t0, 0.0)
+        stripes.times.fetched(len(missed), sum(len(d) for d in got if d is not None))
+        for i, d in zip(missed, got, strict=True):
+            datas[i] = d
+        return missed
+
+    def _store(self, keys: list[str], datas: Frames, missed: list[int]) -> None:
+        for i in missed:
+            data = datas[i]
+            if data is not None:  # a chunk never written is not cached: asked again
+                self.cache.put(self.scope.ident(keys[i]), data)
+
+    def _cached_read(self, stripes: Stripes, keys: list[str], out: np.ndarray,
+                     submitted: float) -> Frames | None:
+        """On the pool: the cached chunks, decoded into ``out`` if every one was there
+        (``None``), else the chunks with the misses marked."""
+        datas = self._lookup(stripes, keys)
+        if any(d is _MISS for d in datas):
+            return datas
+        stripes.place_all(datas, out, submitted)
+        return None
+
+    def _place_and_store(self, stripes: Stripes, keys: list[str], datas: Frames,
+                         missed: list[int], out: np.ndarray, submitted: float) -> None:
+        stripes.place_all(datas, out, submitted)
+        self._store(keys, datas, missed)
+
+    def _check_and_store(self, check: FrameCheck, keys: list[str], datas: Frames,
+                         missed: list[int]) -> None:
+        _check_all(check, keys, datas)
+        self._store(keys, datas, missed)
+
+    async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
+                   pool: Executor) -> None:
+        keys = stripes.keys(index)
+        datas = await loop.run_in_executor(pool, OneShot(self._cached_read, stripes, keys, out,
+                                                         time.perf_counter()))
+        if datas is None:
+            return
+        missed = await self._fill(stripes, keys, datas)
+        await loop.run_in_executor(pool, OneShot(self._place_and_store, stripes, keys, datas,
+                                                 missed, out, time.perf_counter()))
+
+    async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
+                     pool: Executor) -> Frames:
+        keys = stripes.keys(index)
+        datas = await loop.run_in_executor(pool, self._lookup, stripes, keys)
+        missed = await self._fill(stripes, keys, datas)
+        # Cached frames passed their checksum; the checks also catch a damaged transfer.
+        await loop.run_in_executor(pool, self._check_and_store, check, keys, datas, missed)
+        return datas
+
+
+def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
+    """``path`` with its store reads through ``cache``; local files are never cached (their
+    chunks are on local disk already), and zarr's own ``getitem`` reads (chains we do not
+    decode) are cached where they go through the store gets, i.e. their stored frames."""
+    if isinstance(path, CachedGets):
+        return path
+    if isinstance(path, ObjectStoreGets):  # the same bucket name on another endpoint
+        endpoint = (getattr(path.store, "config", None) or {}).get("endpoint")
+        if endpoint:
+            scope = CacheScope.of(f"{scope.url} at {endpoint}", scope.snapshot_id)
+    if isinstance(path, AsyncGets):
+        return CachedGets(path, cache, scope)
+    if isinstance(path, ZarrGetitem):
+        return ZarrGetitem(path.arr, CachedGets(path.gets, cache, scope))
+    return path
 
 
 @dataclass(frozen=True, eq=False)

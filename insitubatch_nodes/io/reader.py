@@ -24,9 +24,10 @@ import zarr
 from ..counters import ReadTimes
 from ..geometry import VariableGeometry
 from ..storage import redact_url
+from .chunk_cache import CacheScope, ChunkCache
 from .codec_chain import CodecChain, classify
 from .decode import ChunkDecoder, decoder_from
-from .read_paths import FrameCheck, Frames, LocalFiles, ReadPath, read_path_for
+from .read_paths import FrameCheck, Frames, LocalFiles, ReadPath, cached, read_path_for
 from .retry import (
     NO_RETRY,
     ChunkDecodeError,
@@ -67,6 +68,12 @@ class StripeReader:
     def mode(self) -> str:
         """The read path's name: ``"local"``, ``"object"``, ``"zarr-store"`` or ``"zarr"``."""
         return self._path.name
+
+    def use_cache(self, cache: ChunkCache, snapshot_id: str | None = None) -> None:
+        """Read stored chunks through ``cache`` from now on, keyed by this store (its URL
+        and endpoint, without credentials), ``snapshot_id`` (icechunk) and the chunk key.
+        Local stores are never cached: their chunks are on local disk already."""
+        self._path = cached(self._path, cache, CacheScope.of(self.source_url, snapshot_id))
 
     @property
     def groups_reads(self) -> bool:

@@ -1,0 +1,256 @@
+"""ChunkCache: later epochs read stored chunks from local disk, exactly the store's bytes.
+
+On a moto S3 server on loopback and icechunk repositories in tmp dirs: hits are the store's
+bytes, the size bound holds, processes share a directory, damaged entries are refetched, a
+moved branch misses, and no credential reaches a cache path or entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.io.chunk_cache import CacheScope
+from insitubatch_nodes.testing.s3server import start_moto
+from tests.stores import BLOSC, Var, write_store
+
+VARS = [Var("x", (96, 4, 4), (4, 4, 4), compressors=BLOSC),
+        Var("y", (96, 3), (8, 3), dtype="int16")]
+N = 96
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("s3")
+    server = start_moto(folder)
+    try:
+        server.make_bucket("data")
+        data = write_store(folder / "local.zarr", VARS)
+        server.upload_dir(folder / "local.zarr", "data", "era5.zarr")
+        yield server, data
+    finally:
+        server.stop()
+
+
+def open_s3(server):
+    return ib.open_source("s3://data/era5.zarr", storage_options=server.options())
+
+
+def epoch(loader):
+    return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+
+
+def check_exact(batches, data, n=N):
+    idx = np.concatenate([b["sample_index"] for b in batches])
+    assert sorted(idx.tolist()) == list(range(n))
+    for b in batches:
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+
+
+def stored_chunks(server) -> dict[str, bytes]:
+    """Every chunk object of the store, by key (metadata left out)."""
+    client = server.boto3()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="data")["Contents"]]
+    return {k.removeprefix("era5.zarr/"): client.get_object(Bucket="data", Key=k)["Body"].read()
+            for k in keys if "/c/" in k}
+
+
+def entry_files(cache: ib.ChunkCache) -> list[Path]:
+    return [p for p in cache.root.rglob("*") if p.is_file() and p.parent.name != "tmp"
+            and p.name != "total"]
+
+
+def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
+    server, data = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, cache=cache)
+    assert loader.node(ib.AsyncFetchNode).readers[0].mode == "cached"
+    check_exact(epoch(loader), data)
+    first = loader.stats()
+    chunks = stored_chunks(server)
+    assert (first.cache_hits, first.cache_misses) == (0, len(chunks))
+    assert first.cache_store_bytes == sum(len(b) for b in chunks.values())
+    assert cache.entries() == len(chunks) and cache.verify() == 0
+
+    check_exact(epoch(loader), data)
+    second = loader.stats()
+    assert second.cache_misses == len(chunks)  # nothing more from the store
+    assert second.cache_hits == len(chunks) and second.cache_bytes == first.cache_store_bytes
+    assert second.cache_hit_ratio == 0.5 and "chunk cache 50.0% hits" in second.summary()
+    # Byte for byte what the store holds, under the store's scope.
+    scope = CacheScope.of(f"s3://data/era5.zarr at {server.endpoint}", None)
+    for key, blob in chunks.items():
+        assert cache.get(scope.ident(key)) == blob
+    loader.close()
+
+
+def test_local_stores_are_never_cached(tmp_path):
+    data = write_store(tmp_path / "local.zarr", VARS)
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = ib.open_source(str(tmp_path / "local.zarr"))
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache)
+    check_exact(epoch(loader), data)
+    assert {r.mode for r in loader.node(ib.AsyncFetchNode).readers} == {"local"}
+    assert cache.entries() == 0 and loader.stats().cache_hit_ratio is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=40),
+       bound=st.integers(4000, 20000))
+def test_eviction_keeps_the_bound_and_drops_the_least_recently_used(tmp_path_factory, sizes,
+                                                                    bound):
+    cache = ib.ChunkCache(tmp_path_factory.mktemp("evict"), max_bytes=bound)
+    cache.put("keep", b"k" * 100)
+    for i, n in enumerate(sizes):
+        assert cache.get("keep") == b"k" * 100  # read before every put: never the oldest
+        cache.put(f"e{i}", bytes([i % 256]) * n)
+        assert cache.usage() <= bound
+    assert cache.get("keep") == b"k" * 100
+    # What survives is the newest entries (and the one kept in use), each intact.
+    for i, n in enumerate(sizes):
+        got = cache.get(f"e{i}")
+        assert got is None or got == bytes([i % 256]) * n
+    assert cache.get(f"e{len(sizes) - 1}") is not None  # the newest is never evicted
+
+
+def test_an_entry_larger_than_the_bound_is_not_cached(tmp_path):
+    cache = ib.ChunkCache(tmp_path / "c", max_bytes=1000)
+    cache.put("big", b"x" * 2000)
+    assert cache.get("big") is None and cache.usage() == 0
+
+
+_WORKER = """
+import json, sys
+import insitubatch_nodes as ib
+opts, cache_dir, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+src = ib.open_source("s3://data/era5.zarr", storage_options=opts)
+loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                         block_chunks=2, cache=ib.ChunkCache(cache_dir, max_bytes="1GB"))
+seen = []
+for _ in range(2):
+    seen.append([int(i) for b in loader for i in b["sample_index"]])
+json.dump({"seen": seen, "x_sum": [float(b["x"].double().sum()) for b in loader]}, open(out, "w"))
+"""
+
+
+def test_two_processes_share_a_cache_directory(s3, tmp_path):
+    server, data = s3
+    opts = server.options()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(opts),
+                               str(tmp_path / "cache"), str(tmp_path / f"out{i}.json")],
+                              env=env) for i in range(2)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    for i in range(2):
+        out = json.loads((tmp_path / f"out{i}.json").read_text())
+        for seen in out["seen"]:
+            assert sorted(seen) == list(range(N))  # every sample exactly once, both epochs
+        assert sum(out["x_sum"]) == pytest.approx(float(data["x"].astype(np.float64).sum()))
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    assert cache.entries() == len(stored_chunks(server)) and cache.verify() == 0
+    assert not list((cache.root / "tmp").iterdir())  # no temp file left behind
+
+
+def test_a_damaged_entry_is_refetched_never_served(s3, tmp_path):
+    server, data = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache)
+    check_exact(epoch(loader), data)
+    files = sorted(entry_files(cache))
+    flipped, cut, emptied = files[0], files[1], files[2]
+    raw = bytearray(flipped.read_bytes())
+    raw[-1] ^= 0xFF  # a bit flip in the payload: same length, bad checksum
+    flipped.write_bytes(bytes(raw))
+    cut.write_bytes(cut.read_bytes()[:-5])  # a torn tail
+    emptied.write_bytes(b"")
+    assert cache.verify() == 3
+    misses = loader.stats().cache_misses
+    check_exact(epoch(loader), data)  # the damaged entries decoded nothing wrong
+    assert loader.stats().cache_misses == misses + 3 and cache.corrupt == 3
+    assert cache.verify() == 0  # refetched and rewritten
+    loader.close()
+
+
+def _write_repo(path, value):
+    import icechunk
+    import zarr
+
+    repo = icechunk.Repository.open_or_create(icechunk.local_filesystem_storage(str(path)))
+    session = repo.writable_session("main")
+    g = zarr.open_group(session.store, mode="a")
+    arr = g.create_array("x", shape=(24, 3), chunks=(4, 3), dtype="float32", overwrite=True)
+    data = np.full((24, 3), value, dtype="float32") + np.arange(24, dtype="float32")[:, None]
+    arr[:] = data
+    return session.commit(f"x = {value}"), {"x": data}
+
+
+def test_a_moved_icechunk_branch_misses(tmp_path):
+    pytest.importorskip("icechunk")
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+
+    def run(src, data):
+        loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=5,
+                                 cache=cache)
+        check_exact(epoch(loader), data, n=24)
+        st = loader.stats()
+        return st.cache_hits, st.cache_misses
+
+    first, data1 = _write_repo(tmp_path / "repo", 1.0)
+    assert run(ib.open_icechunk(str(tmp_path / "repo")), data1) == (0, 6)
+    assert run(ib.open_icechunk(str(tmp_path / "repo")), data1) == (6, 0)
+    second, data2 = _write_repo(tmp_path / "repo", 500.0)  # the branch moves on
+    moved = ib.open_icechunk(str(tmp_path / "repo"))
+    assert moved.snapshot_id == second != first
+    assert run(moved, data2) == (0, 6)  # new bytes, never the old ones
+    pinned = ib.open_icechunk(str(tmp_path / "repo"), snapshot_id=first)
+    assert run(pinned, data1) == (6, 0)  # the old snapshot is still cached as itself
+
+
+def test_credentials_never_reach_cache_paths_or_entries(s3, tmp_path):
+    server, data = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache)
+    check_exact(epoch(loader), data)
+    loader.close()
+    files = list(cache.root.rglob("*"))
+    assert len(entry_files(cache)) == len(stored_chunks(server))
+    for f in files:
+        assert server.secret not in str(f) and server.key_id not in str(f)
+        if f.is_file():
+            blob = f.read_bytes()
+            assert server.secret.encode() not in blob and server.key_id.encode() not in blob
+    scope = CacheScope.of("s3://AKIAUSER:s3cr3t@bucket/x.zarr?X-Amz-Signature=abc "
+                          "at http://me:pw@10.0.0.1:9000", "snap")
+    assert "s3cr3t" not in scope.ident("k") and "abc" not in scope.ident("k")
+    assert "pw" not in scope.ident("k") and "10.0.0.1:9000" in scope.ident("k")
+
+
+def test_the_option_is_checked(tmp_path):
+    with pytest.raises(TypeError, match=r"fetch.cache must be an ib.ChunkCache.*'/tmp'"):
+        ib.FetchConfig(cache="/tmp")
+    with pytest.raises(ValueError, match="cannot read a byte size from 'lots'"):
+        ib.ChunkCache(tmp_path, max_bytes="lots")
+    cache = ib.ChunkCache(tmp_path, max_bytes="2MB")
+    assert ib.LoaderConfig.of(cache=cache).fetch.cache is cache
+    import pickle
+
+    again = pickle.loads(pickle.dumps(cache))  # workers get their own lock file handle
+    again.put("a", b"abc")
+    assert cache.get("a") == b"abc" and again.max_bytes == 2_000_000
