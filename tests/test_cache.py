@@ -78,6 +78,7 @@ def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
     loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, cache=cache)
     assert loader.node(ib.AsyncFetchNode).readers[0].mode == "cached"
     check_exact(epoch(loader), data)
+    cache.flush()  # entries are written in the background
     first = loader.stats()
     chunks = stored_chunks(server)
     assert (first.cache_hits, first.cache_misses) == (0, len(chunks))
@@ -171,6 +172,7 @@ def test_a_damaged_entry_is_refetched_never_served(s3, tmp_path):
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
                              cache=cache)
     check_exact(epoch(loader), data)
+    cache.flush()
     files = sorted(entry_files(cache))
     flipped, cut, emptied = files[0], files[1], files[2]
     raw = bytearray(flipped.read_bytes())
@@ -181,6 +183,7 @@ def test_a_damaged_entry_is_refetched_never_served(s3, tmp_path):
     assert cache.verify() == 3
     misses = loader.stats().cache_misses
     check_exact(epoch(loader), data)  # the damaged entries decoded nothing wrong
+    cache.flush()
     assert loader.stats().cache_misses == misses + 3 and cache.corrupt == 3
     assert cache.verify() == 0  # refetched and rewritten
     loader.close()
@@ -207,6 +210,7 @@ def test_a_moved_icechunk_branch_misses(tmp_path):
         loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=5,
                                  cache=cache)
         check_exact(epoch(loader), data, n=24)
+        cache.flush()
         st = loader.stats()
         return st.cache_hits, st.cache_misses
 
@@ -229,6 +233,7 @@ def test_credentials_never_reach_cache_paths_or_entries(s3, tmp_path):
                              cache=cache)
     check_exact(epoch(loader), data)
     loader.close()
+    cache.flush()
     files = list(cache.root.rglob("*"))
     assert len(entry_files(cache)) == len(stored_chunks(server))
     for f in files:
@@ -254,3 +259,6 @@ def test_the_option_is_checked(tmp_path):
     again = pickle.loads(pickle.dumps(cache))  # workers get their own lock file handle
     again.put("a", b"abc")
     assert cache.get("a") == b"abc" and again.max_bytes == 2_000_000
+    cache.put_later("b", memoryview(b"later"))
+    cache.flush()
+    assert again.get("b") == b"later"

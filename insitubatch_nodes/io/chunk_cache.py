@@ -20,11 +20,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import itertools
+import logging
 import os
 import re
 import struct
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,9 @@ _MAGIC = b"IBCC"
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
 _LOW_WATER = 0.9  # an eviction frees down to this share of max_bytes (evictions stay rare)
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died: removed on evict
+_BACKLOG = 64 << 20  # bytes waiting for the writer thread; past it, the caller writes
 _names = itertools.count()
+log = logging.getLogger("insitubatch_nodes")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,10 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._pid = -1
+        self._writer: ThreadPoolExecutor | None = None
+        self._writer_pid = -1
+        self._backlog = 0  # bytes handed to the writer thread, not yet written
+        self._warned = False
 
     def __repr__(self) -> str:
         return f"ChunkCache({str(self.directory)!r}, max_bytes={self.max_bytes})"
@@ -122,6 +130,11 @@ class ChunkCache:
         self._drop_damaged(path)
         return None
 
+    def has(self, ident: str) -> bool:
+        """Whether an entry for ``ident`` exists (one ``stat``, no read, no check): cheap
+        enough for the event loop, so a miss goes to the store without a pool hand-off."""
+        return os.path.exists(self.path(ident))
+
     def put(self, ident: str, data: bytes | memoryview) -> None:
         """Store ``data`` for ``ident``: written to a temp file, then renamed into place, so
         readers see the whole entry or none. Evicts the least recently used entries when the
@@ -152,6 +165,45 @@ class ChunkCache:
                 os.unlink(tmp)
             raise
         self._account(size - old)
+
+    def put_later(self, ident: str, data: bytes | memoryview) -> None:
+        """``put`` on this cache's writer thread, so a fetch does not wait for the disk
+        (epoch 1 stays as fast as without a cache); with more than 64 MB waiting, the caller
+        writes itself. A failed write (a full disk) is logged once, never raised: the chunk
+        is simply fetched again next time. ``flush`` waits for the writes."""
+        with self._lock:
+            if self._writer is None or self._writer_pid != os.getpid():
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="insitubatch-cache")
+                self._writer_pid, self._backlog = os.getpid(), 0
+            inline = self._backlog + len(data) > _BACKLOG
+            if not inline:
+                self._backlog += len(data)
+            writer = self._writer
+        if inline:
+            self._put_quietly(ident, data, 0)
+        else:
+            writer.submit(self._put_quietly, ident, data, len(data))
+
+    def flush(self) -> None:
+        """Wait until every ``put_later`` so far is on disk."""
+        with self._lock:
+            writer = self._writer if self._writer_pid == os.getpid() else None
+        if writer is not None:
+            done: Future = writer.submit(lambda: None)
+            done.result()
+
+    def _put_quietly(self, ident: str, data: bytes | memoryview, queued: int) -> None:
+        try:
+            self.put(ident, data)
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                log.warning("insitubatch: ChunkCache %s could not write an entry (%s); chunks "
+                            "not written are read from the store again", self.directory, e)
+        finally:
+            if queued:
+                with self._lock:
+                    self._backlog -= queued
 
     def usage(self) -> int:
         """Bytes of the entries on disk now (a directory scan)."""

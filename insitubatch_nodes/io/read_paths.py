@@ -263,17 +263,22 @@ class CachedGets(AsyncGets):
             return hit
         data = await self.gets.get(key)
         if data is not None:
-            self.cache.put(ident, data)
+            self.cache.put_later(ident, data)
         return data
 
     def _lookup(self, stripes: Stripes, keys: list[str]) -> Frames:
-        """The cached chunks of ``keys`` (``_MISS`` where not cached), counted."""
+        """The cached chunks of ``keys`` (``_MISS`` where not cached after all), counted."""
         t0 = time.perf_counter()
         datas: Frames = [self.cache.get(self.scope.ident(k)) or _MISS for k in keys]
         hits = [d for d in datas if d is not _MISS]
         stripes.times.add(time.perf_counter() - t0, 0.0)
         stripes.times.cached(len(hits), sum(len(d) for d in hits))
         return datas
+
+    def _all_cached(self, keys: list[str]) -> bool:
+        """Every chunk of the stripe has an entry (a ``stat`` each, on the loop): only then
+        is the cache read, so a miss costs no pool hand-off before its GET goes out."""
+        return all(self.cache.has(self.scope.ident(k)) for k in keys)
 
     async def _fill(self, stripes: Stripes, keys: list[str], datas: Frames) -> list[int]:
         """Fetch the missed chunks of ``datas`` from the store, in place: their indices."""
@@ -290,7 +295,7 @@ class CachedGets(AsyncGets):
         for i in missed:
             data = datas[i]
             if data is not None:  # a chunk never written is not cached: asked again
-                self.cache.put(self.scope.ident(keys[i]), data)
+                self.cache.put_later(self.scope.ident(keys[i]), data)
 
     def _cached_read(self, stripes: Stripes, keys: list[str], out: np.ndarray,
                      submitted: float) -> Frames | None:
@@ -315,10 +320,13 @@ class CachedGets(AsyncGets):
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor) -> None:
         keys = stripes.keys(index)
-        datas = await loop.run_in_executor(pool, OneShot(self._cached_read, stripes, keys, out,
-                                                         time.perf_counter()))
-        if datas is None:
-            return
+        datas: Frames | None = [_MISS] * len(keys)
+        if self._all_cached(keys):
+            datas = await loop.run_in_executor(pool, OneShot(self._cached_read, stripes, keys,
+                                                             out, time.perf_counter()))
+            if datas is None:
+                return
+        assert datas is not None
         missed = await self._fill(stripes, keys, datas)
         await loop.run_in_executor(pool, OneShot(self._place_and_store, stripes, keys, datas,
                                                  missed, out, time.perf_counter()))
@@ -326,7 +334,9 @@ class CachedGets(AsyncGets):
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:
         keys = stripes.keys(index)
-        datas = await loop.run_in_executor(pool, self._lookup, stripes, keys)
+        datas: Frames = [_MISS] * len(keys)
+        if self._all_cached(keys):
+            datas = await loop.run_in_executor(pool, self._lookup, stripes, keys)
         missed = await self._fill(stripes, keys, datas)
         # Cached frames passed their checksum; the checks also catch a damaged transfer.
         await loop.run_in_executor(pool, self._check_and_store, check, keys, datas, missed)

@@ -1,0 +1,176 @@
+"""Chunk cache benchmark: later epochs over S3 (+50 ms per request) from a local ChunkCache.
+
+Run on demand, never as a test, from the repository root::
+
+    .venv/bin/python -m benchmarks.bench_cache
+
+It writes a local Zarr store (``bench_remote.make_store``: one float32 variable, blosc-zstd),
+starts moto's S3 server on loopback, uploads the store, and puts the fault proxy (latency
+only, ``--latency-ms`` per request) in front of it. Each round times, in alternating order:
+
+- ``local``: an epoch of the same store read from local disk (the target), with the
+  default loader and with the remote loaders' ``max_inflight``/``prefetch_windows``;
+- ``remote``: an epoch over S3 + latency without a cache (epoch 1's reference);
+- ``cached``: a loader with a fresh ``ChunkCache`` (emptied first): epoch 1 fills it
+  (``cold``), epoch 2 of the same loader reads it (``warm``).
+
+The fastest of the rounds is kept for each. Issue 15's targets: warm >= 0.9x local
+throughput, and cold no more than 5% slower than remote. Results go to
+``bench-out/cache.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+import insitubatch_nodes as ib
+from benchmarks.bench_remote import BUCKET, KEY, VAR, ProxyProcess, make_store
+from insitubatch_nodes.bench.common import OtherLoad, machine_info
+from insitubatch_nodes.testing.s3server import start_moto
+
+
+def timed_epoch(loader: ib.InSituLoader) -> dict[str, Any]:
+    busy0 = OtherLoad._busy()
+    t0 = time.perf_counter()
+    samples = sum(len(b["sample_index"]) for b in loader)
+    seconds = time.perf_counter() - t0
+    st = loader.stats()
+    return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+            "machine_cores_busy": (OtherLoad._busy() - busy0) / seconds,
+            "cache_hits": st.cache_hits, "cache_misses": st.cache_misses,
+            "cache_bytes": st.cache_bytes, "store_bytes": st.cache_store_bytes}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="2048,181,360", help="time,lat,lon of the store")
+    p.add_argument("--time-chunk", type=int, default=8, help="time steps per chunk")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--block-chunks", type=int, default=16)
+    p.add_argument("--latency-ms", type=int, default=50, help="added per request")
+    p.add_argument("--max-inflight", type=int, default=64)
+    p.add_argument("--prefetch", type=int, default=2, help="prefetch_windows (remote)")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="bench-out/cache-data", help="stores, cache, logs")
+    p.add_argument("--out", default="bench-out/cache.json")
+    args = p.parse_args(argv)
+    args.shape = tuple(int(s) for s in args.shape.split(","))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    local = work / "local.zarr"
+    make_store(local, args.shape, args.time_chunk, args.seed)
+    objs = [p for p in (local / VAR / "c").rglob("*") if p.is_file()]
+    stored = sum(p.stat().st_size for p in objs)
+    print(f"store {args.shape} float32: {len(objs)} chunks, {stored / 1e6:.0f} MB stored "
+          f"({stored / len(objs) / 1e6:.2f} MB per object)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logs = Path(tempfile.mkdtemp(prefix="logs-", dir=work))
+    cache_dir = work / "chunk-cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache = ib.ChunkCache(cache_dir, max_bytes=4 * stored + (1 << 30))
+    server = start_moto(logs)
+    proxy = None
+    opts = dict(batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed)
+    remote_opts = dict(opts, max_inflight=args.max_inflight, prefetch_windows=args.prefetch)
+    runs: dict[str, list[dict[str, Any]]] = {"local": [], "remote": [], "cold": [], "warm": []}
+    try:
+        server.make_bucket(BUCKET)
+        server.upload_dir(local, BUCKET, KEY)
+        proxy = ProxyProcess(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])),
+                             args.latency_ms / 1000, logs / "proxy.log")
+        remote = ib.open_source(f"s3://{BUCKET}/{KEY}", variables=[VAR],
+                                storage_options=server.options(endpoint=proxy.endpoint))
+        disk = ib.open_source(str(local), variables=[VAR])
+        m_remote = ib.split_by_chunk(remote, (1.0,), seed=args.seed)
+        m_disk = ib.split_by_chunk(disk, (1.0,), seed=args.seed)
+
+        def local_epoch() -> None:
+            with ib.build_loader(disk, m_disk, "train", **opts) as loader:
+                runs["local"].append(timed_epoch(loader))
+            # and with the remote loaders' depth, in case it is faster here too
+            with ib.build_loader(disk, m_disk, "train", **remote_opts) as loader:
+                runs["local"].append(timed_epoch(loader))
+
+        def remote_epoch() -> None:
+            with ib.build_loader(remote, m_remote, "train", **remote_opts) as loader:
+                runs["remote"].append(timed_epoch(loader))
+
+        def cached_epochs() -> None:
+            cache.clear()
+            with ib.build_loader(remote, m_remote, "train", cache=cache,
+                                 **remote_opts) as loader:
+                runs["cold"].append(timed_epoch(loader))
+                t0 = time.perf_counter()
+                cache.flush()  # the last writes land (untimed, reported)
+                runs["cold"][-1]["flush_s"] = time.perf_counter() - t0
+                runs["warm"].append(timed_epoch(loader))
+
+        jobs = [local_epoch, remote_epoch, cached_epochs]
+        for job in jobs:  # warm-up: connections, page cache, code paths
+            job()
+        for k in runs:
+            runs[k].clear()
+        for rnd in range(args.repeats):
+            t0 = time.perf_counter()
+            for job in (jobs if rnd % 2 == 0 else jobs[::-1]):
+                job()
+            print(f"round {rnd + 1}/{args.repeats}: {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        server.stop()
+    best = {k: max(v, key=lambda r: r["samples_per_s"]) for k, v in runs.items()}
+    warm = best["warm"]
+    assert warm["cache_misses"] == best["cold"]["cache_misses"] == len(objs), best
+    print()
+    print("| epoch | samples/s (best) | all rounds, samples/s |")
+    print("| --- | ---: | --- |")
+    names = {"local": "local disk", "remote": f"S3 +{args.latency_ms} ms, no cache",
+             "cold": f"S3 +{args.latency_ms} ms, cache epoch 1 (cold)",
+             "warm": f"S3 +{args.latency_ms} ms, cache epoch 2 (warm)"}
+    for k, name in names.items():
+        every = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs[k])
+        print(f"| {name} | {best[k]['samples_per_s']:,.0f} | {every} |")
+    warm_ratio = warm["samples_per_s"] / best["local"]["samples_per_s"]
+    cold_ratio = best["cold"]["samples_per_s"] / best["remote"]["samples_per_s"]
+    print(f"\nwarm cache / local disk: {warm_ratio:.2f}x (target >= 0.9: "
+          f"{'met' if warm_ratio >= 0.9 else 'NOT met'})")
+    print(f"cold cache / no cache: {cold_ratio:.2f}x (target >= 0.95: "
+          f"{'met' if cold_ratio >= 0.95 else 'NOT met'})")
+    print(f"epoch 2: {warm['cache_hits'] - best['cold']['cache_hits']} hits, "
+          f"{warm['cache_bytes'] / 1e6:.0f} MB from the cache, "
+          f"{warm['store_bytes'] / 1e6:.0f} MB from the store (all in epoch 1)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": machine_info(), "args": {k: v for k, v in vars(args).items()},
+        "chunks": len(objs), "stored_bytes": stored, "runs": runs, "best": best,
+        "warm_over_local": warm_ratio, "cold_over_remote": cold_ratio,
+        "total_seconds": time.perf_counter() - t_start, "cpus": os.cpu_count(),
+        "loadavg": psutil.getloadavg(),
+    }, indent=2))
+    print(f"wrote {out} ({time.perf_counter() - t_start:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
