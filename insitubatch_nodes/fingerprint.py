@@ -49,6 +49,9 @@ _HOW = {
     "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
     "run_chunks": "time windows deal runs of run_chunks adjacent chunks: build the loader with "
                   "the saved run_chunks (and window=)",
+    "excluded": "the chunks left out for the store's missing dates differ (the store's "
+                "missing_dates, or window=, changed): resume on the store and window the state "
+                "was saved with",
     "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
@@ -81,6 +84,7 @@ class StateFingerprint:
     uneven: str
     contiguous: bool
     run_chunks: int  # chunks per contiguous run with time windows; 0 without
+    excluded: str  # hash of the chunks left out for missing dates ("" when none)
     batch_size: int
     drop_last: bool
     rank: int | None = None
@@ -111,7 +115,7 @@ class StateFingerprint:
         values = {}
         for name in want:
             v = obj[name]
-            kind = str if name in ("manifest", "split", "uneven") else (
+            kind = str if name in ("manifest", "split", "uneven", "excluded") else (
                 bool if name in ("contiguous", "drop_last") else int)
             ok = (isinstance(v, bool) if kind is bool else
                   isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind is int

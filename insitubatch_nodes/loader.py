@@ -7,6 +7,7 @@ elastic resume, stats and shutdown.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import warnings
@@ -523,5 +524,7 @@ def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> S
         block_chunks=resolved.block_chunks, uneven=s.uneven,
         contiguous=resolved.config.sample.time_steps is not None,
         run_chunks=resolved.run_chunks or 0,
+        excluded=(hashlib.sha256(json.dumps(list(resolved.excluded)).encode()).hexdigest()[:16]
+                  if resolved.excluded else ""),
         batch_size=s.batch_size, drop_last=s.drop_last,
         rank=resolved.rank, world_size=resolved.world_size)

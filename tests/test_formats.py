@@ -319,3 +319,17 @@ def test_a_cf_encoded_variable_is_refused_unless_opened_raw(tmp_path):
             ib.open_source(xr.open_zarr(tmp_path / "cf.zarr"))
         raw = ib.open_source(xr.open_zarr(tmp_path / "cf.zarr", mask_and_scale=False))
     assert raw.variable("t").dtype == np.dtype("int16")
+
+
+def test_a_state_over_other_missing_dates_is_refused(tmp_path):
+    a = write_anemoi_store(tmp_path / "a.zarr", n_dates=30, missing=(13,))
+    src = ib.open_source(a)
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=4)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    b = write_anemoi_store(tmp_path / "b.zarr", n_dates=30, missing=(14,))
+    other = ib.build_loader(ib.open_source(b), m, "train", batch_size=4)
+    with pytest.raises(ValueError, match=r"excluded: saved '[0-9a-f]+', this loader"):
+        other.load_state_dict(state)
