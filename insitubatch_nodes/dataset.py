@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import zarr.storage
 from torch.utils.data import Dataset
 from torchdata.nodes import BaseNode
 
@@ -40,6 +41,8 @@ __all__ = ["CacheInfo", "KeySummary", "SampleDataset", "summarize_sample"]
 
 T = TypeVar("T")
 DEFAULT_CACHE_BYTES = 64 << 20
+# stores a forked worker can read from (plain files, memory): no runtime threads behind them
+_FORK_SAFE_STORES = (zarr.storage.LocalStore, zarr.storage.MemoryStore)
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,8 @@ class _OneDraw(BaseNode[BatchDraw]):
 
 class _Process:
     """What ``SampleDataset`` keeps per process: readers over its own store clients (a
-    forked or unpickled copy re-opens them: obstore clients do not survive fork), the loop
-    thread, the stripe cache and the gather with the per-batch stages."""
+    forked or unpickled copy re-opens them), the loop thread, the stripe cache and the
+    gather with the per-batch stages."""
 
     def __init__(self, source: Source, resolved: Resolved, max_bytes: int, reopen: bool,
                  ) -> None:
@@ -210,8 +213,10 @@ class SampleDataset(Dataset):
     corners.
 
     Reads go through the loader's stripe readers; decoded stripes are kept in an LRU of at
-    most ``cache_bytes`` per process. Works in ``DataLoader(ds, num_workers=k)``: each
-    worker (forked or spawned) opens its own store clients and cache.
+    most ``cache_bytes`` per process. Works in ``DataLoader(ds, num_workers=k,
+    multiprocessing_context=ds.multiprocessing_context)``: each worker opens its own store
+    clients and cache. Local stores fork (the context is ``None``); obstore and icechunk
+    clients hang in a forked child, so there it is ``"forkserver"`` (a forked worker says so).
     """
 
     def __init__(self, source: Source, manifest: SplitManifest, split: str,
@@ -237,6 +242,13 @@ class SampleDataset(Dataset):
         steps = cfg.sample.time_steps
         self._offsets = np.zeros(1, np.int64) if steps is None else steps.offsets
         self._patches = cfg.sample.patch_size is not None
+        # obstore's and icechunk's clients run on a runtime whose threads stay in the parent:
+        # a forked worker hangs on its first read, even with fresh clients (measured)
+        self._fork_safe = all(isinstance(a.store_path.store, _FORK_SAFE_STORES)
+                              for a in source.arrays)
+        # what to give DataLoader(multiprocessing_context=...): None (fork) for local files
+        self.multiprocessing_context: str | None = None if self._fork_safe else "forkserver"
+        self._unpickled_in: int | None = None
         self._proc: _Process | None = _Process(source, self.resolved, self.cache_bytes,
                                                reopen=False)
 
@@ -286,7 +298,17 @@ class SampleDataset(Dataset):
 
     def _process(self) -> _Process:
         proc = self._proc
-        if proc is None or proc.pid != os.getpid():
+        pid = os.getpid()
+        if (proc is not None and proc.pid != pid and not self._fork_safe
+                and self._unpickled_in != pid):
+            raise RuntimeError(
+                f"this SampleDataset reads {self.source.url} through obstore or icechunk, "
+                "whose clients hang in a forked process (their runtime's threads stay in "
+                "the parent, and new clients share that runtime): give the DataLoader "
+                "multiprocessing_context=ds.multiprocessing_context "
+                f"({self.multiprocessing_context!r}; 'spawn' works too), so each worker "
+                "starts clean and opens its own clients")
+        if proc is None or proc.pid != pid:
             # a DataLoader worker (forked, or this dataset unpickled): its own clients
             proc = self._proc = _Process(self.source, self.resolved, self.cache_bytes,
                                          reopen=True)
@@ -296,6 +318,10 @@ class SampleDataset(Dataset):
         state = self.__dict__.copy()
         state["_proc"] = None  # threads, clients and the cache stay in their process
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._unpickled_in = os.getpid()  # a spawned worker: its clients are its own
 
 
 @dataclass(frozen=True)

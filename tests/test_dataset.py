@@ -196,6 +196,7 @@ def test_dataloader_workers_open_their_own_clients(stores):
     opts = {"window": ib.SampleWindow(2, (1,)), "channels": ["z", "t2m"],
             "static": extra["static"]}
     ds = ib.SampleDataset(src, manifest, "train", **opts)
+    assert ds.multiprocessing_context is None  # local files: plain fork is fine
     want = [ds[k] for k in range(len(ds))]  # the parent's loop thread runs before the fork
     got = []
     for batch in DataLoader(ds, batch_size=5, num_workers=2):
@@ -206,3 +207,31 @@ def test_dataloader_workers_open_their_own_clients(stores):
     back = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
     _same(back[3], want[3], "unpickled")
     assert back.cache_info().misses > 0  # its own cache, its own reads
+
+
+def test_object_store_workers_start_clean_and_a_forked_one_says_how(tmp_path):
+    """obstore clients hang in a forked child (the runtime's threads stay in the parent,
+    fresh clients included): forkserver workers open their own; a forked one raises."""
+    from stores import Var, write_store
+
+    from insitubatch_nodes.testing.s3server import start_moto
+
+    server = start_moto(tmp_path)
+    try:
+        server.make_bucket("data")
+        data = write_store(tmp_path / "local.zarr", [Var("x", (40, 4, 4), (4, 4, 4),
+                                                         compressors=BLOSC)])
+        server.upload_dir(tmp_path / "local.zarr", "data", "s.zarr")
+        src = ib.open_source("s3://data/s.zarr", storage_options=server.options())
+        ds = ib.SampleDataset(src, ib.split_by_chunk(src, (1.0,)), "train")
+        np.testing.assert_array_equal(ds[5]["x"].numpy(), data["x"][5])  # the parent reads
+        assert ds.multiprocessing_context == "forkserver"
+        got = torch.cat([b["x"] for b in DataLoader(
+            ds, batch_size=8, num_workers=2, timeout=120,
+            multiprocessing_context=ds.multiprocessing_context)])
+        np.testing.assert_array_equal(got.numpy(), data["x"])
+        with pytest.raises(RuntimeError, match="multiprocessing_context=ds.multiprocessing"):
+            next(iter(DataLoader(ds, batch_size=8, num_workers=1, timeout=120,
+                                 multiprocessing_context="fork")))
+    finally:
+        server.stop()
