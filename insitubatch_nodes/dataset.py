@@ -122,7 +122,11 @@ class _Process:
                 arrays = source.arrays  # a store that cannot pickle: use it as it is
         self.readers = tuple(StripeReader(a, g, source.url)
                              for a, g in zip(arrays, source.variables, strict=True))
-        self.retry = resolved.config.fetch.retry or RetryPolicy()
+        fetch = resolved.config.fetch
+        if fetch.cache is not None:  # the loader's local chunk cache, shared with it
+            for reader in self.readers:
+                reader.use_cache(fetch.cache, source.snapshot_id)
+        self.retry = fetch.retry or RetryPolicy()
         self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.nbytes = self.hits = self.misses = 0
         self.max_bytes = max_bytes
@@ -204,7 +208,7 @@ class SampleDataset(Dataset):
     ``channels_last``/``drop_ensemble``) shape ``ds[k]`` exactly as the loader's batches,
     and are checked the same way; the others (batch size, shuffle, ranks, fetch, device) are
     accepted, so one config serves both, and ignored: a dataset reads one sample at a time,
-    on the CPU, with the fetch retry policy.
+    on the CPU, with the fetch retry policy and local chunk cache (``cache=``).
 
     ``ds[k]`` maps every batch key to the row ``batch[key][i]``: ``"sample_index"`` and a
     coordinate such as ``"time"`` are 0-d. With ``patch_size`` a loader's rows are patches:
@@ -226,7 +230,8 @@ class SampleDataset(Dataset):
         # one sample at a time, on this process, decoded on the CPU: nothing else applies
         cfg = dataclasses.replace(cfg, sampling=SamplingConfig(batch_size=1, rank=0,
                                                                world_size=1),
-                                  fetch=FetchConfig(retry=cfg.fetch.retry, in_place=False))
+                                  fetch=FetchConfig(retry=cfg.fetch.retry, in_place=False,
+                                                    cache=cfg.fetch.cache))
         self.source = source
         self.split = split
         self.config = cfg

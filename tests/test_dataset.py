@@ -223,7 +223,8 @@ def test_object_store_workers_start_clean_and_a_forked_one_says_how(tmp_path):
                                                          compressors=BLOSC)])
         server.upload_dir(tmp_path / "local.zarr", "data", "s.zarr")
         src = ib.open_source("s3://data/s.zarr", storage_options=server.options())
-        ds = ib.SampleDataset(src, ib.split_by_chunk(src, (1.0,)), "train")
+        cache = ib.ChunkCache(tmp_path / "cache", max_bytes="10MB")
+        ds = ib.SampleDataset(src, ib.split_by_chunk(src, (1.0,)), "train", cache=cache)
         np.testing.assert_array_equal(ds[5]["x"].numpy(), data["x"][5])  # the parent reads
         assert ds.multiprocessing_context == "forkserver"
         got = torch.cat([b["x"] for b in DataLoader(
@@ -233,5 +234,14 @@ def test_object_store_workers_start_clean_and_a_forked_one_says_how(tmp_path):
         with pytest.raises(RuntimeError, match="multiprocessing_context=ds.multiprocessing"):
             next(iter(DataLoader(ds, batch_size=8, num_workers=1, timeout=120,
                                  multiprocessing_context="fork")))
+        for k in range(len(ds)):  # whatever the workers cached, the parent completes it
+            ds[k]
+        cache.flush()
     finally:
         server.stop()
+    # the loader's chunk cache (cache=) was filled by the workers: with the store gone, a
+    # fresh dataset (empty stripe LRU) still reads every sample, from local disk
+    again = ib.SampleDataset(src, ib.split_by_chunk(src, (1.0,)), "train", cache=cache,
+                             retry=ib.RetryPolicy(attempts=1))
+    np.testing.assert_array_equal(np.stack([again[k]["x"].numpy() for k in range(40)]),
+                                  data["x"])
