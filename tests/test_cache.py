@@ -26,6 +26,8 @@ from tests.stores import BLOSC, Var, write_store
 VARS = [Var("x", (96, 4, 4), (4, 4, 4), compressors=BLOSC),
         Var("y", (96, 3), (8, 3), dtype="int16")]
 N = 96
+# zarr's own getitem reads this one (sharding): byte ranges through a CachingStore
+SHARDED = [Var("s", (96, 6), (4, 6), shards=(16, 6), compressors=BLOSC)]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,9 @@ def s3(tmp_path_factory):
         server.make_bucket("data")
         data = write_store(folder / "local.zarr", VARS)
         server.upload_dir(folder / "local.zarr", "data", "era5.zarr")
-        yield server, data
+        sharded = write_store(folder / "sharded.zarr", SHARDED)
+        server.upload_dir(folder / "sharded.zarr", "data", "sharded.zarr")
+        yield server, data, sharded
     finally:
         server.stop()
 
@@ -60,7 +64,8 @@ def check_exact(batches, data, n=N):
 def stored_chunks(server) -> dict[str, bytes]:
     """Every chunk object of the store, by key (metadata left out)."""
     client = server.boto3()
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket="data")["Contents"]]
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="data", Prefix="era5.zarr/")
+            ["Contents"]]
     return {k.removeprefix("era5.zarr/"): client.get_object(Bucket="data", Key=k)["Body"].read()
             for k in keys if "/c/" in k}
 
@@ -71,7 +76,7 @@ def entry_files(cache: ib.ChunkCache) -> list[Path]:
 
 
 def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
-    server, data = s3
+    server, data, _ = s3
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = open_s3(server)
     m = ib.split_by_chunk(src, (1.0,))
@@ -94,6 +99,24 @@ def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
     scope = CacheScope.of(f"s3://data/era5.zarr at {server.endpoint}", None)
     for key, blob in chunks.items():
         assert cache.get(scope.ident(key)) == blob
+    loader.close()
+
+
+def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
+    server, _, data = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = ib.open_source("s3://data/sharded.zarr", storage_options=server.options())
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache)
+    assert loader.node(ib.AsyncFetchNode).readers[0].mode == "cached-zarr"
+    check_exact(epoch(loader), data)
+    cache.flush()
+    first = loader.stats()
+    assert first.cache_hits == 0 and first.cache_misses > 0 and cache.entries() > 0
+    check_exact(epoch(loader), data)
+    second = loader.stats()
+    assert second.cache_misses == first.cache_misses  # epoch 2: all from the cache
+    assert second.cache_hits == first.cache_misses and cache.verify() == 0
     loader.close()
 
 
@@ -148,7 +171,7 @@ json.dump({"seen": seen, "x_sum": [float(b["x"].double().sum()) for b in loader]
 
 
 def test_two_processes_share_a_cache_directory(s3, tmp_path):
-    server, data = s3
+    server, data, _ = s3
     opts = server.options()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(opts),
@@ -166,7 +189,7 @@ def test_two_processes_share_a_cache_directory(s3, tmp_path):
 
 
 def test_a_damaged_entry_is_refetched_never_served(s3, tmp_path):
-    server, data = s3
+    server, data, _ = s3
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = open_s3(server)
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
@@ -226,7 +249,7 @@ def test_a_moved_icechunk_branch_misses(tmp_path):
 
 
 def test_credentials_never_reach_cache_paths_or_entries(s3, tmp_path):
-    server, data = s3
+    server, data, _ = s3
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = open_s3(server)
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,

@@ -10,6 +10,7 @@ keys, the decoding into the stripe buffer, and the retries.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import lzma
 import os
 import threading
@@ -25,8 +26,9 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import zarr
 import zarr.storage
-from zarr.abc.store import Store
-from zarr.core.buffer import default_buffer_prototype
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.storage import StorePath, WrapperStore
 
 from ..counters import ReadTimes
 from .chunk_cache import CacheScope, ChunkCache
@@ -345,9 +347,9 @@ class CachedGets(AsyncGets):
 
 def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     """``path`` with its store reads through ``cache``; local files are never cached (their
-    chunks are on local disk already), and zarr's own ``getitem`` reads (chains we do not
-    decode) are cached where they go through the store gets, i.e. their stored frames."""
-    if isinstance(path, CachedGets):
+    chunks are on local disk already). zarr's own ``getitem`` reads (chains we do not
+    decode, sharding among them) go through a ``CachingStore``."""
+    if isinstance(path, (CachedGets, CachedGetitem)):
         return path
     if isinstance(path, ObjectStoreGets):  # the same bucket name on another endpoint
         endpoint = (getattr(path.store, "config", None) or {}).get("endpoint")
@@ -356,7 +358,11 @@ def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     if isinstance(path, AsyncGets):
         return CachedGets(path, cache, scope)
     if isinstance(path, ZarrGetitem):
-        return ZarrGetitem(path.arr, CachedGets(path.gets, cache, scope))
+        arr = path.arr
+        store = CachingStore(arr.store_path.store, cache, scope)
+        on_cache = zarr.Array(zarr.AsyncArray(arr.metadata, StorePath(store, arr.store_path.path),
+                                              arr.async_array.config))
+        return CachedGetitem(on_cache, CachedGets(path.gets, cache, scope), store)
     return path
 
 
@@ -388,6 +394,67 @@ class ZarrGetitem(ReadPath):
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:
         return await self.gets.frames(stripes, index, check, loop, pool)
+
+
+# The bytes one ``CachedGetitem.read`` fetched from the store: cached once zarr decoded them.
+_fetched: contextvars.ContextVar[list[tuple[str, bytes]] | None] = contextvars.ContextVar(
+    "insitubatch_fetched", default=None)
+_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+
+class CachingStore(WrapperStore):
+    """A zarr store whose chunk gets (byte ranges too, as sharding asks) go through a
+    ``ChunkCache``, for zarr's own ``getitem``. Fetched bytes are only collected here;
+    ``CachedGetitem`` caches them once the stripe decoded. Metadata is never cached."""
+
+    def __init__(self, store: Store, cache: ChunkCache, scope: CacheScope) -> None:
+        super().__init__(store)
+        self.cache, self.scope = cache, scope
+        self.times: ReadTimes | None = None  # the reader's, set at each read
+
+    async def get(self, key: str, prototype: BufferPrototype,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
+        if key.endswith(_METADATA):
+            return await self._store.get(key, prototype, byte_range)
+        ident = self.scope.ident(key if byte_range is None else f"{key} {byte_range!r}")
+        if self.cache.has(ident):
+            data = await asyncio.get_running_loop().run_in_executor(None, self.cache.get,
+                                                                    ident)
+            if data is not None:
+                if self.times is not None:
+                    self.times.cached(1, len(data))
+                return prototype.buffer.from_bytes(data)
+        buf = await self._store.get(key, prototype, byte_range)
+        if buf is not None:
+            raw = buf.to_bytes()
+            if self.times is not None:
+                self.times.fetched(1, len(raw))
+            pending = _fetched.get()
+            if pending is not None:
+                pending.append((ident, raw))
+        return buf
+
+
+@dataclass(frozen=True, eq=False)
+class CachedGetitem(ZarrGetitem):
+    """``ZarrGetitem`` over a ``CachingStore``: what zarr fetched for a stripe enters the
+    cache only after the whole stripe decoded, so damaged bytes are never cached."""
+
+    store: CachingStore | None = None
+    name: ClassVar[str] = "cached-zarr"
+
+    async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
+                   pool: Executor) -> None:
+        assert self.store is not None
+        self.store.times = stripes.times
+        pending: list[tuple[str, bytes]] = []
+        token = _fetched.set(pending)
+        try:
+            await super().read(stripes, index, out, loop, pool)
+        finally:
+            _fetched.reset(token)
+        for ident, raw in pending:
+            self.store.cache.put_later(ident, raw)
 
 
 def read_path_for(arr: zarr.Array, decodes: bool) -> ReadPath:
