@@ -23,7 +23,7 @@ from torchdata.nodes import BaseNode
 
 from .arena import BatchArena
 from .budget import check_budget
-from .config import LoaderConfig
+from .config import LoaderConfig, SampleConfig, SamplingConfig
 from .geometry import SampleGrid
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
@@ -135,26 +135,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                 else f.prefetch_windows)
     decoder = resolve_decode(f.decode, config.device.device)
     sm = config.sample
-    channels = tuple(resolve_channels(source, sm.channels)) if sm.channels else None
-    channels_key = CHANNELS_KEY
-    if source.selection is not None:
-        if channels:
-            raise ValueError(
-                f"the anemoi dataset {source.url!r} was opened with variables="
-                f"{list(source.selection)} and the loader was given channels="
-                f"{list(sm.channels or ())}: choose the variables in one of the two")
-        # an anemoi selection: the chosen variables, in order, as batch["data"]
-        channels = tuple(resolve_channels(source, source.selection))
-        channels_key = source.variables[0].name
-    if (sm.channels_last or sm.drop_ensemble) and not channels and source.format != "anemoi":
-        raise ValueError("sample.channels_last / drop_ensemble apply to stacked channels "
-                         "(channels=[...]) or an anemoi dataset's data; this loader has "
-                         f"neither (variables {list(source.names)})")
-    if sm.drop_ensemble and source.format != "anemoi":
-        raise ValueError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
-                         "it has no ensemble axis")
-    if not channels and source.format == "anemoi":
-        channels_key = source.variables[0].name  # the whole of "data"
+    channels, channels_key = _stacking(source, sm)
     # Host gathers write channels straight into their slice of "channels"; batches gathered
     # on a GPU (decode="gpu") are stacked afterwards.
     layout = (build_layout(source.variables, channels, channels_key) if decoder is None
@@ -165,18 +146,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                          f"batches: {why_not}. Leave in_place=None to decide per store.")
     in_place = f.in_place is not False and why_not is None
     contiguous = steps is not None
-    run_chunks = None
-    if contiguous:
-        assert steps is not None
-        run_chunks = (s.run_chunks if s.run_chunks is not None
-                      else default_run_chunks(steps, source.grid.chunk_size))
-    block_chunks = (s.block_chunks if s.block_chunks is not None
-                    else default_block_chunks(source, in_place and steps is None, run_chunks))
-    if run_chunks is not None:
-        if s.run_chunks is not None and s.run_chunks > block_chunks:
-            raise ValueError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
-                             f"{block_chunks}: a window holds whole runs")
-        run_chunks = min(run_chunks, block_chunks)
+    block_chunks, run_chunks = _window_size(source, s, steps, in_place)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, contiguous,
                           run_chunks)
     units = n_units(ctx)
@@ -205,6 +175,49 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place,
     )
+
+
+def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | None, str]:
+    """The channels stacked and the batch key they go to: ``channels=`` into "channels", or
+    an anemoi dataset's ``variables=`` selection into "data" (one or the other)."""
+    channels = tuple(resolve_channels(source, sm.channels)) if sm.channels else None
+    key = CHANNELS_KEY
+    if source.selection is not None:
+        if channels:
+            raise ValueError(
+                f"the anemoi dataset {source.url!r} was opened with variables="
+                f"{list(source.selection)} and the loader was given channels="
+                f"{list(sm.channels or ())}: choose the variables in one of the two")
+        # an anemoi selection: the chosen variables, in order, as batch["data"]
+        channels = tuple(resolve_channels(source, source.selection))
+    if source.format == "anemoi" and (source.selection is not None or not channels):
+        key = source.variables[0].name  # "data": the selection, or all of it
+    if (sm.channels_last or sm.drop_ensemble) and not channels and source.format != "anemoi":
+        raise ValueError("sample.channels_last / drop_ensemble apply to stacked channels "
+                         "(channels=[...]) or an anemoi dataset's data; this loader has "
+                         f"neither (variables {list(source.names)})")
+    if sm.drop_ensemble and source.format != "anemoi":
+        raise ValueError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
+                         "it has no ensemble axis")
+    return channels, key
+
+
+def _window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
+                 in_place: bool) -> tuple[int, int | None]:
+    """(block_chunks, run_chunks): the configured values or the defaults for the path; with
+    time windows a window holds whole runs."""
+    run_chunks = None
+    if steps is not None:
+        run_chunks = (s.run_chunks if s.run_chunks is not None
+                      else default_run_chunks(steps, source.grid.chunk_size))
+    block_chunks = (s.block_chunks if s.block_chunks is not None
+                    else default_block_chunks(source, in_place and steps is None, run_chunks))
+    if run_chunks is not None:
+        if s.run_chunks is not None and s.run_chunks > block_chunks:
+            raise ValueError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
+                             f"{block_chunks}: a window holds whole runs")
+        run_chunks = min(run_chunks, block_chunks)
+    return block_chunks, run_chunks
 
 
 DEFAULT_BLOCK_CHUNKS = 16
