@@ -85,7 +85,8 @@ class _LoopThread:
             return  # a forked child: the thread and pool exist only in the parent
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
+            if threading.current_thread() is not self.thread:  # GC may run it there
+                self.thread.join(timeout=30)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
