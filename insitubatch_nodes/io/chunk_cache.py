@@ -17,6 +17,7 @@ whenever an eviction runs (so drift between processes heals).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -45,7 +46,8 @@ _MAGIC = b"IBCC"
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
 _LOW_WATER = 0.9  # an eviction frees down to this share of max_bytes (evictions stay rare)
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died: removed on evict
-_BACKLOG = 64 << 20  # bytes waiting for the writer thread; past it, the caller writes
+_BACKLOG = 64 << 20  # bytes waiting for the writer thread; past it, chunks are not cached
+_WRITER_NICE = 10  # the writer thread's nice value (Linux): it writes in the CPU's idle time
 _names = itertools.count()
 log = logging.getLogger("insitubatch_nodes")
 
@@ -92,6 +94,7 @@ class ChunkCache:
             raise OSError(f"ChunkCache cannot create its directory {str(self.root)!r}: {e}") from e
         self._root = str(self.root)  # string joins: pathlib costs microseconds per chunk
         self.corrupt = 0  # entries found damaged (deleted, read as misses) by this process
+        self.skipped = 0  # chunks not cached by put_later: the writer was too far behind
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._pid = -1
@@ -167,22 +170,22 @@ class ChunkCache:
         self._account(size - old)
 
     def put_later(self, ident: str, data: bytes | memoryview) -> None:
-        """``put`` on this cache's writer thread, so a fetch does not wait for the disk
-        (epoch 1 stays as fast as without a cache); with more than 64 MB waiting, the caller
-        writes itself. A failed write (a full disk) is logged once, never raised: the chunk
-        is simply fetched again next time. ``flush`` waits for the writes."""
+        """``put`` on this cache's writer thread, at a lower CPU priority, so neither the
+        fetch nor the decode waits for the disk (epoch 1 stays as fast as without a cache).
+        With more than 64 MB already waiting, the chunk is not cached this time (``skipped``)
+        and is fetched again, and cached, in a later epoch. A failed write (a full disk) is
+        logged once, never raised. ``flush`` waits for the writes."""
         with self._lock:
             if self._writer is None or self._writer_pid != os.getpid():
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="insitubatch-cache")
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="insitubatch-cache",
+                                                  initializer=_lower_priority)
                 self._writer_pid, self._backlog = os.getpid(), 0
-            inline = self._backlog + len(data) > _BACKLOG
-            if not inline:
-                self._backlog += len(data)
+            if self._backlog + len(data) > _BACKLOG:
+                self.skipped += 1
+                return
+            self._backlog += len(data)
             writer = self._writer
-        if inline:
-            self._put_quietly(ident, data, 0)
-        else:
-            writer.submit(self._put_quietly, ident, data, len(data))
+        writer.submit(self._put_quietly, ident, data, len(data))
 
     def flush(self) -> None:
         """Wait until every ``put_later`` so far is on disk."""
@@ -333,6 +336,13 @@ def _read_total(fd: int) -> int | None:
 
 def _write_total(fd: int, total: int) -> None:
     os.pwrite(fd, struct.pack("<q", total), 0)
+
+
+def _lower_priority() -> None:
+    """The writer thread yields the CPU to the loader's own threads (and to the training
+    loop): on Linux a thread has its own nice value. Elsewhere it keeps the default."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
 
 
 def _touch(path: str) -> None:
