@@ -15,9 +15,10 @@ from .config import (
 )
 from .dataset import SampleDataset
 from .distributed import merge_rank_states
+from .fingerprint import StateFingerprint
 from .geometry import SampleGrid, VariableGeometry
 from .io.chunk_cache import ChunkCache
-from .io.retry import RetryPolicy
+from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
 from .loader import InSituLoader, build_loader
 from .memory import MemoryLedger
 from .metrics import LoaderStats
@@ -53,5 +54,6 @@ __all__ = [
     "NormalizeNode", "PatchNode", "StaticFieldsNode", "open_static", "LoaderStats",
     "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
-    "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache",
+    "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache", "ChunkReadError",
+    "CorruptChunkError", "StateFingerprint",
 ]
