@@ -120,6 +120,24 @@ def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     loader.close()
 
 
+def test_frames_for_device_decode_are_cached(s3, tmp_path):
+    from insitubatch_nodes.testing.host_frames import HostFrameDecoder
+
+    server, data, _ = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             decode=HostFrameDecoder(), cache=cache)
+    check_exact(epoch(loader), data)
+    cache.flush()
+    first = loader.stats()
+    assert first.cache_hits == 0 and first.cache_misses == len(stored_chunks(server))
+    check_exact(epoch(loader), data)
+    second = loader.stats()
+    assert second.cache_hits == first.cache_misses == second.cache_misses
+    loader.close()
+
+
 def test_local_stores_are_never_cached(tmp_path):
     data = write_store(tmp_path / "local.zarr", VARS)
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")

@@ -339,8 +339,10 @@ class CachedGets(AsyncGets):
         datas: Frames = [_MISS] * len(keys)
         if self._all_cached(keys):
             datas = await loop.run_in_executor(pool, self._lookup, stripes, keys)
+            if not any(d is _MISS for d in datas):
+                return datas  # checked before they were cached, and by their crc32c since
         missed = await self._fill(stripes, keys, datas)
-        # Cached frames passed their checksum; the checks also catch a damaged transfer.
+        # The checks catch a damaged transfer before it is cached.
         await loop.run_in_executor(pool, self._check_and_store, check, keys, datas, missed)
         return datas
 
