@@ -18,7 +18,6 @@ whenever an eviction runs (so drift between processes heals).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import itertools
 import logging
@@ -33,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one process per cache directory there
+    fcntl = None  # type: ignore[assignment]
 
 from ..budget import parse_bytes
 from ..storage import redact_url
@@ -305,11 +309,13 @@ class _Flock:
 
     def __enter__(self) -> int:
         self.lock.acquire()
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        if fcntl is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self.fd
 
     def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if fcntl is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
         self.lock.release()
 
 
