@@ -102,6 +102,42 @@ def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
     loader.close()
 
 
+def test_a_warm_window_goes_straight_to_the_pool_and_refetches_what_went_missing(
+        s3, tmp_path, monkeypatch):
+    """Windows whose chunks are all cached are read on the pool from the consumer thread
+    (no event-loop hop); an entry that disappears between the check and the read is
+    fetched from the store, so the epoch stays exact."""
+    server, data, _ = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    m = ib.split_by_chunk(src, (1.0,))
+    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, cache=cache)
+    check_exact(epoch(loader), data)
+    cache.flush()
+    fetch = loader.node(ib.AsyncFetchNode)
+    submitted, refetched = [], []
+    real_submit, real_refetch = fetch._submit_cached, fetch._refetch
+    monkeypatch.setattr(fetch, "_submit_cached",
+                        lambda plan, lt: submitted.append(plan) or real_submit(plan, lt))
+    monkeypatch.setattr(fetch, "_refetch",
+                        lambda misses: refetched.extend(misses) or real_refetch(misses))
+    reader = fetch.readers[0]
+    real_read = reader.read_cached
+    lost = []
+
+    def read_cached(indices, outs, submitted=None):
+        if not lost:  # the first stripe read from the cache "went missing" meanwhile
+            lost.append(indices[0])
+            return [indices[0], *[i for i in real_read(indices[1:], outs[1:], submitted)]]
+        return real_read(indices, outs, submitted)
+
+    monkeypatch.setattr(reader, "read_cached", read_cached)
+    check_exact(epoch(loader), data)
+    assert submitted and len(submitted) == loader.stats().windows_fetched // 2
+    assert [i for _, i, _ in refetched] == lost
+    loader.close()
+
+
 def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     server, _, data = s3
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")

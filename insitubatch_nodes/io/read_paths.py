@@ -319,6 +319,17 @@ class CachedGets(AsyncGets):
         _check_all(check, keys, datas)
         self._store(keys, datas, missed)
 
+    def all_cached(self, stripes: Stripes, index: int) -> bool:
+        """Every chunk of stripe ``index`` has an entry (a ``stat`` each)."""
+        return self._all_cached(stripes.keys(index))
+
+    def read_cached_blocking(self, stripes: Stripes, index: int, out: np.ndarray,
+                             submitted: float | None = None) -> bool:
+        """Decode stripe ``index`` into ``out`` from the cache on this (pool) thread: True,
+        or False (``out`` untouched) when an entry went missing or was damaged meanwhile."""
+        return self._cached_read(stripes, stripes.keys(index), out,
+                                 time.perf_counter() if submitted is None else submitted) is None
+
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor) -> None:
         keys = stripes.keys(index)

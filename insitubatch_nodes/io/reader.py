@@ -27,7 +27,15 @@ from ..storage import redact_url
 from .chunk_cache import CacheScope, ChunkCache
 from .codec_chain import CodecChain, classify
 from .decode import ChunkDecoder, decoder_from
-from .read_paths import FrameCheck, Frames, LocalFiles, ReadPath, cached, read_path_for
+from .read_paths import (
+    CachedGets,
+    FrameCheck,
+    Frames,
+    LocalFiles,
+    ReadPath,
+    cached,
+    read_path_for,
+)
 from .retry import (
     NO_RETRY,
     ChunkDecodeError,
@@ -74,6 +82,24 @@ class StripeReader:
         and endpoint, without credentials), ``snapshot_id`` (icechunk) and the chunk key.
         Local stores are never cached: their chunks are on local disk already."""
         self._path = cached(self._path, cache, CacheScope.of(self.source_url, snapshot_id))
+
+    @property
+    def reads_cache(self) -> bool:
+        """Stored chunks come through a local ``ChunkCache`` (``use_cache``) and are decoded
+        here: a stripe whose chunks are all cached can be read on a pool thread directly."""
+        return isinstance(self._path, CachedGets)
+
+    def is_cached(self, index: int) -> bool:
+        """Every stored chunk of stripe ``index`` is in the cache now (``reads_cache``)."""
+        return isinstance(self._path, CachedGets) and self._path.all_cached(self, index)
+
+    def read_cached(self, indices: list[int], outs: list[np.ndarray],
+                    submitted: float | None = None) -> list[int]:
+        """Decode stripes from the cache on this (pool) thread; the indices that were not
+        all there after all (dropped or damaged meanwhile), for the store path."""
+        assert isinstance(self._path, CachedGets)
+        return [i for i, out in zip(indices, outs, strict=True)
+                if not self._path.read_cached_blocking(self, i, out, submitted)]
 
     @property
     def groups_reads(self) -> bool:

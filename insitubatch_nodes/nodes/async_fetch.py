@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -305,13 +305,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._count(len(idxs), reader.geom.stripe_nbytes)
         return frames
 
-    def _jobs(self, plan: ReadPlan) -> list[tuple[int, list[int]]]:
-        """Stripe reads to run, as (variable, stripes) groups: local stores group small
-        stripes so a window costs a few pool hand-offs, not one per stripe."""
+    def _jobs(self, plan: ReadPlan, grouped: bool | None = None) -> list[tuple[int, list[int]]]:
+        """Stripe reads to run, as (variable, stripes) groups: local stores (and windows
+        read whole from a chunk cache: ``grouped``) group small stripes so a window costs a
+        few pool hand-offs, not one per stripe."""
         jobs = []
         for v, reads in enumerate(plan.reads):
             reader = self.readers[v]
-            if reader.groups_reads and len(reads) > 2 * self.decode_threads:
+            group = reader.groups_reads if grouped is None else grouped
+            if group and len(reads) > 2 * self.decode_threads:
                 # Enough groups to keep every decode thread busy, at most ~4 MB each.
                 by_size = max(1, (4 << 20) // max(1, reader.geom.stripe_nbytes))
                 size = max(1, min(by_size, -(-len(reads) // (2 * self.decode_threads))))
@@ -463,23 +465,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None
         arena, stats = self.arena, self.stats
         try:
-            t0 = time.perf_counter()
-            with self._direct_slots:
-                with self._flight_lock:
-                    stats.slot_wait_s += time.perf_counter() - t0
-                    stats.in_flight += 1
-                    stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            with self._direct_slot():
                 try:
-                    try:
-                        _read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
-                                          submitted)
-                    except Exception:
-                        stats.read.retried(len(items))  # the failed group try: all again
-                        for v, i, _, out in items:
-                            self.readers[v].read_local_retrying([i], [out], self.retry)
-                finally:
-                    with self._flight_lock:
-                        stats.in_flight -= 1
+                    _read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
+                                      submitted)
+                except Exception:
+                    stats.read.retried(len(items))  # the failed group try: all again
+                    for v, i, _, out in items:
+                        self.readers[v].read_local_retrying([i], [out], self.retry)
             per_var: dict[int, int] = {}
             per_batch: dict[int, int] = {}
             for v, _, b, _ in items:
@@ -511,10 +504,49 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             arena.fail(job.batches, e, job.generation)
             raise
 
+    def _all_cached(self, plan: ReadPlan) -> bool:
+        """Every stored chunk of the window is in the chunk cache (a ``stat`` each)."""
+        return all(self.readers[v].is_cached(i) for v, reads in enumerate(plan.reads)
+                   for i in reads)
+
+    def _submit_cached(self, plan: ReadPlan, lt: _LoopThread) -> _DirectWindow:
+        """A window whose chunks are all in the local chunk cache: read and decoded on the
+        pool from this thread, as a local store's are (no event-loop hop per stripe); a
+        stripe whose entry went missing meanwhile is fetched from the store afterwards."""
+        jobs = self._jobs(plan, grouped=True)
+        bufs = [[self.pool.take(self.readers[v].geom.stripe_shape,
+                                self.readers[v].geom.dtype) for _ in idxs] for v, idxs in jobs]
+        now = time.perf_counter()
+        futures = [lt.pool.submit(OneShot(self._run_cached, v, idxs, out, now))
+                   for (v, idxs), out in zip(jobs, bufs, strict=True)]
+        return _DirectWindow(plan, jobs, bufs, futures, self._refetch)
+
+    def _run_cached(self, v: int, idxs: list[int], outs: list[np.ndarray],
+                    submitted: float) -> list[int]:
+        with self._direct_slot():
+            return self.readers[v].read_cached(idxs, outs, submitted)
+
+    def _refetch(self, misses: list[tuple[int, int, np.ndarray]]) -> None:
+        """Stripes a cached window found missing after all: from the store, on the loop
+        (retries and errors as every remote read), waited for here."""
+        lt = self._ensure_loop()
+
+        async def fetch() -> None:
+            await asyncio.gather(*(self._read(v, [i], [out]) for v, i, out in misses))
+
+        asyncio.run_coroutine_threadsafe(fetch(), lt.loop).result()
+
     def _run_direct(self, v: int, idxs: list[int], outs: list[np.ndarray],
                     submitted: float) -> int:
         """One stripe group on a pool thread, holding one of the ``max_inflight`` slots (a
         group reads its stripes one after another, as on the event-loop path)."""
+        with self._direct_slot():
+            return self.readers[v].read_local_retrying(idxs, outs, self.retry, submitted)
+
+    @contextlib.contextmanager
+    def _direct_slot(self) -> Iterator[None]:
+        """One of the ``max_inflight`` slots for a pool task submitted from the consumer
+        thread (``_slot``'s counterpart off the event loop), counted in the stats."""
         stats = self.stats
         t0 = time.perf_counter()
         with self._direct_slots:
@@ -523,7 +555,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 stats.in_flight += 1
                 stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
             try:
-                return self.readers[v].read_local_retrying(idxs, outs, self.retry, submitted)
+                yield
             finally:
                 with self._flight_lock:
                     stats.in_flight -= 1
@@ -547,6 +579,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 self._fifo.append((fut, snap, plan))
             elif self._direct:
                 self._fifo.append((self._submit_direct(plan, lt), snap, None))
+            elif (self.window_decoder is None and all(r.reads_cache for r in self.readers)
+                  and self._all_cached(plan)):
+                # read whole from the local chunk cache: straight to the pool as well
+                self._fifo.append((self._submit_cached(plan, lt), snap, None))
             else:
                 fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
                 self._fifo.append((fut, snap, None))
@@ -616,9 +652,13 @@ class _DirectWindow:
     ``DecodedWindow``; ``cancel``/``done`` as the event-loop window futures have."""
 
     def __init__(self, plan: ReadPlan, jobs: list[tuple[int, list[int]]],
-                 bufs: list[list[np.ndarray]], futures: list[Future]) -> None:
+                 bufs: list[list[np.ndarray]], futures: list[Future],
+                 refetch: Callable[[list[tuple[int, int, np.ndarray]]], None] | None = None,
+                 ) -> None:
         self.plan, self.jobs, self.futures = plan, jobs, futures
         self._bufs: list[list[np.ndarray]] | None = bufs
+        # cached windows: the tasks return the stripes not found after all, for this
+        self._refetch = refetch
 
     def cancel(self) -> bool:
         for f in self.futures:
@@ -631,8 +671,14 @@ class _DirectWindow:
 
     def result(self) -> DecodedWindow:
         try:
-            for f in self.futures:
-                f.result()
+            results = [f.result() for f in self.futures]
+            if self._refetch is not None:
+                assert self._bufs is not None
+                misses = [(v, i, out) for (v, idxs), outs, missed
+                          in zip(self.jobs, self._bufs, results, strict=True)
+                          for i, out in zip(idxs, outs, strict=True) if i in missed]
+                if misses:
+                    self._refetch(misses)
         except BaseException:
             self.cancel()
             raise
