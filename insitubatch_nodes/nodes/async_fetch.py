@@ -12,9 +12,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from ..layout import row_view
 from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
+from .fetch_jobs import DirectWindow, InPlaceJob, batch_jobs, read_local_items
 from .state import require, shutdown_source
 
 _thread_ids = itertools.count()
@@ -138,8 +138,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
         # (window future, upstream state, its plan when decoded in place (delivered at once))
-        self._fifo: deque[tuple[Future | _DirectWindow, dict, ReadPlan | None]] = deque()
-        self._running: list[Future | _DirectWindow] = []  # in-place windows, still decoding
+        self._fifo: deque[tuple[Future | DirectWindow, dict, ReadPlan | None]] = deque()
+        self._running: list[Future | DirectWindow] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
         self._error: BaseException | None = None
@@ -252,7 +252,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             if all(self.readers[v].groups_reads for v, _, _, _ in items):
                 try:
                     await lt.loop.run_in_executor(lt.pool, OneShot(
-                        _read_local_items, [(self.readers[v], i, out) for v, i, _, out in items],
+                        read_local_items, [(self.readers[v], i, out) for v, i, _, out in items],
                         time.perf_counter()))
                 except asyncio.CancelledError:
                     raise
@@ -322,7 +322,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 jobs += [(v, [idx]) for idx in reads]
         return jobs
 
-    def _prepare_in_place(self, plan: ReadPlan) -> _InPlace:
+    def _prepare_in_place(self, plan: ReadPlan) -> InPlaceJob:
         """Where every chunk of the window goes (on the consumer thread, before submitting,
         so the batches exist before the shuffle buffer asks for them): each (sample, step) a
         draw reads lands in (batch, row, step); a chunk feeding several slots (a neighbour's
@@ -363,12 +363,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         for b, n in held.items():
             arena.hold(b, n)
         if all(r.groups_reads for r in self.readers):
-            jobs = _batch_jobs(items, self.decode_threads)
+            jobs = batch_jobs(items, self.decode_threads)
         else:
             jobs = [[it] for it in items]
-        return _InPlace(plan, jobs, copies, sorted(batches), arena.generation)
+        return InPlaceJob(plan, jobs, copies, sorted(batches), arena.generation)
 
-    async def _fetch_in_place(self, job: _InPlace) -> DecodedWindow:
+    async def _fetch_in_place(self, job: InPlaceJob) -> DecodedWindow:
         """Run a prepared window: every chunk decoded straight into its batch row, each
         batch counted as its rows land. A failure fails every batch the window feeds."""
         assert self.arena is not None
@@ -434,7 +434,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
 
-    def _submit_direct(self, plan: ReadPlan, lt: _LoopThread) -> _DirectWindow:
+    def _submit_direct(self, plan: ReadPlan, lt: _LoopThread) -> DirectWindow:
         """A local store's window: its stripe groups submitted to the decode pool from this
         (the consumer's) thread, each retried on its pool thread (``read_local_retrying``).
         No event-loop hop: waking the loop cost the consumer a GIL hand-back per window
@@ -445,9 +445,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         now = time.perf_counter()
         futures = [lt.pool.submit(OneShot(self._run_direct, v, idxs, out, now))
                    for (v, idxs), out in zip(jobs, bufs, strict=True)]
-        return _DirectWindow(plan, jobs, bufs, futures)
+        return DirectWindow(plan, jobs, bufs, futures)
 
-    def _submit_in_place_direct(self, job: _InPlace, lt: _LoopThread) -> _DirectWindow:
+    def _submit_in_place_direct(self, job: InPlaceJob, lt: _LoopThread) -> DirectWindow:
         """``_fetch_in_place`` for a local store, without the event loop: each batch-ordered
         group of chunks is a pool task that tells the arena its rows landed; the task that
         finishes last makes the window's copies (chunks feeding several slots)."""
@@ -455,9 +455,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         now = time.perf_counter()
         futures = [lt.pool.submit(OneShot(self._run_items_direct, group, job, left, now))
                    for group in job.jobs]
-        return _DirectWindow(job.plan, [], [], futures)
+        return DirectWindow(job.plan, [], [], futures)
 
-    def _run_items_direct(self, items: list[tuple[int, int, int, np.ndarray]], job: _InPlace,
+    def _run_items_direct(self, items: list[tuple[int, int, int, np.ndarray]], job: InPlaceJob,
                           left: list[int], submitted: float) -> None:
         """One group of an in-place window on a pool thread (``_read_items`` and, for the
         last group to finish, the rest of ``_fetch_in_place``). A failure fails every batch
@@ -467,7 +467,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         try:
             with self._direct_slot():
                 try:
-                    _read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
+                    read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
                                       submitted)
                 except Exception:
                     stats.read.retried(len(items))  # the failed group try: all again
@@ -509,7 +509,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return all(self.readers[v].is_cached(i) for v, reads in enumerate(plan.reads)
                    for i in reads)
 
-    def _submit_cached(self, plan: ReadPlan, lt: _LoopThread) -> _DirectWindow:
+    def _submit_cached(self, plan: ReadPlan, lt: _LoopThread) -> DirectWindow:
         """A window whose chunks are all in the local chunk cache: read and decoded on the
         pool from this thread, as a local store's are (no event-loop hop per stripe); a
         stripe whose entry went missing meanwhile is fetched from the store afterwards."""
@@ -519,7 +519,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         now = time.perf_counter()
         futures = [lt.pool.submit(OneShot(self._run_cached, v, idxs, out, now))
                    for (v, idxs), out in zip(jobs, bufs, strict=True)]
-        return _DirectWindow(plan, jobs, bufs, futures, self._refetch)
+        return DirectWindow(plan, jobs, bufs, futures, self._refetch)
 
     def _run_cached(self, v: int, idxs: list[int], outs: list[np.ndarray],
                     submitted: float) -> list[int]:
@@ -617,7 +617,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             raise
         finally:
             self.stats.wait_s += time.perf_counter() - t0
-        if isinstance(fut, _DirectWindow):
+        if isinstance(fut, DirectWindow):
             for (v, idxs) in fut.jobs:
                 self._count(len(idxs), self.readers[v].geom.stripe_nbytes)
             self.stats.windows += 1
@@ -644,90 +644,3 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
         """The state of this node before its first window, over ``upstream``'s state."""
         return {self.SOURCE_KEY: upstream}
-
-
-class _DirectWindow:
-    """A window whose stripe groups run as pool tasks submitted by the consumer thread:
-    ``result()`` waits for them (the first failure raised, the rest cancelled) and makes the
-    ``DecodedWindow``; ``cancel``/``done`` as the event-loop window futures have."""
-
-    def __init__(self, plan: ReadPlan, jobs: list[tuple[int, list[int]]],
-                 bufs: list[list[np.ndarray]], futures: list[Future],
-                 refetch: Callable[[list[tuple[int, int, np.ndarray]]], None] | None = None,
-                 ) -> None:
-        self.plan, self.jobs, self.futures = plan, jobs, futures
-        self._bufs: list[list[np.ndarray]] | None = bufs
-        # cached windows: the tasks return the stripes not found after all, for this
-        self._refetch = refetch
-
-    def cancel(self) -> bool:
-        for f in self.futures:
-            f.cancel()
-        self._bufs = None
-        return True
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
-
-    def result(self) -> DecodedWindow:
-        try:
-            results = [f.result() for f in self.futures]
-            if self._refetch is not None:
-                assert self._bufs is not None
-                misses = [(v, i, out) for (v, idxs), outs, missed
-                          in zip(self.jobs, self._bufs, results, strict=True)
-                          for i, out in zip(idxs, outs, strict=True) if i in missed]
-                if misses:
-                    self._refetch(misses)
-        except BaseException:
-            self.cancel()
-            raise
-        assert self._bufs is not None
-        arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in self.plan.reads)
-        for (v, idxs), bufs in zip(self.jobs, self._bufs, strict=True):
-            arrays[v].update(zip(idxs, bufs, strict=True))
-        self._bufs = None  # the window holds them now: dropped stripes can go back
-        return DecodedWindow(self.plan, arrays)
-
-
-def _read_local_items(items: list[tuple[StripeReader, int, np.ndarray]],
-                      submitted: float) -> None:
-    """Read and decode each ``(reader, stripe, out)`` on this pool thread, in order."""
-    for reader, index, out in items:
-        reader.read_local(index, out, submitted)
-        submitted = None  # only the first stripe waited in the queue
-
-
-@dataclass(frozen=True, eq=False)
-class _InPlace:
-    """A window prepared for in-place decoding: its read jobs ``(variable, stripe, batch,
-    out)``, the copies for slots fed by a chunk decoded elsewhere ``(dst, src, dst batch,
-    src batch)``, and the batches it feeds."""
-
-    plan: ReadPlan
-    jobs: list[list[tuple[int, int, int, np.ndarray]]]
-    copies: list[tuple[np.ndarray, np.ndarray, int, int]]  # dst, src, their batches
-    batches: list[int]
-    generation: int  # the arena's, when prepared
-
-
-def _batch_jobs(items: list[tuple[int, int, int, np.ndarray]], threads: int,
-                ) -> list[list[tuple[int, int, int, np.ndarray]]]:
-    """Pool tasks for a window's local reads: every variable of a few samples per task, so
-    a window costs a few hand-offs whatever the number of variables; cut at batch edges
-    (``items`` come in batch order) and each batch split across the threads, so each
-    batch is complete as early as it can be."""
-    jobs: list[list[tuple[int, int, int, np.ndarray]]] = []
-    start = 0
-    while start < len(items):
-        b = items[start][2]
-        stop = start
-        while stop < len(items) and items[stop][2] == b:
-            stop += 1
-        nbytes = sum(it[3].nbytes for it in items[start:stop])
-        # every thread on each batch (in turn), a task at most ~16 MB or 64 chunks
-        parts = min(stop - start, max(threads, -(-nbytes // (16 << 20)), -(-(stop - start) // 64)))
-        size = -(-(stop - start) // parts)
-        jobs += [items[k : min(k + size, stop)] for k in range(start, stop, size)]
-        start = stop
-    return jobs
