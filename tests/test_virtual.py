@@ -203,7 +203,9 @@ def test_shuffle_zlib_decodes_as_zarr_does(dtype, big, shape, chunks, elementsiz
     with tempfile.TemporaryDirectory() as tmp:
         arr = zarr.create_array(tmp, shape=shape, chunks=chunks, dtype=dtype,
                                 serializer=BytesCodec(endian="big" if big else "little"),
-                                compressors=[Shuffle(**config), Zlib(level=level)])
+                                compressors=[Shuffle(**config), Zlib(level=level)],
+                                # every chunk stored, even one equal to the fill value
+                                config={"write_empty_chunks": True})
         arr[:] = data
         decoder = decoder_for(arr)
         assert decoder is not None and decoder.chain == "bytes -> shuffle -> zlib"
