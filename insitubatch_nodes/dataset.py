@@ -81,12 +81,13 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
+        """Tell the loop and the pool to end, without joining: this runs as a GC finalizer,
+        which can run on any thread inside ``threading``'s own bookkeeping, where joining a
+        thread deadlocks (seen with the loader's loop thread)."""
         if os.getpid() != self.pid:
             return  # a forked child: the thread and pool exist only in the parent
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            if threading.current_thread() is not self.thread:  # GC may run it there
-                self.thread.join(timeout=30)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -4,6 +4,7 @@ import gc
 import itertools
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -323,7 +324,13 @@ def test_no_threads_leak(medium):
     with ib.build_loader(src, m, "train") as loader:
         epoch(loader, limit=1)
     gc.collect()
+    # A collected loader's threads are told to end, not joined (joining from a GC finalizer
+    # can deadlock): they end on their own, at once.
+    deadline = time.monotonic() + 10
     leaked = [t for t in threading.enumerate() if t.ident not in before]
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.02)
+        leaked = [t for t in leaked if t.is_alive()]
     assert not leaked, leaked
 
 

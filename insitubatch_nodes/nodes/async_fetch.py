@@ -66,16 +66,26 @@ class _LoopThread:
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.close()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the loop and the pools; ``wait`` joins their threads. The garbage-collection
+        finalizer passes ``wait=False``: GC can run it on any thread at any allocation, even
+        inside ``threading``'s own bookkeeping while it holds a lock that joining a thread
+        needs (seen: a pool thread starting up deadlocked joining another loader's pool), so
+        there it only tells the threads to end, which they then do on their own."""
         if os.getpid() != self.pid:
             return  # a forked child: the thread and pool exist only in the parent
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            if threading.current_thread() is not self.thread:
+            if wait and threading.current_thread() is not self.thread:
                 self.thread.join(timeout=30)
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=wait, cancel_futures=True)
         if self.device_pool is not None:
-            self.device_pool.shutdown(wait=True, cancel_futures=True)
+            self.device_pool.shutdown(wait=wait, cancel_futures=True)
+
+    @staticmethod
+    def stop_soon(lt: _LoopThread) -> None:
+        """The finalizer: ``stop(wait=False)``."""
+        lt.stop(wait=False)
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
@@ -176,7 +186,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if self._lt is None:
             self._pid = os.getpid()
             self._lt = _LoopThread(self.decode_threads, self.window_decoder is not None)
-            self._finalizer = weakref.finalize(self, _LoopThread.stop, self._lt)
+            self._finalizer = weakref.finalize(self, _LoopThread.stop_soon, self._lt)
         return self._lt
 
     def shutdown(self) -> None:
@@ -192,8 +202,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         """Cancel in-flight reads and stop the loop thread and decode pool now; iterating
         again starts them again (``shutdown`` is final)."""
         self._cancel_all()
-        if self._finalizer is not None:
-            self._finalizer()
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            assert self._lt is not None
+            self._lt.stop(wait=True)  # here, unlike in GC, joining is safe
         self._lt = None
         self._finalizer = None
         self._sem = None
