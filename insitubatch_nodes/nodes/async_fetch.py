@@ -393,13 +393,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 for t in tasks:
                     t.cancel()
                 raise
-            per_batch: dict[int, int] = {}
-            for dst, src, b, src_b in job.copies:
-                np.copyto(dst, src)
-                per_batch[b] = per_batch.get(b, 0) + 1  # a row written
-                per_batch[src_b] = per_batch.get(src_b, 0) + 1  # a read of a row done
-            for b, n in per_batch.items():
-                arena.done(b, n, job.generation)
+            job.copy_rows(arena)
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
                 e.add_note(f"insitubatch: reading the window of chunks "
@@ -499,13 +493,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 last = left[0] == 0
             if not last:
                 return
-            copied: dict[int, int] = {}
-            for dst, src, b, src_b in job.copies:
-                np.copyto(dst, src)
-                copied[b] = copied.get(b, 0) + 1  # a row written
-                copied[src_b] = copied.get(src_b, 0) + 1  # a read of a row done
-            for b, n in copied.items():
-                arena.done(b, n, job.generation)
+            job.copy_rows(arena)
             with self._flight_lock:
                 stats.windows += 1
                 stats.chunks += len(job.plan.chunk_ids)

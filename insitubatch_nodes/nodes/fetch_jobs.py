@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..arena import BatchArena
 from ..io.reader import StripeReader
 from ..items import DecodedWindow
 from ..plan import ReadPlan
@@ -81,6 +82,17 @@ class InPlaceJob:
     copies: list[tuple[np.ndarray, np.ndarray, int, int]]  # dst, src, their batches
     batches: list[int]
     generation: int  # the arena's, when prepared
+
+    def copy_rows(self, arena: BatchArena) -> None:
+        """Once every read has landed: fill the slots fed by a chunk decoded elsewhere, and
+        tell the arena (a row written in the destination, a read done in the source)."""
+        counted: dict[int, int] = {}
+        for dst, src, b, src_b in self.copies:
+            np.copyto(dst, src)
+            counted[b] = counted.get(b, 0) + 1
+            counted[src_b] = counted.get(src_b, 0) + 1
+        for b, n in counted.items():
+            arena.done(b, n, self.generation)
 
 
 def batch_jobs(items: list[tuple[int, int, int, np.ndarray]], threads: int,
