@@ -16,8 +16,7 @@ import pickle
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +29,7 @@ from torchdata.nodes import BaseNode
 from .budget import parse_bytes
 from .config import FetchConfig, LoaderConfig, SamplingConfig
 from .graph import Resolved, resolve, transform_stages
+from .io.loop_thread import LoopThread
 from .io.reader import StripeReader
 from .io.retry import RetryPolicy
 from .items import BatchDraw, GatherPart
@@ -55,40 +55,6 @@ class CacheInfo:
     stripes: int
     nbytes: int
     max_bytes: int
-
-
-class _LoopThread:
-    """An event loop on a daemon thread and a small decode pool: the readers' coroutines run
-    there, so ``ds[k]`` works where a loop already runs (a notebook) and reads of several
-    stripes overlap. Belongs to the process that made it (a forked child makes its own)."""
-
-    def __init__(self, threads: int) -> None:
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="insitubatch-sample")
-        self.thread = threading.Thread(target=self._run, name="insitubatch-sample-loop",
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def stop(self) -> None:
-        """Tell the loop and the pool to end, without joining: this runs as a GC finalizer,
-        which can run on any thread inside ``threading``'s own bookkeeping, where joining a
-        thread deadlocks (seen with the loader's loop thread)."""
-        if os.getpid() != self.pid:
-            return  # a forked child: the thread and pool exist only in the parent
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _OneDraw(BaseNode[BatchDraw]):
@@ -133,7 +99,7 @@ class _Process:
         self.nbytes = self.hits = self.misses = 0
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
-        self._lt: _LoopThread | None = None
+        self._lt: LoopThread | None = None
         sm = resolved.config.sample
         self.draws = _OneDraw()
         gather = GatherNode(self.draws, source.variables, steps=sm.time_steps,
@@ -141,10 +107,10 @@ class _Process:
         self.root, _ = transform_stages(gather, source, resolved, None)
         self.root.reset(None)
 
-    def _loop(self) -> _LoopThread:
+    def _loop(self) -> LoopThread:
         if self._lt is None:
-            self._lt = _LoopThread(min(4, len(self.readers) + 1))
-            weakref.finalize(self, _LoopThread.stop, self._lt)
+            self._lt = LoopThread(min(4, len(self.readers) + 1), "sample-loop", "sample")
+            weakref.finalize(self, LoopThread.stop_soon, self._lt)
         return self._lt
 
     def stripes(self, wanted: Sequence[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import itertools
 import logging
 import os
 import threading
@@ -13,7 +12,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from ..arena import BatchArena
 from ..counters import FetchStats
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
+from ..io.loop_thread import LoopThread
 from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
@@ -35,57 +35,7 @@ from ..source import Source
 from .fetch_jobs import DirectWindow, InPlaceJob, batch_jobs, read_local_items
 from .state import require, shutdown_source
 
-_thread_ids = itertools.count()
 log = logging.getLogger("insitubatch_nodes")
-
-
-class _LoopThread:
-    """The event loop, its thread and the decode pool; stopped by ``stop`` or by GC."""
-
-    def __init__(self, decode_threads: int, device_thread: bool = False) -> None:
-        n = next(_thread_ids)
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        self.pool = ThreadPoolExecutor(decode_threads, thread_name_prefix=f"insitubatch-decode-{n}")
-        # One thread issues all device work, so one stream and one staging buffer suffice.
-        self.device_pool = (ThreadPoolExecutor(1, thread_name_prefix=f"insitubatch-device-{n}")
-                            if device_thread else None)
-        self.thread = threading.Thread(target=self._run, name=f"insitubatch-fetch-{n}",
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            pending = asyncio.all_tasks(self.loop)
-            for t in pending:
-                t.cancel()
-            if pending:
-                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self.loop.close()
-
-    def stop(self, wait: bool = True) -> None:
-        """Stop the loop and the pools; ``wait`` joins their threads. The garbage-collection
-        finalizer passes ``wait=False``: GC can run it on any thread at any allocation, even
-        inside ``threading``'s own bookkeeping while it holds a lock that joining a thread
-        needs (seen: a pool thread starting up deadlocked joining another loader's pool), so
-        there it only tells the threads to end, which they then do on their own."""
-        if os.getpid() != self.pid:
-            return  # a forked child: the thread and pool exist only in the parent
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            if wait and threading.current_thread() is not self.thread:
-                self.thread.join(timeout=30)
-        self.pool.shutdown(wait=wait, cancel_futures=True)
-        if self.device_pool is not None:
-            self.device_pool.shutdown(wait=wait, cancel_futures=True)
-
-    @staticmethod
-    def stop_soon(lt: _LoopThread) -> None:
-        """The finalizer: ``stop(wait=False)``."""
-        lt.stop(wait=False)
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
@@ -144,7 +94,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                     chains[v] = chain
             self.window_decoder = WindowDecoder(device_decode, self.readers, chains)
             self.window_decoder.times = self.stats.read
-        self._lt: _LoopThread | None = None
+        self._lt: LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
         # (window future, upstream state, its plan when decoded in place (delivered at once))
@@ -178,15 +128,16 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             "that trains (one per rank) and iterate it there, without DataLoader workers."
         )
 
-    def _ensure_loop(self) -> _LoopThread:
+    def _ensure_loop(self) -> LoopThread:
         self._check_process()
         if self._shut_down:
             raise RuntimeError("this AsyncFetchNode was shut down (loader.shutdown(), "
                                "close() or the end of a with block): build a new loader")
         if self._lt is None:
             self._pid = os.getpid()
-            self._lt = _LoopThread(self.decode_threads, self.window_decoder is not None)
-            self._finalizer = weakref.finalize(self, _LoopThread.stop_soon, self._lt)
+            self._lt = LoopThread(self.decode_threads, "fetch", "decode",
+                                  device_thread=self.window_decoder is not None)
+            self._finalizer = weakref.finalize(self, LoopThread.stop_soon, self._lt)
         return self._lt
 
     def shutdown(self) -> None:
@@ -439,7 +390,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.stats.chunks += len(plan.chunk_ids)
         return DecodedWindow(plan, arrays)
 
-    def _submit_direct(self, plan: ReadPlan, lt: _LoopThread) -> DirectWindow:
+    def _submit_direct(self, plan: ReadPlan, lt: LoopThread) -> DirectWindow:
         """A local store's window: its stripe groups submitted to the decode pool from this
         (the consumer's) thread, each retried on its pool thread (``read_local_retrying``).
         No event-loop hop: waking the loop cost the consumer a GIL hand-back per window
@@ -452,7 +403,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                    for (v, idxs), out in zip(jobs, bufs, strict=True)]
         return DirectWindow(plan, jobs, bufs, futures)
 
-    def _submit_in_place_direct(self, job: InPlaceJob, lt: _LoopThread) -> DirectWindow:
+    def _submit_in_place_direct(self, job: InPlaceJob, lt: LoopThread) -> DirectWindow:
         """``_fetch_in_place`` for a local store, without the event loop: each batch-ordered
         group of chunks is a pool task that tells the arena its rows landed; the task that
         finishes last makes the window's copies (chunks feeding several slots)."""
@@ -508,7 +459,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return all(self.readers[v].is_cached(i) for v, reads in enumerate(plan.reads)
                    for i in reads)
 
-    def _submit_cached(self, plan: ReadPlan, lt: _LoopThread) -> DirectWindow:
+    def _submit_cached(self, plan: ReadPlan, lt: LoopThread) -> DirectWindow:
         """A window whose chunks are all in the local chunk cache: read and decoded on the
         pool from this thread, as a local store's are (no event-loop hop per stripe); a
         stripe whose entry went missing meanwhile is fetched from the store afterwards."""
