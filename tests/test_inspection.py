@@ -167,4 +167,7 @@ def test_recommendation_for_time_windows_gives_runs_and_windows(tmp_path):
                              window=w, block_chunks=rec.block_chunks, run_chunks=rec.run_chunks)
     assert loader.shuffle_quality == pytest.approx(rec.quality, abs=0.05)
     capped = recommend(src, 0.9, batch_size=8, steps=w, memory_budget="40kB")
-    assert capped.block_chunks is None or capped.block_chunks % 8 == 0
+    # the budget caps the window below what quality asks, in whole runs, within the budget
+    assert capped.block_chunks is not None and capped.block_chunks % 8 == 0
+    assert capped.block_chunks < rec.block_chunks and capped.quality < 0.9
+    assert capped.resident_bound_bytes <= 40_000
