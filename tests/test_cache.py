@@ -75,6 +75,18 @@ def entry_files(cache: ib.ChunkCache) -> list[Path]:
             and p.name != "total"]
 
 
+def filled(server, data, tmp_path, **kw):
+    """A loader over the S3 store with a fresh cache, after one exact epoch has filled it
+    (and the background writes are flushed): (cache, loader)."""
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache, **kw)
+    check_exact(epoch(loader), data)
+    cache.flush()
+    return cache, loader
+
+
 def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
     server, data, _ = s3
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
@@ -108,12 +120,7 @@ def test_a_warm_window_goes_straight_to_the_pool_and_refetches_what_went_missing
     (no event-loop hop); an entry that disappears between the check and the read is
     fetched from the store, so the epoch stays exact."""
     server, data, _ = s3
-    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
-    src = open_s3(server)
-    m = ib.split_by_chunk(src, (1.0,))
-    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, cache=cache)
-    check_exact(epoch(loader), data)
-    cache.flush()
+    _, loader = filled(server, data, tmp_path, block_chunks=4)
     fetch = loader.node(ib.AsyncFetchNode)
     submitted, refetched = [], []
     real_submit, real_refetch = fetch._submit_cached, fetch._refetch
@@ -244,12 +251,7 @@ def test_two_processes_share_a_cache_directory(s3, tmp_path):
 
 def test_a_damaged_entry_is_refetched_never_served(s3, tmp_path):
     server, data, _ = s3
-    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
-    src = open_s3(server)
-    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache)
-    check_exact(epoch(loader), data)
-    cache.flush()
+    cache, loader = filled(server, data, tmp_path)
     files = sorted(entry_files(cache))
     flipped, cut, emptied = files[0], files[1], files[2]
     raw = bytearray(flipped.read_bytes())
@@ -304,13 +306,8 @@ def test_a_moved_icechunk_branch_misses(tmp_path):
 
 def test_credentials_never_reach_cache_paths_or_entries(s3, tmp_path):
     server, data, _ = s3
-    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
-    src = open_s3(server)
-    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache)
-    check_exact(epoch(loader), data)
+    cache, loader = filled(server, data, tmp_path)
     loader.close()
-    cache.flush()
     files = list(cache.root.rglob("*"))
     assert len(entry_files(cache)) == len(stored_chunks(server))
     for f in files:
