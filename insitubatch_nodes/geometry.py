@@ -62,11 +62,12 @@ class VariableGeometry:
 
     @property
     def stripe_nbytes(self) -> int:
-        return int(np.prod(self.stripe_shape, dtype=np.int64)) * self.dtype.itemsize
+        # math.prod, not np.prod: asked per stripe on the consumer's hot path
+        return int(math.prod(self.stripe_shape)) * self.dtype.itemsize
 
     @property
     def sample_nbytes(self) -> int:
-        return int(np.prod(self.sample_shape, dtype=np.int64)) * self.dtype.itemsize
+        return int(math.prod(self.sample_shape)) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 
 import numpy as np
 
@@ -11,8 +12,9 @@ import numpy as np
 class MemoryLedger:
     """Counts the bytes of live decode buffers (freed when the buffer is garbage).
 
-    Buffers register through ``track``; a weakref finalizer subtracts them, so the count is
-    what is really resident, wherever the last reference was dropped.
+    Buffers register through ``track`` (or ``add``, by a ``BufferPool`` that already
+    watches the buffer); a weakref callback subtracts them, so the count is what is really
+    resident, wherever the last reference was dropped.
     """
 
     def __init__(self) -> None:
@@ -22,13 +24,18 @@ class MemoryLedger:
 
     def track(self, arr: np.ndarray) -> np.ndarray:
         n = int(arr.nbytes)
-        with self._lock:
-            self.resident += n
-            self.peak = max(self.peak, self.resident)
-        weakref.finalize(arr, self._free, n)
+        self.add(n)
+        weakref.finalize(arr, self.release, n)
         return arr
 
-    def _free(self, n: int) -> None:
+    def add(self, n: int) -> None:
+        """Count ``n`` more resident bytes; the caller calls ``release(n)`` when they go."""
+        with self._lock:
+            self.resident += n
+            if self.resident > self.peak:
+                self.peak = self.resident
+
+    def release(self, n: int) -> None:
         with self._lock:
             self.resident -= n
 
@@ -41,43 +48,64 @@ class BufferPool:
     """Recycles decode and batch buffers once nothing references them any more.
 
     Fresh memory costs page faults on first touch (measured here: they halve decode
-    throughput). ``take`` hands out a *view* of a pooled base array; a weakref finalizer on
+    throughput). ``take`` hands out a *view* of a pooled base array; a weakref callback on
     the view returns the base when the last user (a window, a batch tensor a user kept)
     lets go, so memory is never reused while it can still be read. The pool never holds more
     buffers than were live at once.
+
+    One plain ``weakref.ref`` per view does the give-back and the ledger's count together:
+    a ``weakref.finalize`` (and a second one for the ledger) cost the consumer thread
+    several microseconds per stripe and per batch.
     """
 
     def __init__(self, ledger: MemoryLedger | None = None) -> None:
         self.ledger = ledger
-        self._lock = threading.Lock()
+        # Reentrant: a give-back runs wherever a view dies, which can be a garbage
+        # collection started by an allocation on a thread that holds the lock.
+        self._lock = threading.RLock()
         self._free: dict[tuple, list[np.ndarray]] = {}
-        self._owned: dict[int, weakref.finalize] = {}  # id(view) -> its give-back
+        # id(view) -> (its weakref, pool key, base, ledger bytes): the give-back to run
+        self._owned: dict[int, tuple[weakref.ref, tuple, np.ndarray, int]] = {}
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return self.take_many(shape, dtype, 1)[0]
+
+    def take_many(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> list[np.ndarray]:
+        """``n`` buffers of one shape and dtype (a window's stripes), under one lock."""
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
             free = self._free.get(key)
-            base = free.pop() if free else None
-        if base is None:
-            base = np.empty(shape, dtype=dtype)
-        view = base.view()
-        fin = weakref.finalize(view, self._give_back, key, base, id(view))
+            bases = [free.pop() for _ in range(min(n, len(free)))] if free else []
+        bases += [np.empty(shape, dtype=dtype) for _ in range(n - len(bases))]
+        nbytes = bases[0].nbytes if self.ledger is not None and bases else 0
+        views = [base.view() for base in bases]
+        entries = [(id(view), (weakref.ref(view, partial(self._give_back, id(view))),
+                               key, base, nbytes)) for view, base in zip(views, bases, strict=True)]
         with self._lock:
-            self._owned[id(view)] = fin
-        if self.ledger is not None:
-            self.ledger.track(view)
-        return view
+            self._owned.update(entries)
+        if nbytes:
+            assert self.ledger is not None
+            self.ledger.add(nbytes * len(views))
+        return views
 
-    def _give_back(self, key: tuple, base: np.ndarray, ident: int) -> None:
+    def _give_back(self, ident: int, _ref: weakref.ref | None = None) -> None:
         with self._lock:
-            self._owned.pop(ident, None)
+            entry = self._owned.pop(ident, None)
+            if entry is None:  # disowned
+                return
+            _, key, base, nbytes = entry
             self._free.setdefault(key, []).append(base)
+        if nbytes:
+            assert self.ledger is not None
+            self.ledger.release(nbytes)
 
     def disown(self, view: np.ndarray) -> None:
         """Never recycle ``view``'s memory: work that cannot be stopped (a decode already
         running on a pool thread) may still write into slices of it, and slices keep only
-        the base array alive, not the view. The memory is freed by GC instead."""
+        the base array alive, not the view. The memory is freed by GC instead (and leaves
+        the ledger's count then)."""
         with self._lock:
-            fin = self._owned.pop(id(view), None)
-        if fin is not None:
-            fin.detach()
+            entry = self._owned.pop(id(view), None)
+        if entry is not None and entry[3]:
+            assert self.ledger is not None
+            weakref.finalize(entry[2], self.ledger.release, entry[3])

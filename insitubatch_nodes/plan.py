@@ -36,8 +36,9 @@ class ReadPlan:
     """One window: which chunks, in what order samples are drawn, and what to read.
 
     ``reads[v]`` holds the sample-axis chunk indices of variable ``v`` to fetch (each read
-    covers every inner chunk of that stripe) and ``uses[v]`` how many rows the window's draws
-    take from each, which is when the shuffle buffer may let the stripe go. ``draw_order``
+    covers every inner chunk of that stripe) and ``last_use[v]`` the position in
+    ``draw_order`` of the last draw that reads each: once that draw is taken, the shuffle
+    buffer lets the stripe go (no per-batch counting). ``draw_order``
     lists the window's global sample indices in the order the shuffle buffer hands them out;
     each sample reads the steps ``sample + offsets`` (``[0]`` unless samples are windows).
     """
@@ -48,7 +49,7 @@ class ReadPlan:
     draw_order: np.ndarray
     reads: tuple[tuple[int, ...], ...]
     nbytes: int
-    uses: tuple[tuple[int, ...], ...] = ()
+    last_use: tuple[tuple[int, ...], ...] = ()
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
     # (batch, row) of every draw, aligned with draw_order, when the window is decoded
     # straight into its batches (schedule.batch_slots); batch -1: a dropped short batch

@@ -415,9 +415,17 @@ def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window:
     plan = ReadPlan(epoch=spec.epoch, window=window,
                     chunk_ids=tuple(int(c) for c in spec.chunk_ids), draw_order=draws,
                     reads=(), nbytes=0, offsets=steps)
-    rows = plan.rows(draws)
-    counted = [np.unique(rows // v.sample_chunk, return_counts=True) for v in variables]
-    reads = tuple(tuple(idx.tolist()) for idx, _ in counted)
-    uses = tuple(tuple(n.tolist()) for _, n in counted)
+    rows = plan.rows(draws)  # draw-major: the steps of draw k are rows[k * n_steps:]
+    reads, last_use = [], []
+    per_chunking: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for v in variables:
+        got = per_chunking.get(v.sample_chunk)
+        if got is None:
+            # The first index of each stripe in the reversed rows is its last use.
+            idx, first = np.unique((rows // v.sample_chunk)[::-1], return_index=True)
+            last = (rows.size - 1 - first) // steps.size
+            got = per_chunking[v.sample_chunk] = (tuple(idx.tolist()), tuple(last.tolist()))
+        reads.append(got[0])
+        last_use.append(got[1])
     nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
-    return replace(plan, reads=reads, uses=uses, nbytes=nbytes)
+    return replace(plan, reads=tuple(reads), last_use=tuple(last_use), nbytes=nbytes)

@@ -103,12 +103,17 @@ def test_shuffle_buffer_evicts_drained_stripes(setup):
     fetch = build(src, m, "fetch")
     shuffle = ShuffleBufferNode(fetch, src.variables, batch_size=5)
     shuffle.reset(None)
-    next(shuffle)
-    head = shuffle._resident[0]
-    for v, var in enumerate(src.variables):
-        # Exactly the stripes with undrawn samples are still held.
-        undrawn = head.window.plan.draw_order[head.offset:]
-        assert set(head.window.arrays[v]) == set((undrawn // var.sample_chunk).tolist())
+    for _ in range(12):  # batches across window edges too
+        draw = next(shuffle)
+        for v, var in enumerate(src.variables):
+            # every row's stripe was handed to the gather, whether let go since or not
+            for p in draw.parts[v]:
+                assert p.array.shape[0] == var.sample_chunk
+            for head in shuffle._resident:
+                # exactly the stripes with undrawn samples are still held
+                undrawn = head.window.plan.draw_order[head.offset:]
+                assert (set(head.window.arrays[v])
+                        == set((undrawn // var.sample_chunk).tolist()))
     fetch.close()
 
 
@@ -236,3 +241,16 @@ def test_dtype_alone_casts_every_variable(tmp_path):
     b = next(iter(ib.build_loader(src, m, "train", batch_size=4, stats=stats,
                                   dtype=torch.float16)))
     assert b["x"].dtype == b["y"].dtype == torch.float16
+
+
+def test_copy_state_is_deep_and_keeps_foreign_values():
+    from insitubatch_nodes.nodes.state import copy_state
+
+    marker = np.arange(3)
+    state = {"a": [1, {"b": 2.5, "c": None}], "d": "x", "e": True, "f": marker}
+    got = copy_state(state)
+    assert got == {**state, "f": got["f"]} and np.array_equal(got["f"], marker)
+    got["a"][1]["b"] = 9
+    got["a"].append(3)
+    got["f"][0] = 7
+    assert state["a"] == [1, {"b": 2.5, "c": None}] and marker[0] == 0

@@ -44,8 +44,13 @@ def test_plans_read_each_needed_stripe_once(n, cs, block):
         plan = plan_window(spec, variables, w_i)
         samples = c.grid.samples_of(spec.chunk_ids)
         assert sorted(plan.draw_order.tolist()) == sorted(samples.tolist())
-        for v, reads in zip(variables, plan.reads, strict=True):
+        for v, reads, last in zip(variables, plan.reads, plan.last_use, strict=True):
             assert list(reads) == sorted(set((samples // v.sample_chunk).tolist()))
+            # the position of the last draw that reads each stripe (the shuffle buffer
+            # lets the stripe go once it is taken)
+            stripe_of = (plan.draw_order // v.sample_chunk).tolist()
+            assert list(last) == [max(k for k, s in enumerate(stripe_of) if s == r)
+                                  for r in reads]
         assert plan.nbytes <= max_window_nbytes(c.grid, variables, block)
 
 
@@ -184,3 +189,7 @@ def test_window_reads_include_every_step():
     plan = plan_window(spec, [var("a", 100, 8)], 0, win.offsets)
     rows = (plan.draw_order[:, None] + win.offsets[None, :]).ravel()
     assert list(plan.reads[0]) == sorted(set((rows // 8).tolist()))
+    # a stripe is last used by the last draw any of whose steps reads it
+    stripes = (plan.draw_order[:, None] + win.offsets[None, :]) // 8
+    assert list(plan.last_use[0]) == [int(np.flatnonzero((stripes == r).any(axis=1))[-1])
+                                      for r in plan.reads[0]]

@@ -134,6 +134,12 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
                 continue
             for pl in placements:
                 ins, outs = dsts[pl.key]
+                if steps is None and pl.channel is None and pl.levels is None:
+                    # The whole variable as its own key: each run is a contiguous row range
+                    # of ``ins``, one ``take`` straight into it (the per-batch hot path).
+                    for p in parts:
+                        p.array.take(p.offsets, 0, ins[p.start : p.stop], "clip")
+                    continue
                 for p in parts:
                     if steps is None:
                         dst = ins[p.start : p.stop]
@@ -201,11 +207,12 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
 
 
 def _take(src: np.ndarray, offsets: np.ndarray, dst: np.ndarray) -> None:
-    """``dst[k] = src[offsets[k]]``, written in place. ``np.take(out=, mode="clip")`` when
-    ``dst`` is contiguous (one call); a channel range of a batch is not, and ``np.take``
-    would buffer it through a temporary, so those rows are copied one by one."""
+    """``dst[k] = src[offsets[k]]``, written in place. ``take(out=, mode="clip")`` when
+    ``dst`` is contiguous (one call, the method: ``np.take`` adds two Python frames); a
+    channel range of a batch is not, and ``take`` would buffer it through a temporary, so
+    those rows are copied one by one."""
     if dst.flags.c_contiguous:
-        np.take(src, offsets, axis=0, out=dst, mode="clip")
+        src.take(offsets, 0, dst, "clip")
         return
     for k, off in enumerate(offsets.tolist()):
         dst[k] = src[off]

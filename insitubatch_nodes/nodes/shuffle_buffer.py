@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,32 +15,50 @@ from ..arena import BatchArena
 from ..counters import ShuffleStats
 from ..geometry import VariableGeometry
 from ..items import BatchDraw, DecodedWindow, GatherPart
-from .state import require, require_count, shutdown_source
+from .state import copy_state, require, require_count, shutdown_source
 
 
 def _runs(samples: np.ndarray, steps: np.ndarray, sample_chunk: int,
           ) -> list[tuple[int, int, np.ndarray, int, int]]:
     """(step, stripe, offsets in the stripe, start, stop) for every run of batch rows that
-    one stripe serves; ``samples`` is sorted, so each stripe's rows are one contiguous run."""
+    one stripe serves; ``samples`` is sorted, so each stripe's rows are one contiguous run.
+    Runs are found in a Python loop over the batch's few rows: cheaper than the half dozen
+    numpy calls (diff, flatnonzero, concatenate) a vectorised cut costs per batch."""
     out = []
+    n = int(samples.size)
     for step, off in enumerate(steps.tolist()):
-        rows = samples + off
+        rows = samples + off if off else samples
         stripe = rows // sample_chunk
-        cuts = np.flatnonzero(np.diff(stripe)) + 1
-        starts = np.concatenate(([0], cuts)).tolist()
-        stops = np.concatenate((cuts, [rows.size])).tolist()
         offsets = rows - stripe * sample_chunk
-        out.extend((step, int(stripe[a]), offsets, a, b)
-                   for a, b in zip(starts, stops, strict=True))
+        ids = stripe.tolist()
+        a, prev = 0, ids[0]
+        for b in range(1, n):
+            if ids[b] != prev:
+                out.append((step, prev, offsets, a, b))
+                a, prev = b, ids[b]
+        out.append((step, prev, offsets, a, n))
     return out
 
 
 @dataclass
 class _Resident:
+    """A window being drawn from. ``evict[v]`` lists (last use, stripe) of variable ``v``'s
+    stripes by last use; ``next_evict[v]`` is the first of them still held."""
+
     window: DecodedWindow
     snapshot: dict  # upstream state before this window was pulled
     offset: int = 0
-    remaining: tuple[dict[int, int], ...] = ()
+    evict: tuple[list[tuple[int, int]], ...] = ()
+    next_evict: list[int] = field(default_factory=list)
+
+    def let_go(self) -> None:
+        """Drop every stripe whose last draw has been taken (``offset`` is past it)."""
+        for v, order in enumerate(self.evict):
+            k, arrays = self.next_evict[v], self.window.arrays[v]
+            while k < len(order) and order[k][0] < self.offset:
+                del arrays[order[k][1]]
+                k += 1
+            self.next_evict[v] = k
 
 
 class ShuffleBufferNode(BaseNode[BatchDraw]):
@@ -96,7 +113,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             self._skip = 0
 
     def _pull(self) -> _Resident | None:
-        snap = copy.deepcopy(self.source.state_dict())
+        snap = copy_state(self.source.state_dict())
         t0 = time.perf_counter()
         try:
             win = next(self.source)
@@ -115,41 +132,22 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                              f"{self._skip}, past the {win.plan.n_samples} draws of the "
                              "restored window: the state was edited or saved by a loader "
                              "built differently")
-        # The plan counted each stripe's uses over every step of every draw.
-        remaining = tuple(dict(zip(r, u, strict=True))
-                          for r, u in zip(win.plan.reads, win.plan.uses, strict=True))
-        res = _Resident(win, snap, offset=0, remaining=remaining)
+        plan = win.plan
+        # Decoded straight into its batches (slots): no stripes are held here.
+        evict = tuple([] if plan.slots is not None else sorted(zip(last, reads, strict=True))
+                      for reads, last in zip(plan.reads, plan.last_use, strict=True))
+        res = _Resident(win, snap, evict=evict, next_evict=[0] * len(evict))
         if self._skip:
             self._draw(res, self._skip)  # restoring mid-window: evict what was already drawn
+            res.let_go()
             self._skip = 0
         return res
 
-    def _draw(self, res: _Resident, n: int,
-              touched: list[dict[int, np.ndarray]] | None = None) -> np.ndarray:
-        """Take the next ``n`` draws; note the stripes they touch, evict drained ones."""
-        order = res.window.plan.draw_order
-        taken = order[res.offset : res.offset + n]
+    def _draw(self, res: _Resident, n: int) -> np.ndarray:
+        """Take the next ``n`` draws of ``res`` (its stripes are let go by the caller, once
+        the batch's gather parts hold what they need)."""
+        taken = res.window.plan.draw_order[res.offset : res.offset + n]
         res.offset += taken.size
-        if res.window.plan.slots is not None:
-            return taken  # decoded straight into the batches: no stripes held here
-        rows = res.window.plan.rows(taken)
-        per_chunk: dict[int, tuple[list[int], list[int]]] = {}  # variables sharing a chunking
-        for v, var in enumerate(self.variables):
-            hit = per_chunk.get(var.sample_chunk)
-            if hit is None:
-                idx, counts = np.unique(rows // var.sample_chunk, return_counts=True)
-                hit = per_chunk[var.sample_chunk] = (idx.tolist(), counts.tolist())
-            rem = res.remaining[v]
-            arrays = res.window.arrays[v]
-            for i, c in zip(*hit, strict=True):
-                if touched is not None:
-                    touched[v][i] = arrays[i]
-                left = rem[i] - c
-                if left:
-                    rem[i] = left
-                else:
-                    del rem[i]
-                    del arrays[i]  # the last draw from this stripe: let it go
         return taken
 
     def next(self) -> BatchDraw:
@@ -163,7 +161,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         if self._error is not None:
             raise self._error
         pieces: list[np.ndarray] = []
-        touched: list[dict[int, np.ndarray]] = [{} for _ in self.variables]
+        drawn: list[_Resident] = []  # windows this batch drew from, in order
         batches: set[int] = set()  # with batch slots: the batch these draws were decoded into
         need = self.batch_size
         while need:
@@ -175,13 +173,13 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                     break
                 self._resident.append(res)
             head = self._resident[0]
-            steps = head.window.plan.offsets  # the same for every window of a loader
             slots = head.window.plan.slots
             if slots is not None and head.offset < slots.batch.size:
                 batches.add(int(slots.batch[head.offset]))
                 batches.add(int(slots.batch[min(head.offset + need, slots.batch.size) - 1]))
-            taken = self._draw(head, need, touched)
+            taken = self._draw(head, need)
             pieces.append(taken)
+            drawn.append(head)
             need -= taken.size
             if head.offset >= head.window.plan.n_samples:
                 self._resident.popleft()
@@ -190,7 +188,10 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             raise StopIteration
         if batches:
             return self._ready_draw(pieces, batches)
-        return self._make_draw(pieces, touched, steps)
+        draw = self._make_draw(pieces, drawn)
+        for res in drawn:  # the parts hold their stripes now: the window need not
+            res.let_go()
+        return draw
 
     def _ready_draw(self, pieces: list[np.ndarray], batches: set[int]) -> BatchDraw:
         """The batch the fetch decoded these draws into, taken from the arena whole."""
@@ -206,25 +207,28 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             raise
         return BatchDraw(samples, (), ready=ready)
 
-    def _make_draw(self, pieces: list[np.ndarray], touched: list[dict[int, np.ndarray]],
-                   steps: np.ndarray) -> BatchDraw:
+    def _make_draw(self, pieces: list[np.ndarray], drawn: list[_Resident]) -> BatchDraw:
         samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        steps = drawn[0].window.plan.offsets  # the same for every window of a loader
         runs: dict[int, list] = {}  # per sample chunking: the runs, shared by its variables
         parts = []
         for v, var in enumerate(self.variables):
-            lookup = touched[v]
+            if len(drawn) == 1:
+                lookup = drawn[0].window.arrays[v]
+            else:  # a batch across a window edge: stripe indices are global, so merge
+                lookup = {k: a for res in drawn for k, a in res.window.arrays[v].items()}
             var_runs = runs.get(var.sample_chunk)
             if var_runs is None:
                 var_runs = runs[var.sample_chunk] = _runs(samples, steps, var.sample_chunk)
-            parts.append(tuple(GatherPart(lookup[i], offsets[a:b], a, b, step)
-                               for step, i, offsets, a, b in var_runs))
+            parts.append(tuple([GatherPart(lookup[i], offsets[a:b], a, b, step)
+                                for step, i, offsets, a, b in var_runs]))
         return BatchDraw(samples, tuple(parts))
 
     def get_state(self) -> dict[str, Any]:
         if self._resident:
             head = self._resident[0]
-            return {self.SOURCE_KEY: copy.deepcopy(head.snapshot), self.OFFSET_KEY: head.offset}
-        return {self.SOURCE_KEY: copy.deepcopy(self.source.state_dict()),
+            return {self.SOURCE_KEY: copy_state(head.snapshot), self.OFFSET_KEY: head.offset}
+        return {self.SOURCE_KEY: copy_state(self.source.state_dict()),
                 self.OFFSET_KEY: self._skip}
 
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:

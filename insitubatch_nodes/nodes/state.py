@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
+
+_ATOMS = (int, float, str, bool, type(None))
 
 
 def owner_name(node: object) -> str:
     """How errors name the owner of a state: a node by its class, else the string given
     (the loader names its own fields ``"loader"``)."""
     return node if isinstance(node, str) else type(node).__name__
+
+
+def copy_state(state: Any) -> Any:
+    """A deep copy of a state: nested dicts and lists of numbers and strings are copied by
+    hand (several times faster than ``copy.deepcopy``, and nodes snapshot their upstream's
+    state once per window); anything else goes to ``copy.deepcopy``."""
+    t = type(state)
+    if t is dict:
+        return {k: copy_state(v) for k, v in state.items()}
+    if t is list:
+        return [copy_state(v) for v in state]
+    if t in _ATOMS:
+        return state
+    return copy.deepcopy(state)
 
 
 def require(state: Mapping[str, Any], key: str, node: object) -> Any:
