@@ -267,10 +267,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return frames
 
     def _stripe_buffers(self, jobs: list[tuple[int, list[int]]]) -> list[list[np.ndarray]]:
-        """A buffer from the pool for every stripe of ``jobs``, one pool call per job."""
-        return [self.pool.take_many(self.readers[v].geom.stripe_shape,
-                                    self.readers[v].geom.dtype, len(idxs))
-                for v, idxs in jobs]
+        """A buffer from the pool for every stripe of ``jobs``, one pool call per variable."""
+        need: dict[int, int] = {}
+        for v, idxs in jobs:
+            need[v] = need.get(v, 0) + len(idxs)
+        got = {v: iter(self.pool.take_many(self.readers[v].geom.stripe_shape,
+                                           self.readers[v].geom.dtype, n))
+               for v, n in need.items()}
+        return [[next(got[v]) for _ in idxs] for v, idxs in jobs]
 
     def _jobs(self, plan: ReadPlan, grouped: bool | None = None) -> list[tuple[int, list[int]]]:
         """Stripe reads to run, as (variable, stripes) groups: local stores (and windows
