@@ -149,3 +149,33 @@ def test_truncated_blosc_frame_is_an_error_not_stale_data():
             dec.decode_into(frame[:cut], out)
     with pytest.raises(ValueError, match="expected 16"):
         dec.decode_into(numcodecs.Blosc().encode(np.arange(2, dtype="f4")), np.empty(2, "f8"))
+
+
+def test_local_reads_grow_the_thread_buffer_and_keep_what_was_read(tmp_path):
+    """``LocalFiles.get_scratch`` reads into a per-thread buffer sized by the largest chunk
+    so far: a larger file (and one exactly the buffer's size) must come back whole."""
+    import threading
+
+    from insitubatch_nodes.io.read_paths import LocalFiles
+
+    rng = np.random.default_rng(0)
+    sizes = [10, 1 << 16, (1 << 16) + 1, 300_000, 300_000, 5, 700_001]
+    blobs = {f"c/{i}": rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+             for i, n in enumerate(sizes)}
+    (tmp_path / "c").mkdir()
+    for key, blob in blobs.items():
+        (tmp_path / key).write_bytes(blob)
+    files = LocalFiles(str(tmp_path))
+    got: dict[str, bytes | None] = {}
+
+    def read_all() -> None:  # a fresh thread: its buffer starts small
+        for key in blobs:
+            view = files.get_scratch(key)
+            got[key] = None if view is None else bytes(view)
+        got["missing"] = files.get_scratch("c/none")
+
+    t = threading.Thread(target=read_all)
+    t.start()
+    t.join()
+    assert got.pop("missing") is None
+    assert got == blobs
