@@ -179,3 +179,47 @@ def test_local_reads_grow_the_thread_buffer_and_keep_what_was_read(tmp_path):
     t.join()
     assert got.pop("missing") is None
     assert got == blobs
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zlib"])
+def test_inflate_takes_libdeflate_where_installed_and_numcodecs_decides_the_rest(
+        tmp_path, codec, monkeypatch):
+    """gzip and zlib chunks decode with imagecodecs' libdeflate when it is installed; what
+    it cannot decode whole (a gzip stream of two members, bytes that do not inflate) goes to
+    numcodecs, so the result and the errors are numcodecs' either way."""
+    import gzip
+    import sys
+
+    import numcodecs
+    from zarr.codecs.numcodecs import Zlib
+
+    from insitubatch_nodes.io.decode import decoder_for
+    from insitubatch_nodes.io.retry import ChunkDecodeError
+
+    pytest.importorskip("imagecodecs")
+    x = np.linspace(0, 1, 3000, dtype="f4").reshape(30, 100)
+    arr = zarr.create_array(tmp_path / "a.zarr", shape=x.shape, chunks=x.shape, dtype="f4",
+                            compressors=zc.GzipCodec(level=3) if codec == "gzip"
+                            else Zlib(level=3))
+    arr[:] = x
+    enc = numcodecs.GZip(level=3) if codec == "gzip" else numcodecs.Zlib(level=3)
+    dec = decoder_for(arr)
+    assert dec is not None and any(dec.fast)
+    out = np.empty_like(x)
+    dec.decode_into(enc.encode(x), out)
+    np.testing.assert_array_equal(out, x)
+    if codec == "gzip":  # two members: a valid gzip stream libdeflate reads only half of
+        half = x.size // 2
+        two = (gzip.compress(x.reshape(-1)[:half].tobytes())
+               + gzip.compress(x.reshape(-1)[half:].tobytes()))
+        out[:] = 0
+        dec.decode_into(two, out)
+        np.testing.assert_array_equal(out, x)
+    with pytest.raises(ChunkDecodeError):
+        dec.decode_into(enc.encode(x)[:-20], out)
+    monkeypatch.setitem(sys.modules, "imagecodecs", None)  # not installed: numcodecs alone
+    slow = decoder_for(arr)
+    assert slow is not None and not any(slow.fast)
+    out[:] = 0
+    slow.decode_into(enc.encode(x), out)
+    np.testing.assert_array_equal(out, x)
