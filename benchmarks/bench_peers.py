@@ -14,7 +14,7 @@ Stores (written by ``insitubatch_nodes.synthetic``, or kept with ``--reuse``):
 Each store is one ``insitubatch bench`` run (``bench.core.run_core``: every peer epoch right
 after a loader epoch, medians of the warm epochs). Run on demand, never as a test::
 
-    .venv/bin/python -m benchmarks.bench_peers --out bench-out/peers     # ~5 min, ~3 GB disk
+    .venv/bin/python -m benchmarks.bench_peers --out bench-out/peers     # ~9 min, ~3 GB disk
     .venv/bin/python -m benchmarks.bench_peers --small --out /tmp/peers  # smoke run, seconds
 """
 
@@ -54,7 +54,9 @@ class Sizes:
 
     t2m_shape: tuple[int, int, int] = (2000, 181, 360)
     wb2: WB2Spec = WB2Spec(n_times=200)
-    epochs: int = 5
+    # An epoch of the t2m stores is ~0.2 s: medians over 8 warm epochs, since single epochs
+    # on the shared 2-core VM spread by +-10 % and more.
+    epochs: int = 9
     naive_samples: int = 600
     batch_size: int = 32
 
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for the stores (default OUT/stores)")
     p.add_argument("--reuse", action="store_true", help="keep existing matching stores")
     p.add_argument("--small", action="store_true", help="tiny stores, 3 epochs: a smoke run")
-    p.add_argument("--epochs", type=int, default=None, help="epochs per path (default 5; >= 3)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per path (default 9; >= 3)")
     p.add_argument("--wb2-times", type=int, default=None,
                    help="time steps of the WB2 store (default 200: 1.9 GB decoded)")
     p.add_argument("--only", nargs="+", choices=[c.key for c in cases()], default=None,
