@@ -33,7 +33,7 @@ Inflate = Callable[[object, np.ndarray], bool]
 
 def _imagecodecs_inflate(codec: numcodecs.abc.Codec) -> Inflate | None:
     """libdeflate (through imagecodecs, where installed) for numcodecs' ``GZip`` and
-    ``Zlib``: 1.9-2.5x numcodecs' inflate on this VM (``benchmarks/bench_decoders.py``;
+    ``Zlib``: 1.8-2.3x numcodecs' inflate on this VM (``benchmarks/bench_decoders.py``;
     numcodecs goes through Python's ``gzip`` and ``zlib`` modules). Blosc and zstd stay on
     numcodecs, which measured as fast or faster; imagecodecs' ``zlib_decode`` (zlib, not
     libdeflate) measured no faster than numcodecs'."""

@@ -52,6 +52,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     """
 
     SOURCE_KEY = "source"  # upstream state as of the last window delivered
+    GROUP_BYTES = 4 << 20  # a grouped local pool task reads at most ~this many decoded bytes
 
     def __init__(self, source: BaseNode[ReadPlan], dataset: Source, *, max_inflight: int = 32,
                  prefetch_windows: int = 1, decode_threads: int | None = None,
@@ -286,7 +287,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             group = reader.groups_reads if grouped is None else grouped
             if group and len(reads) > 2 * self.decode_threads:
                 # Enough groups to keep every decode thread busy, at most ~4 MB each.
-                by_size = max(1, (4 << 20) // max(1, reader.geom.stripe_nbytes))
+                by_size = max(1, self.GROUP_BYTES // max(1, reader.geom.stripe_nbytes))
                 size = max(1, min(by_size, -(-len(reads) // (2 * self.decode_threads))))
                 jobs += [(v, list(reads[i:i + size])) for i in range(0, len(reads), size)]
             else:
