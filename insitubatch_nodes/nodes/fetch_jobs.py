@@ -8,7 +8,7 @@ event loop, the pool and the order windows go out in) so each file has one job.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,10 @@ class DirectWindow:
 
     def result(self) -> DecodedWindow:
         try:
+            # One wake-up for the window, not one per task: each wake-up of the consumer
+            # takes the GIL back from the decode threads (``wait`` returns at the first
+            # failure too, which ``result()`` below raises in task order).
+            wait(self.futures, return_when=FIRST_EXCEPTION)
             results = [f.result() for f in self.futures]
             if self._refetch is not None:
                 assert self._bufs is not None
