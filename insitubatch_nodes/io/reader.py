@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -50,6 +51,15 @@ __all__ = ["FrameCheck", "Frames", "StripeReader"]
 
 T = TypeVar("T")
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
+
+
+@dataclass
+class _Tries:
+    """One stripe's tries so far, for ``StripeReader._after_failure``."""
+
+    attempt: int = 0
+    decode_failures: int = 0
+    rng: random.Random | None = None  # made at the first failure: seeding costs ~10 us
 
 
 class StripeReader:
@@ -291,44 +301,39 @@ class StripeReader:
     async def _retrying(self, index: int, retry: RetryPolicy,
                         once: Callable[[], Awaitable[T]]) -> tuple[T, int]:
         """``once()`` until it succeeds or the policy gives up: (result, attempts)."""
-        rng: random.Random | None = None  # only after a failure: seeding costs ~10 us
-        attempt = decode_failures = 0
+        tries = _Tries()
         while True:
-            attempt += 1
+            tries.attempt += 1
             try:
-                return await once(), attempt
+                return await once(), tries.attempt
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                decode_failures, final = self._after_failure(index, e, attempt,
-                                                             decode_failures, retry)
-                if final is e:
-                    raise
-                if final is not None:
-                    raise final from e
-                rng = rng or random.Random()
-                await asyncio.sleep(retry.delay(attempt, rng))
+                await asyncio.sleep(self._after_failure(index, e, tries, retry))
 
-    def _after_failure(self, index: int, e: Exception, attempt: int, decode_failures: int,
-                       retry: RetryPolicy) -> tuple[int, BaseException | None]:
-        """Attempt ``attempt`` of stripe ``index`` failed with ``e``: (decode failures so far,
-        the error to raise — ``e`` itself, or the ``ChunkReadError`` naming the chunk — or
-        ``None`` to try again). The one policy of the async and the pool-thread retries."""
+    def _after_failure(self, index: int, e: Exception, tries: _Tries,
+                       retry: RetryPolicy) -> float:
+        """Attempt ``tries.attempt`` of stripe ``index`` failed with ``e``: raise what to give
+        up with (``e`` itself, or the ``ChunkReadError`` naming the chunk, from ``e``), else
+        count the retry and return the seconds to wait. The one policy of the async and the
+        pool-thread retries."""
         kind = classify_error(e)
-        decode_failures += kind == "decode"
+        tries.decode_failures += kind == "decode"
+        attempt = tries.attempt
         give_up = (kind == "permanent" or attempt >= retry.attempts
-                   or decode_failures >= retry.decode_attempts)
+                   or tries.decode_failures >= retry.decode_attempts)
         if not give_up:
             self.times.retried()
-            return decode_failures, None
+            tries.rng = tries.rng or random.Random()
+            return retry.delay(attempt, tries.rng)
         why = ("not retried: this error does not heal by waiting"
                if kind == "permanent" else f"gave up after {attempt} attempt(s)")
         if not is_store_error(e):  # a programming error keeps its own type
             e.add_note(f"insitubatch: {why} reading {self.describe(index)}")
-            return decode_failures, e
+            raise e
         final = self._failure(index, e, attempt, kind)
         final.add_note(f"insitubatch: {why} reading {self.describe(index)}")
-        return decode_failures, final
+        raise final from e
 
     # -- local stores, retried on the pool thread -------------------------------------
     def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
@@ -351,22 +356,14 @@ class StripeReader:
         return attempts
 
     def _read_local_one(self, index: int, out: np.ndarray, retry: RetryPolicy) -> int:
-        rng: random.Random | None = None
-        attempt = decode_failures = 0
+        tries = _Tries()
         while True:
-            attempt += 1
+            tries.attempt += 1
             try:
                 self.read_local(index, out)
-                return attempt
+                return tries.attempt
             except Exception as e:
-                decode_failures, final = self._after_failure(index, e, attempt,
-                                                             decode_failures, retry)
-                if final is e:
-                    raise
-                if final is not None:
-                    raise final from e
-                rng = rng or random.Random()
-                time.sleep(retry.delay(attempt, rng))
+                time.sleep(self._after_failure(index, e, tries, retry))
 
     def _failure(self, index: int, exc: BaseException, attempts: int,
                  kind: str) -> ChunkReadError:
