@@ -96,9 +96,10 @@ class ConsumerMeter:
 class FetchStats:
     """Counters kept by the fetcher; cheap enough to stay on (see ``metrics.LoaderStats``).
 
-    Loop-thread counters (stripes, bytes, in flight, slot waits) and consumer-thread timers
-    (``next_s``, ``wait_s``) are each written by one thread only; ``read`` is shared by the
-    readers' pool threads and takes a lock.
+    Stripes, bytes, windows, slots in flight and slot waits are counted from the event loop,
+    the consumer thread and pool threads alike (local windows skip the loop), so they
+    change only through the methods below, under one lock. The consumer-thread timers
+    (``next_s``, ``wait_s``) have one writer; ``read`` takes its own lock.
     """
 
     windows: int = 0  # windows fully fetched
@@ -111,6 +112,30 @@ class FetchStats:
     peak_in_flight: int = 0
     slot_wait_s: float = 0.0  # stripe-seconds waiting for an in-flight slot
     read: ReadTimes = field(default_factory=ReadTimes)  # store / decode / pool-queue times
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def slot_taken(self, waited_s: float) -> None:
+        """A stripe read took one of the ``max_inflight`` slots after ``waited_s``."""
+        with self._lock:
+            self.slot_wait_s += waited_s
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def slot_released(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def stripes_read(self, stripes: int, stripe_nbytes: int) -> None:
+        """``stripes`` reads of ``stripe_nbytes`` decoded bytes each completed (retries are
+        counted by the readers as they retry, a failed read's too)."""
+        with self._lock:
+            self.stripes += stripes
+            self.bytes_decoded += stripes * stripe_nbytes
+
+    def window_fetched(self, chunks: int) -> None:
+        with self._lock:
+            self.windows += 1
+            self.chunks += chunks
 
     @property
     def retries(self) -> int:

@@ -175,3 +175,29 @@ def test_hand_built_graph_has_stats(source):
         s = loader.stats()
     assert s.bytes_delivered == delivered
     assert s.resident_bound_bytes is None and s.window_occupancy is None
+
+
+def test_fetch_counters_add_up_when_many_threads_count_at_once():
+    """Local windows count from pool threads, the loop and the consumer at once: no count
+    may be lost between them."""
+    import threading
+
+    from insitubatch_nodes.counters import FetchStats
+
+    stats = FetchStats()
+
+    def work() -> None:
+        for _ in range(20_000):
+            stats.slot_taken(0.0)
+            stats.stripes_read(1, 8)
+            stats.slot_released()
+        stats.window_fetched(3)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (stats.stripes, stats.bytes_decoded, stats.in_flight) == (80_000, 640_000, 0)
+    assert (stats.windows, stats.chunks) == (4, 12)
+    assert 1 <= stats.peak_in_flight <= 4

@@ -104,7 +104,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._exhausted = False
         self._error: BaseException | None = None
         self._shut_down = False
-        self._flight_lock = threading.Lock()
+        self._left_lock = threading.Lock()  # an in-place window's groups still running
         self._direct_slots = threading.BoundedSemaphore(self.max_inflight)
         # Local stores decoded on the host: windows go straight to the decode pool.
         self._direct = (self.window_decoder is None
@@ -196,7 +196,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             await (
                 reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
                 else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
-        self._count(len(idxs), reader.geom.stripe_nbytes)
+        self.stats.stripes_read(len(idxs), reader.geom.stripe_nbytes)
         return bufs
 
     async def _read_items(self, items: list[tuple[int, int, int, np.ndarray]],
@@ -226,7 +226,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 for v, i, _, out in items:
                     await self.readers[v].read(i, out, lt.loop, lt.pool, self.retry)
         for v, n in per_var.items():
-            self._count(n, self.readers[v].geom.stripe_nbytes)
+            self.stats.stripes_read(n, self.readers[v].geom.stripe_nbytes)
         per_batch: dict[int, int] = {}
         for _, _, b, _ in items:
             per_batch[b] = per_batch.get(b, 0) + 1
@@ -238,21 +238,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         """One of the ``max_inflight`` slots, counted in the stats while held."""
         if self._sem is None:  # made on the loop, for the loop (both read paths)
             self._sem = asyncio.Semaphore(self.max_inflight)
-        stats = self.stats
         t0 = time.perf_counter()
         async with self._sem:
-            stats.slot_wait_s += time.perf_counter() - t0
-            stats.in_flight += 1
-            stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            self.stats.slot_taken(time.perf_counter() - t0)
             try:
                 yield
             finally:
-                stats.in_flight -= 1
-
-    def _count(self, stripes: int, stripe_nbytes: int) -> None:
-        # retries are counted by the readers as they retry (a failed read's too)
-        self.stats.stripes += stripes
-        self.stats.bytes_decoded += stripes * stripe_nbytes
+                self.stats.slot_released()
 
     async def _read_frames(self, v: int, idxs: list[int]) -> list:
         """``_read`` for a variable decoded on the device: its stored chunks, checked."""
@@ -264,7 +256,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         async with self._slot():
             frames, _ = await reader.read_frames(
                 idxs, lambda f: chain.check(f, nbytes), lt.loop, lt.pool, self.retry)
-        self._count(len(idxs), reader.geom.stripe_nbytes)
+        self.stats.stripes_read(len(idxs), reader.geom.stripe_nbytes)
         return frames
 
     def _stripe_buffers(self, jobs: list[tuple[int, list[int]]]) -> list[list[np.ndarray]]:
@@ -361,8 +353,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                            f"{list(job.plan.chunk_ids)[:8]} into batches {job.batches[:8]}")
             arena.fail(job.batches, e, job.generation)
             raise
-        self.stats.windows += 1
-        self.stats.chunks += len(job.plan.chunk_ids)
+        self.stats.window_fetched(len(job.plan.chunk_ids))
         return DecodedWindow(job.plan, tuple({} for _ in job.plan.reads))
 
     async def _fetch_window(self, plan: ReadPlan) -> DecodedWindow:
@@ -396,8 +387,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 raise
             for st, t in zip(stripes, tensors, strict=True):
                 arrays[st.var][st.index] = t
-        self.stats.windows += 1
-        self.stats.chunks += len(plan.chunk_ids)
+        self.stats.window_fetched(len(plan.chunk_ids))
         return DecodedWindow(plan, arrays)
 
     def _submit_direct(self, plan: ReadPlan, lt: LoopThread) -> DirectWindow:
@@ -443,20 +433,17 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             for v, _, b, _ in items:
                 per_var[v] = per_var.get(v, 0) + 1
                 per_batch[b] = per_batch.get(b, 0) + 1
-            with self._flight_lock:
-                for v, n in per_var.items():
-                    self._count(n, self.readers[v].geom.stripe_nbytes)
+            for v, n in per_var.items():
+                self.stats.stripes_read(n, self.readers[v].geom.stripe_nbytes)
             for b, n in per_batch.items():
                 arena.done(b, n, job.generation)
-            with self._flight_lock:
+            with self._left_lock:
                 left[0] -= 1
                 last = left[0] == 0
             if not last:
                 return
             job.copy_rows(arena)
-            with self._flight_lock:
-                stats.windows += 1
-                stats.chunks += len(job.plan.chunk_ids)
+            stats.window_fetched(len(job.plan.chunk_ids))
         except BaseException as e:
             e.add_note(f"insitubatch: reading the window of chunks "
                        f"{list(job.plan.chunk_ids)[:8]} into batches {job.batches[:8]}")
@@ -505,18 +492,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def _direct_slot(self) -> Iterator[None]:
         """One of the ``max_inflight`` slots for a pool task submitted from the consumer
         thread (``_slot``'s counterpart off the event loop), counted in the stats."""
-        stats = self.stats
         t0 = time.perf_counter()
         with self._direct_slots:
-            with self._flight_lock:
-                stats.slot_wait_s += time.perf_counter() - t0
-                stats.in_flight += 1
-                stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            self.stats.slot_taken(time.perf_counter() - t0)
             try:
                 yield
             finally:
-                with self._flight_lock:
-                    stats.in_flight -= 1
+                self.stats.slot_released()
 
     def _top_up(self, depth: int) -> None:
         """Keep ``depth`` undelivered windows submitted (pulling plans from upstream)."""
@@ -577,9 +559,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.stats.wait_s += time.perf_counter() - t0
         if isinstance(fut, DirectWindow):
             for (v, idxs) in fut.jobs:
-                self._count(len(idxs), self.readers[v].geom.stripe_nbytes)
-            self.stats.windows += 1
-            self.stats.chunks += len(win.plan.chunk_ids)
+                self.stats.stripes_read(len(idxs), self.readers[v].geom.stripe_nbytes)
+            self.stats.window_fetched(len(win.plan.chunk_ids))
         self._fifo.popleft()
         self._delivered = snap
         if self.window_decoder is not None:
