@@ -6,11 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stores import Var, write_store
+from stores import BLOSC, Var, write_store
+
+import insitubatch_nodes as ib
 
 
 @pytest.fixture
-
 def store_factory(tmp_path: Path):
     counter = iter(range(10**6))
 
@@ -20,3 +21,13 @@ def store_factory(tmp_path: Path):
 
     return make
 
+
+
+@pytest.fixture
+def corrupt(tmp_path: Path):
+    """A store whose chunk 5 of ``x`` is not blosc at all, and its whole-store split."""
+    path = tmp_path / "bad.zarr"
+    write_store(path, [Var("x", (64, 4), (8, 4), compressors=BLOSC)])
+    (path / "x" / "c" / "5" / "0").write_bytes(b"garbage, not blosc")
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (1.0,))

@@ -156,15 +156,6 @@ def test_cuda_batches_equal_cpu_batches(setup):
 
 # -- AsyncFetchNode: errors and threads ---------------------------------------------------
 
-@pytest.fixture
-def corrupt(tmp_path):
-    path = tmp_path / "bad.zarr"
-    write_store(path, [Var("x", (64, 4), (8, 4), compressors=BLOSC)])
-    (path / "x" / "c" / "5" / "0").write_bytes(b"garbage, not blosc")
-    src = ib.open_source(path)
-    return src, ib.split_by_chunk(src, (1.0,))
-
-
 def test_fetch_error_reaches_consumer_with_note_and_repeats(corrupt):
     src, m = corrupt
     loader = ib.build_loader(src, m, "train", batch_size=4, block_chunks=2)

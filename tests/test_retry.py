@@ -81,15 +81,6 @@ def test_chunk_read_errors_stay_catchable_and_pickle():
 
 # -- through the loader and the reader -------------------------------------------------------
 
-@pytest.fixture
-def corrupt(tmp_path):
-    path = tmp_path / "bad.zarr"
-    write_store(path, [Var("x", (64, 4), (8, 4), compressors=BLOSC)])
-    (path / "x" / "c" / "5" / "0").write_bytes(b"garbage, not blosc")
-    src = ib.open_source(path)
-    return src, ib.split_by_chunk(src, (1.0,))
-
-
 def test_a_corrupt_chunk_is_named_in_the_message_and_its_retries_counted(corrupt):
     src, m = corrupt
     loader = ib.build_loader(src, m, "train", batch_size=4, block_chunks=2, retry=NO_WAIT)
