@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,3 +59,23 @@ def write_store(path: Path, variables: list[Var], seed: int = 0) -> dict[str, np
 
 
 BLOSC = zc.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+
+
+@contextmanager
+def stores_on_s3(folder: Path, stores: dict[str, list[Var]],
+                 bucket: str = "data") -> Iterator[tuple[Any, dict[str, dict[str, np.ndarray]]]]:
+    """moto on loopback serving each store (written under ``folder``) at
+    ``s3://bucket/<name>``: yields (server, {name: the data written}); stopped on exit."""
+    from insitubatch_nodes.testing.s3server import start_moto
+
+    server = start_moto(folder)
+    try:
+        server.make_bucket(bucket)
+        data = {}
+        for name, variables in stores.items():
+            local = folder / f"local-{name}"
+            data[name] = write_store(local, variables)
+            server.upload_dir(local, bucket, name)
+        yield server, data
+    finally:
+        server.stop()

@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.io.chunk_cache import CacheScope
-from insitubatch_nodes.testing.s3server import start_moto
-from tests.stores import BLOSC, Var, write_store
+from tests.stores import BLOSC, Var, stores_on_s3, write_store
 
 VARS = [Var("x", (96, 4, 4), (4, 4, 4), compressors=BLOSC),
         Var("y", (96, 3), (8, 3), dtype="int16")]
@@ -32,17 +31,9 @@ SHARDED = [Var("s", (96, 6), (4, 6), shards=(16, 6), compressors=BLOSC)]
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("s3")
-    server = start_moto(folder)
-    try:
-        server.make_bucket("data")
-        data = write_store(folder / "local.zarr", VARS)
-        server.upload_dir(folder / "local.zarr", "data", "era5.zarr")
-        sharded = write_store(folder / "sharded.zarr", SHARDED)
-        server.upload_dir(folder / "sharded.zarr", "data", "sharded.zarr")
-        yield server, data, sharded
-    finally:
-        server.stop()
+    with stores_on_s3(tmp_path_factory.mktemp("s3"),
+                      {"era5.zarr": VARS, "sharded.zarr": SHARDED}) as (server, data):
+        yield server, data["era5.zarr"], data["sharded.zarr"]
 
 
 def open_s3(server):

@@ -212,16 +212,11 @@ def test_dataloader_workers_open_their_own_clients(stores):
 def test_object_store_workers_start_clean_and_a_forked_one_says_how(tmp_path):
     """obstore clients hang in a forked child (the runtime's threads stay in the parent,
     fresh clients included): forkserver workers open their own; a forked one raises."""
-    from stores import Var, write_store
+    from stores import Var, stores_on_s3
 
-    from insitubatch_nodes.testing.s3server import start_moto
-
-    server = start_moto(tmp_path)
-    try:
-        server.make_bucket("data")
-        data = write_store(tmp_path / "local.zarr", [Var("x", (40, 4, 4), (4, 4, 4),
-                                                         compressors=BLOSC)])
-        server.upload_dir(tmp_path / "local.zarr", "data", "s.zarr")
+    with stores_on_s3(tmp_path, {"s.zarr": [Var("x", (40, 4, 4), (4, 4, 4),
+                                                compressors=BLOSC)]}) as (server, stored):
+        data = stored["s.zarr"]
         src = ib.open_source("s3://data/s.zarr", storage_options=server.options())
         cache = ib.ChunkCache(tmp_path / "cache", max_bytes="10MB")
         ds = ib.SampleDataset(src, ib.split_by_chunk(src, (1.0,)), "train", cache=cache)
@@ -237,8 +232,6 @@ def test_object_store_workers_start_clean_and_a_forked_one_says_how(tmp_path):
         for k in range(len(ds)):  # whatever the workers cached, the parent completes it
             ds[k]
         cache.flush()
-    finally:
-        server.stop()
     # the loader's chunk cache (cache=) was filled by the workers: with the store gone, a
     # fresh dataset (empty stripe LRU) still reads every sample, from local disk
     again = ib.SampleDataset(src, ib.split_by_chunk(src, (1.0,)), "train", cache=cache,

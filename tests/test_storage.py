@@ -12,12 +12,11 @@ import numpy as np
 import obstore.exceptions as oe
 import pytest
 import torch
-from stores import BLOSC, Var, write_store
+from stores import BLOSC, Var, stores_on_s3, write_store
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.io.retry import ChunkReadError
 from insitubatch_nodes.testing.faultproxy import FaultPlan, FaultProxy
-from insitubatch_nodes.testing.s3server import start_moto
 
 VARS = [Var("x", (400, 4, 4), (4, 4, 4), compressors=BLOSC),
         Var("y", (400, 3), (8, 3), dtype="int16")]
@@ -26,15 +25,8 @@ FAST_RETRY = ib.RetryPolicy(attempts=5, base_delay=0.02, max_delay=0.2)
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("s3")
-    server = start_moto(folder)
-    try:
-        server.make_bucket("data")
-        data = write_store(folder / "local.zarr", VARS)
-        server.upload_dir(folder / "local.zarr", "data", "era5.zarr")
-        yield server, data
-    finally:
-        server.stop()
+    with stores_on_s3(tmp_path_factory.mktemp("s3"), {"era5.zarr": VARS}) as (server, data):
+        yield server, data["era5.zarr"]
 
 
 def _retry_config():
