@@ -30,10 +30,7 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,9 +38,8 @@ from typing import Any
 import psutil
 
 import insitubatch_nodes as ib
-from benchmarks.bench_remote import BUCKET, KEY, VAR, ProxyProcess, make_store
+from benchmarks.bench_remote import BUCKET, KEY, VAR, ProxyProcess, moto_serving, stage_store
 from insitubatch_nodes.bench.common import OtherLoad, machine_info
-from insitubatch_nodes.testing.s3server import start_moto
 
 OURS: list[psutil.Process] = []  # this process, moto, the proxy
 OTHER_LOAD = 0.3  # cores kept busy by other processes above which an epoch is disturbed
@@ -95,81 +91,73 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    local = work / "local.zarr"
-    make_store(local, args.shape, args.time_chunk, args.seed)
-    objs = [p for p in (local / VAR / "c").rglob("*") if p.is_file()]
-    stored = sum(p.stat().st_size for p in objs)
-    print(f"store {args.shape} float32: {len(objs)} chunks, {stored / 1e6:.0f} MB stored "
-          f"({stored / len(objs) / 1e6:.2f} MB per object)", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    logs = Path(tempfile.mkdtemp(prefix="logs-", dir=work))
+    staged = stage_store(work, args.shape, args.time_chunk, args.seed)
+    local, chunks, stored = staged.path, staged.chunks, staged.stored_bytes
+    print(f"store {args.shape} float32: {chunks} chunks, {stored / 1e6:.0f} MB stored "
+          f"({stored / chunks / 1e6:.2f} MB per object)", flush=True)
     cache_dir = work / "chunk-cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache = ib.ChunkCache(cache_dir, max_bytes=4 * stored + (1 << 30))
-    server = start_moto(logs)
     proxy = None
     opts = dict(batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed)
     remote_opts = dict(opts, max_inflight=args.max_inflight, prefetch_windows=args.prefetch)
     runs: dict[str, list[dict[str, Any]]] = {"local": [], "remote": [], "cold": [], "warm": []}
-    try:
-        server.make_bucket(BUCKET)
-        server.upload_dir(local, BUCKET, KEY)
-        proxy = ProxyProcess(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])),
-                             args.latency_ms / 1000, logs / "proxy.log")
-        OURS[:] = [psutil.Process(), psutil.Process(server.process.pid),
-                   psutil.Process(proxy.process.pid)]
-        remote = ib.open_source(f"s3://{BUCKET}/{KEY}", variables=[VAR],
-                                storage_options=server.options(endpoint=proxy.endpoint))
-        disk = ib.open_source(str(local), variables=[VAR])
-        m_remote = ib.split_by_chunk(remote, (1.0,), seed=args.seed)
-        m_disk = ib.split_by_chunk(disk, (1.0,), seed=args.seed)
+    with moto_serving(staged, work) as (server, logs):
+        try:
+            proxy = ProxyProcess(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])),
+                                 args.latency_ms / 1000, logs / "proxy.log")
+            OURS[:] = [psutil.Process(), psutil.Process(server.process.pid),
+                       psutil.Process(proxy.process.pid)]
+            remote = ib.open_source(f"s3://{BUCKET}/{KEY}", variables=[VAR],
+                                    storage_options=server.options(endpoint=proxy.endpoint))
+            disk = ib.open_source(str(local), variables=[VAR])
+            m_remote = ib.split_by_chunk(remote, (1.0,), seed=args.seed)
+            m_disk = ib.split_by_chunk(disk, (1.0,), seed=args.seed)
 
-        def local_epoch() -> None:
-            with ib.build_loader(disk, m_disk, "train", **opts) as loader:
-                runs["local"].append(timed_epoch(loader))
-            # and with the remote loaders' depth, in case it is faster here too
-            with ib.build_loader(disk, m_disk, "train", **remote_opts) as loader:
-                runs["local"].append(timed_epoch(loader))
+            def local_epoch() -> None:
+                with ib.build_loader(disk, m_disk, "train", **opts) as loader:
+                    runs["local"].append(timed_epoch(loader))
+                # and with the remote loaders' depth, in case it is faster here too
+                with ib.build_loader(disk, m_disk, "train", **remote_opts) as loader:
+                    runs["local"].append(timed_epoch(loader))
 
-        def remote_epoch() -> None:
-            with ib.build_loader(remote, m_remote, "train", **remote_opts) as loader:
-                runs["remote"].append(timed_epoch(loader))
+            def remote_epoch() -> None:
+                with ib.build_loader(remote, m_remote, "train", **remote_opts) as loader:
+                    runs["remote"].append(timed_epoch(loader))
 
-        def cached_epochs() -> None:
-            cache.clear()
-            with ib.build_loader(remote, m_remote, "train", cache=cache,
-                                 **remote_opts) as loader:
-                skipped = cache.skipped
-                runs["cold"].append(timed_epoch(loader))
-                t0 = time.perf_counter()
-                cache.flush()  # the last writes land (untimed, reported)
-                runs["cold"][-1]["flush_s"] = time.perf_counter() - t0
-                runs["cold"][-1]["skipped"] = cache.skipped - skipped
-                if args.sync:
-                    # The kernel writes epoch 1's dirty pages back to the disk; without
-                    # this, that writeback lands on epoch 2's clock here (in a long run it
-                    # overlaps epoch 1 itself).
+            def cached_epochs() -> None:
+                cache.clear()
+                with ib.build_loader(remote, m_remote, "train", cache=cache,
+                                     **remote_opts) as loader:
+                    skipped = cache.skipped
+                    runs["cold"].append(timed_epoch(loader))
                     t0 = time.perf_counter()
-                    os.sync()
-                    runs["cold"][-1]["sync_s"] = time.perf_counter() - t0
-                runs["warm"].append(timed_epoch(loader))
+                    cache.flush()  # the last writes land (untimed, reported)
+                    runs["cold"][-1]["flush_s"] = time.perf_counter() - t0
+                    runs["cold"][-1]["skipped"] = cache.skipped - skipped
+                    if args.sync:
+                        # The kernel writes epoch 1's dirty pages back to the disk; without
+                        # this, that writeback lands on epoch 2's clock here (in a long run it
+                        # overlaps epoch 1 itself).
+                        t0 = time.perf_counter()
+                        os.sync()
+                        runs["cold"][-1]["sync_s"] = time.perf_counter() - t0
+                    runs["warm"].append(timed_epoch(loader))
 
-        jobs = [local_epoch, remote_epoch, cached_epochs]
-        for job in jobs:  # warm-up: connections, page cache, code paths
-            job()
-        for k in runs:
-            runs[k].clear()
-        for rnd in range(args.repeats):
-            t0 = time.perf_counter()
-            for job in (jobs if rnd % 2 == 0 else jobs[::-1]):
+            jobs = [local_epoch, remote_epoch, cached_epochs]
+            for job in jobs:  # warm-up: connections, page cache, code paths
                 job()
-            print(f"round {rnd + 1}/{args.repeats}: {time.perf_counter() - t0:.0f} s",
-                  flush=True)
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        server.stop()
+            for k in runs:
+                runs[k].clear()
+            for rnd in range(args.repeats):
+                t0 = time.perf_counter()
+                for job in (jobs if rnd % 2 == 0 else jobs[::-1]):
+                    job()
+                print(f"round {rnd + 1}/{args.repeats}: {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+        finally:
+            if proxy is not None:
+                proxy.stop()
     best = {k: max(v, key=lambda r: r["samples_per_s"]) for k, v in runs.items()}
     warm = best["warm"]
     # epoch 2's own lookups (the counters are cumulative over the loader's two epochs)
@@ -210,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({', '.join(f'{x:.2f}' for x in cold_rounds)}), best vs best {cold_best:.2f}x; "
           f"target >= 0.95: {'met' if cold_ratio >= 0.95 else 'NOT met'}")
     print(f"epoch 2 hits / misses per round: "
-          f"{[(w['epoch_hits'], w['epoch_misses']) for w in runs['warm']]} of {len(objs)} "
+          f"{[(w['epoch_hits'], w['epoch_misses']) for w in runs['warm']]} of {chunks} "
           f"chunks; chunks not cached in epoch 1 (writer behind): "
           f"{[c['skipped'] for c in runs['cold']]}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": machine_info(), "args": {k: v for k, v in vars(args).items()},
-        "chunks": len(objs), "stored_bytes": stored, "runs": runs, "best": best,
+        "chunks": chunks, "stored_bytes": stored, "runs": runs, "best": best,
         "calm_rounds": calm,
         "warm_over_local": {"median_of_rounds": warm_ratio, "rounds": warm_rounds,
                             "best_vs_best": warm_best},

@@ -26,6 +26,7 @@ Results go to ``bench-out/remote.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,41 @@ def make_store(path: Path, shape: tuple[int, int, int], time_chunk: int, seed: i
     write_store(path, DemoSpec(n_times=n_times, n_lat=n_lat, n_lon=n_lon, time_chunk=time_chunk,
                                seed=seed, variables=(VAR,), coords=False), progress=False)
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@dataclass(frozen=True)
+class StagedStore:
+    """The local store a remote benchmark serves, and what it weighs."""
+
+    path: Path
+    disk_bytes: int  # everything on disk (metadata included)
+    chunks: int  # stored chunk objects
+    stored_bytes: int  # their bytes: what crosses the wire per epoch
+
+
+def stage_store(work: Path, shape: tuple[int, int, int], time_chunk: int,
+                seed: int) -> StagedStore:
+    """``make_store`` under ``work`` (created), with its chunk objects counted."""
+    work.mkdir(parents=True, exist_ok=True)
+    local = work / "local.zarr"
+    disk = make_store(local, shape, time_chunk, seed)
+    objs = [p for p in (local / VAR / "c").rglob("*") if p.is_file()]
+    return StagedStore(local, disk, len(objs), sum(p.stat().st_size for p in objs))
+
+
+@contextlib.contextmanager
+def moto_serving(store: StagedStore, work: Path) -> Iterator[tuple[Any, Path]]:
+    """moto on loopback with ``store`` at ``s3://BUCKET/KEY``: yields (server, log folder)
+    and stops it on exit, a plain ``kill`` of the benchmark included."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logs = Path(tempfile.mkdtemp(prefix="logs-", dir=work))
+    server = start_moto(logs)
+    try:
+        server.make_bucket(BUCKET)
+        server.upload_dir(store.path, BUCKET, KEY)
+        yield server, logs
+    finally:
+        server.stop()
 
 
 # -- processes ----------------------------------------------------------------------------
@@ -279,51 +316,43 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    local = work / "local.zarr"
-    disk = make_store(local, args.shape, args.time_chunk, args.seed)
-    chunks = -(-args.shape[0] // args.time_chunk)
-    stored = sum(p.stat().st_size for p in (local / VAR / "c").rglob("*") if p.is_file())
+    staged = stage_store(work, args.shape, args.time_chunk, args.seed)
+    chunks, stored, disk = staged.chunks, staged.stored_bytes, staged.disk_bytes
     decoded = int(np.prod(args.shape)) * 4
     print(f"store {args.shape} float32, {chunks} chunks of {args.time_chunk} steps: "
           f"{decoded / 1e6:.0f} MB decoded, {stored / 1e6:.0f} MB stored "
           f"({stored / chunks / 1e6:.2f} MB per object)", flush=True)
     proxies: list[ProxyProcess] = []
-    # A plain ``kill`` must still stop moto and the proxies (the ``finally`` below).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    logs = Path(tempfile.mkdtemp(prefix="logs-", dir=work))
-    server = start_moto(logs)
-    try:
-        server.make_bucket(BUCKET)
-        server.upload_dir(local, BUCKET, KEY)
-        upstream = ("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]))
-        moto = psutil.Process(server.process.pid)
-        me = psutil.Process(os.getpid())
-        plain = [(i, 1) for i in args.inflight]
-        deeper = [(i, pf) for pf in args.prefetch for i in args.inflight if i >= 32]
+    with moto_serving(staged, work) as (server, logs):
+        try:
+            upstream = ("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]))
+            moto = psutil.Process(server.process.pid)
+            me = psutil.Process(os.getpid())
+            plain = [(i, 1) for i in args.inflight]
+            deeper = [(i, pf) for pf in args.prefetch for i in args.inflight if i >= 32]
 
-        def target(path: str, ms: int, endpoint: str, proxy: psutil.Process | None,
-                   configs: list[tuple[int, int]]) -> Target:
-            source = ib.open_source(f"s3://{BUCKET}/{KEY}", variables=[VAR],
-                                    storage_options=server.options(endpoint=endpoint))
-            manifest = ib.split_by_chunk(source, (1.0,), seed=args.seed)
-            return Target(path, ms, source, manifest,
-                          {"loader": me, "moto": moto, "proxy": proxy}, configs)
+            def target(path: str, ms: int, endpoint: str, proxy: psutil.Process | None,
+                       configs: list[tuple[int, int]]) -> Target:
+                source = ib.open_source(f"s3://{BUCKET}/{KEY}", variables=[VAR],
+                                        storage_options=server.options(endpoint=endpoint))
+                manifest = ib.split_by_chunk(source, (1.0,), seed=args.seed)
+                return Target(path, ms, source, manifest,
+                              {"loader": me, "moto": moto, "proxy": proxy}, configs)
 
-        targets = [target("direct", 0, server.endpoint, None, plain)]
-        for ms in args.latencies:
-            proxy = ProxyProcess(upstream, ms / 1000, logs / "proxy.log")
-            proxies.append(proxy)
-            targets.append(target("proxy", ms, proxy.endpoint, psutil.Process(proxy.process.pid),
-                                  plain + (deeper if ms in (0, max(args.latencies)) else [])))
-        n = sum(len(t.configs) for t in targets)
-        print(f"{n} configs x {args.repeats} rounds (+ {len(targets)} warm-up epochs)",
-              flush=True)
-        results = measure(targets, args, stored)
-    finally:
-        for proxy in proxies:
-            proxy.stop()
-        server.stop()
+            targets = [target("direct", 0, server.endpoint, None, plain)]
+            for ms in args.latencies:
+                proxy = ProxyProcess(upstream, ms / 1000, logs / "proxy.log")
+                proxies.append(proxy)
+                targets.append(target("proxy", ms, proxy.endpoint,
+                                      psutil.Process(proxy.process.pid),
+                                      plain + (deeper if ms in (0, max(args.latencies)) else [])))
+            n = sum(len(t.configs) for t in targets)
+            print(f"{n} configs x {args.repeats} rounds (+ {len(targets)} warm-up epochs)",
+                  flush=True)
+            results = measure(targets, args, stored)
+        finally:
+            for proxy in proxies:
+                proxy.stop()
     print()
     print(table(results))
     disturbed = [r for r in results if r.cpu_other >= OTHER_LOAD]
