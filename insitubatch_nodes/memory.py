@@ -12,21 +12,15 @@ import numpy as np
 class MemoryLedger:
     """Counts the bytes of live decode buffers (freed when the buffer is garbage).
 
-    Buffers register through ``track`` (or ``add``, by a ``BufferPool`` that already
-    watches the buffer); a weakref callback subtracts them, so the count is what is really
-    resident, wherever the last reference was dropped.
+    A ``BufferPool`` counts each buffer it hands out (``add``) and uncounts it from the
+    weakref callback that runs when the buffer's last reference goes (``release``), so the
+    count is what is really resident, wherever that happens.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.resident = 0
         self.peak = 0
-
-    def track(self, arr: np.ndarray) -> np.ndarray:
-        n = int(arr.nbytes)
-        self.add(n)
-        weakref.finalize(arr, self.release, n)
-        return arr
 
     def add(self, n: int) -> None:
         """Count ``n`` more resident bytes; the caller calls ``release(n)`` when they go."""

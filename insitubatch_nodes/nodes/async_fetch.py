@@ -191,8 +191,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         reader = self.readers[v]
         lt = self._lt
         async with self._slot():
-            bufs = outs if outs is not None else [
-                self.pool.take(reader.geom.stripe_shape, reader.geom.dtype) for _ in idxs]
+            bufs = outs if outs is not None else self.pool.take_many(
+                reader.geom.stripe_shape, reader.geom.dtype, len(idxs))
             await (
                 reader.read(idxs[0], bufs[0], lt.loop, lt.pool, self.retry) if len(idxs) == 1
                 else reader.read_group(idxs, bufs, lt.loop, lt.pool, self.retry))
