@@ -2,6 +2,7 @@
 malformed one, is one ValueError naming the field; never a silent loss or repeat."""
 
 import copy
+import dataclasses
 import json
 import re
 import warnings
@@ -169,8 +170,11 @@ def test_allow_state_change_does_not_allow_an_unsound_change(store):
 
 
 def test_every_differing_field_is_named_at_once():
-    a = StateFingerprint("h1", "train", 0, 10, 2, 0, 10, 4, "pad", False, 8, False, 0, 1)
-    b = StateFingerprint("h2", "val", 1, 10, 2, 0, 10, 4, "pad", False, 8, False, 0, 1)
+    a = StateFingerprint(manifest="h1", split="train", seed=0, n_samples=10, chunk_size=2,
+                         first=0, end=10, block_chunks=4, uneven="pad", contiguous=False,
+                         run_chunks=0, excluded="", batch_size=8, drop_last=False, rank=0,
+                         world_size=1)
+    b = dataclasses.replace(a, manifest="h2", split="val", seed=1)
     with pytest.raises(ValueError, match="manifest: .*; split: .*; seed: saved 0, this loader 1"):
         check_fingerprint(a, b)
 
