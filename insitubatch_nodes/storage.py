@@ -59,6 +59,14 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact_urls(text: str) -> str:
+    """``redact_url`` for every URL inside ``text`` (error messages, store descriptions)."""
+    return _URL.sub(lambda m: redact_url(m.group(0)), text)
+
+
 def _with_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
     opts = dict(options or {})
     opts.setdefault("retry_config", DEFAULT_RETRY_CONFIG)

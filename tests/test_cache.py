@@ -147,6 +147,14 @@ def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     cache.flush()
     first = loader.stats()
     assert first.cache_hits == 0 and first.cache_misses > 0 and cache.entries() > 0
+    # keyed by the endpoint too, as on the decode path: another endpoint's bucket of the
+    # same name is another store
+    from insitubatch_nodes.io.chunk_cache import _read_entry
+
+    for path in (tmp_path / "cache" / "v1").glob("??/*"):
+        with open(path, "rb") as f:
+            ident = _read_entry(f)[0].decode()
+        assert ident.startswith(f"s3://data/sharded.zarr at {server.endpoint}\n"), ident
     check_exact(epoch(loader), data)
     second = loader.stats()
     assert second.cache_misses == first.cache_misses  # epoch 2: all from the cache

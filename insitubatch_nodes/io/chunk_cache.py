@@ -22,7 +22,6 @@ import hashlib
 import itertools
 import logging
 import os
-import re
 import struct
 import threading
 import time
@@ -39,7 +38,7 @@ except ImportError:  # Windows: no flock; one process per cache directory there
     fcntl = None  # type: ignore[assignment]
 
 from ..budget import parse_bytes
-from ..storage import redact_url
+from ..storage import redact_urls
 
 __all__ = ["CacheScope", "ChunkCache"]
 
@@ -47,7 +46,6 @@ _VERSION = 1
 # magic, version, identity length, payload length, payload crc32c
 _HEADER = struct.Struct("<4sBxxxIQI")
 _MAGIC = b"IBCC"
-_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
 _LOW_WATER = 0.9  # an eviction frees down to this share of max_bytes (evictions stay rare)
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died: removed on evict
 _BACKLOG = 64 << 20  # bytes waiting for the writer thread; past it, chunks are not cached
@@ -72,7 +70,7 @@ class CacheScope:
         snapshot says which bytes, so a branch, a tag and the id itself share entries."""
         if snapshot_id is not None:
             url = url.rsplit(" @ ", 1)[0]
-        return cls(_URL.sub(lambda m: redact_url(m.group(0)), url), snapshot_id)
+        return cls(redact_urls(url), snapshot_id)
 
     def ident(self, key: str) -> str:
         return f"{self.url}\n{self.snapshot_id or '-'}\n{key}"
@@ -99,7 +97,11 @@ class ChunkCache:
         self._root = str(self.root)  # string joins: pathlib costs microseconds per chunk
         self.corrupt = 0  # entries found damaged (deleted, read as misses) by this process
         self.skipped = 0  # chunks not cached by put_later: the writer was too far behind
+        # Two locks: the writer, its backlog and the counters take ``_lock`` (held for a few
+        # statements, also from the event loop); the byte total takes ``_total_lock`` and
+        # then the directory's flock, held through an eviction's scan.
         self._lock = threading.Lock()
+        self._total_lock = threading.Lock()
         self._fd: int | None = None
         self._pid = -1
         self._writer: ThreadPoolExecutor | None = None
@@ -240,7 +242,8 @@ class ChunkCache:
 
     # -- the byte total and eviction --------------------------------------------------
     def _drop_damaged(self, path: str) -> None:
-        self.corrupt += 1
+        with self._lock:  # decode threads find damaged entries concurrently
+            self.corrupt += 1
         try:
             size = os.stat(path).st_size
             os.unlink(path)
@@ -251,7 +254,7 @@ class ChunkCache:
     def _account(self, delta: int) -> None:
         with self._locked() as fd:
             total = _read_total(fd)
-            total = self._scan_total() if total is None else max(0, total + delta)
+            total = self.usage() if total is None else max(0, total + delta)
             if total > self.max_bytes:
                 total = self._evict(int(self.max_bytes * _LOW_WATER))
             _write_total(fd, total)
@@ -276,9 +279,6 @@ class ChunkCache:
                         os.unlink(e.path)
         return total
 
-    def _scan_total(self) -> int:
-        return sum(size for _, size, _ in self._entries())
-
     def _entries(self) -> list[tuple[int, int, str]]:
         """(mtime ns, size, path) of every entry."""
         out = []
@@ -293,11 +293,11 @@ class ChunkCache:
         return out
 
     def _locked(self) -> _Flock:
-        with self._lock:
+        with self._total_lock:
             if self._fd is None or self._pid != os.getpid():  # a forked child opens its own
                 self._fd = os.open(f"{self._root}/total", os.O_RDWR | os.O_CREAT, 0o644)
                 self._pid = os.getpid()
-            return _Flock(self._fd, self._lock)
+            return _Flock(self._fd, self._total_lock)
 
 
 class _Flock:

@@ -267,14 +267,9 @@ class CachedGets(AsyncGets):
     name: ClassVar[str] = "cached"
 
     async def get(self, key: str) -> bytes | memoryview | None:
-        ident = self.scope.ident(key)
-        hit = self.cache.get(ident)
-        if hit is not None:
-            return hit
-        data = await self.gets.get(key)
-        if data is not None:
-            self.cache.put_later(ident, data)
-        return data
+        """The store's own bytes: this path reads the cache in ``read`` and ``frames`` (on
+        the pool), never here on the event loop."""
+        return await self.gets.get(key)
 
     def _lookup(self, stripes: Stripes, keys: list[str]) -> Frames:
         """The cached chunks of ``keys`` (``_MISS`` where not cached after all), counted."""
@@ -372,8 +367,9 @@ def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     decode, sharding among them) go through a ``CachingStore``."""
     if isinstance(path, (CachedGets, CachedGetitem)):
         return path
-    if isinstance(path, ObjectStoreGets):  # the same bucket name on another endpoint
-        endpoint = (getattr(path.store, "config", None) or {}).get("endpoint")
+    gets = path.gets if isinstance(path, ZarrGetitem) else path
+    if isinstance(gets, ObjectStoreGets):  # the same bucket name on another endpoint
+        endpoint = (getattr(gets.store, "config", None) or {}).get("endpoint")
         if endpoint:
             scope = CacheScope.of(f"{scope.url} at {endpoint}", scope.snapshot_id)
     if isinstance(path, AsyncGets):
@@ -461,12 +457,11 @@ class CachedGetitem(ZarrGetitem):
     """``ZarrGetitem`` over a ``CachingStore``: what zarr fetched for a stripe enters the
     cache only after the whole stripe decoded, so damaged bytes are never cached."""
 
-    store: CachingStore | None = None
+    store: CachingStore
     name: ClassVar[str] = "cached-zarr"
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor) -> None:
-        assert self.store is not None
         self.store.times = stripes.times
         pending: list[tuple[str, bytes]] = []
         token = _fetched.set(pending)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -24,7 +23,7 @@ import zarr
 
 from ..counters import ReadTimes
 from ..geometry import VariableGeometry
-from ..storage import redact_url
+from ..storage import redact_urls
 from .chunk_cache import CacheScope, ChunkCache
 from .codec_chain import CodecChain, classify
 from .decode import ChunkDecoder, decoder_from
@@ -50,7 +49,6 @@ from .retry import classify as classify_error
 __all__ = ["FrameCheck", "Frames", "StripeReader"]
 
 T = TypeVar("T")
-_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+")
 
 
 @dataclass
@@ -101,15 +99,20 @@ class StripeReader:
 
     def is_cached(self, index: int) -> bool:
         """Every stored chunk of stripe ``index`` is in the cache now (``reads_cache``)."""
-        return isinstance(self._path, CachedGets) and self._path.all_cached(self, index)
+        assert isinstance(self._path, CachedGets)
+        return self._path.all_cached(self, index)
 
     def read_cached(self, indices: list[int], outs: list[np.ndarray],
                     submitted: float | None = None) -> list[int]:
         """Decode stripes from the cache on this (pool) thread; the indices that were not
         all there after all (dropped or damaged meanwhile), for the store path."""
         assert isinstance(self._path, CachedGets)
-        return [i for i, out in zip(indices, outs, strict=True)
-                if not self._path.read_cached_blocking(self, i, out, submitted)]
+        missed = []
+        for i, out in zip(indices, outs, strict=True):
+            if not self._path.read_cached_blocking(self, i, out, submitted):
+                missed.append(i)
+            submitted = None  # only the first stripe waited in the queue
+        return missed
 
     @property
     def groups_reads(self) -> bool:
@@ -403,4 +406,4 @@ def _summary(exc: BaseException) -> str:
     details), URLs without user info or query strings, at most 300 characters."""
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text.split("<", 1)[0].rstrip(" :")
-    return _URL.sub(lambda m: redact_url(m.group(0)), text)[:300]
+    return redact_urls(text)[:300]
