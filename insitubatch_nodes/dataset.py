@@ -221,7 +221,6 @@ class SampleDataset(Dataset):
                               for a in source.arrays)
         # what to give DataLoader(multiprocessing_context=...): None (fork) for local files
         self.multiprocessing_context: str | None = None if self._fork_safe else "forkserver"
-        self._unpickled_in: int | None = None
         self._proc: _Process | None = _Process(source, self.resolved, self.cache_bytes,
                                                reopen=False)
 
@@ -272,8 +271,9 @@ class SampleDataset(Dataset):
     def _process(self) -> _Process:
         proc = self._proc
         pid = os.getpid()
-        if (proc is not None and proc.pid != pid and not self._fork_safe
-                and self._unpickled_in != pid):
+        # A worker that unpickled the dataset (spawn, forkserver) has no _proc yet; one
+        # from another process here is a forked copy of the parent's.
+        if proc is not None and proc.pid != pid and not self._fork_safe:
             raise RuntimeError(
                 f"this SampleDataset reads {self.source.url} through obstore or icechunk, "
                 "whose clients hang in a forked process (their runtime's threads stay in "
@@ -291,10 +291,6 @@ class SampleDataset(Dataset):
         state = self.__dict__.copy()
         state["_proc"] = None  # threads, clients and the cache stay in their process
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._unpickled_in = os.getpid()  # a spawned worker: its clients are its own
 
 
 @dataclass(frozen=True)

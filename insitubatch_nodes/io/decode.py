@@ -9,8 +9,6 @@ zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
-import lzma
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,11 +19,10 @@ import zarr
 
 from .blosc_frame import check_header
 from .codec_chain import CodecChain, classify
-from .retry import ChunkDecodeError
+from .retry import DECODE_ERRORS, ChunkDecodeError
 
-# What codecs raise for bytes that do not decode: numcodecs RuntimeError/ValueError, gzip
-# EOFError/BadGzipFile (an OSError), zlib.error, LZMAError, our frame checks' ValueError.
-_CODEC_ERRORS = (ValueError, RuntimeError, EOFError, OSError, zlib.error, lzma.LZMAError)
+# DECODE_ERRORS and gzip's BadGzipFile (an OSError): bytes in hand, so not the store's.
+_CODEC_ERRORS = (*DECODE_ERRORS, OSError)
 
 
 Inflate = Callable[[object, np.ndarray], bool]

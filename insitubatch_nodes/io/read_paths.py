@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import lzma
 import os
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -33,13 +31,10 @@ from zarr.storage import StorePath, WrapperStore
 from ..counters import ReadTimes
 from .chunk_cache import CacheScope, ChunkCache
 from .pool_task import OneShot
-from .retry import ChunkDecodeError
+from .retry import DECODE_ERRORS, ChunkDecodeError
 
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
-# What zarr's codec pipeline raises for stored bytes that do not decode (numcodecs' errors;
-# not OSError: there it may be the store's own error).
-_ZARR_DECODE_ERRORS = (ValueError, RuntimeError, EOFError, zlib.error, lzma.LZMAError)
 Loop = asyncio.AbstractEventLoop
 
 
@@ -298,9 +293,11 @@ class CachedGets(AsyncGets):
 
     def _store(self, keys: list[str], datas: Frames, missed: list[int]) -> None:
         for i in missed:
-            data = datas[i]
-            if data is not None:  # a chunk never written is not cached: asked again
-                self.cache.put_later(self.scope.ident(keys[i]), data)
+            data, ident = datas[i], self.scope.ident(keys[i])
+            # a chunk never written is not cached (asked again); one of a partly cached
+            # stripe that is still there is not written again
+            if data is not None and not self.cache.has(ident):
+                self.cache.put_later(ident, data)
 
     def _cached_read(self, stripes: Stripes, keys: list[str], out: np.ndarray,
                      submitted: float) -> Frames | None:
@@ -398,7 +395,7 @@ class ZarrGetitem(ReadPath):
         t0 = time.perf_counter()
         try:
             data = await self.arr.async_array.getitem((stripes.rows(index),))
-        except _ZARR_DECODE_ERRORS as e:  # zarr fetched and decoded: received bytes
+        except DECODE_ERRORS as e:  # zarr fetched and decoded: received bytes
             raise ChunkDecodeError(f"zarr could not decode the stripe: {e}") from e
         stripes.times.add(time.perf_counter() - t0, 0.0)
         rows = int(data.shape[0])

@@ -10,11 +10,18 @@ that does not decode). Everything else, a programming error included, fails at o
 from __future__ import annotations
 
 import errno
+import lzma
 import random
 import re
+import zlib
 from dataclasses import dataclass
 
 import obstore.exceptions as oe
+
+# What codecs raise for stored bytes that do not decode: numcodecs' RuntimeError/ValueError,
+# gzip's EOFError, zlib.error, LZMAError, our frame checks' ValueError. (Not OSError: on a
+# read path it may be the store's own error.)
+DECODE_ERRORS = (ValueError, RuntimeError, EOFError, zlib.error, lzma.LZMAError)
 
 
 class ChunkDecodeError(ValueError):
