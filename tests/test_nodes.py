@@ -99,7 +99,7 @@ def test_permute_node_deals_rank_shares(setup):
 
 
 def test_shuffle_buffer_evicts_drained_stripes(setup):
-    src, m, _ = setup
+    src, m, data = setup
     fetch = build(src, m, "fetch")
     shuffle = ShuffleBufferNode(fetch, src.variables, batch_size=5)
     shuffle.reset(None)
@@ -108,7 +108,8 @@ def test_shuffle_buffer_evicts_drained_stripes(setup):
         for v, var in enumerate(src.variables):
             # every row's stripe was handed to the gather, whether let go since or not
             for p in draw.parts[v]:
-                assert p.array.shape[0] == var.sample_chunk
+                np.testing.assert_array_equal(
+                    p.array[p.offsets], data[var.name][draw.sample_index[p.start:p.stop]])
             for head in shuffle._resident:
                 # exactly the stripes with undrawn samples are still held
                 undrawn = head.window.plan.draw_order[head.offset:]
