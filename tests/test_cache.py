@@ -130,9 +130,12 @@ def test_a_warm_window_goes_straight_to_the_pool_and_refetches_what_went_missing
         return real_read(indices, outs, submitted)
 
     monkeypatch.setattr(reader, "read_cached", read_cached)
+    before = fetch.stats.stripes
     check_exact(epoch(loader), data)
     assert submitted and len(submitted) == loader.stats().windows_fetched // 2
     assert [i for _, i, _ in refetched] == lost
+    # every stripe counted once, the refetched one included
+    assert fetch.stats.stripes - before == sum(len(r) for p in submitted for r in p.reads)
     loader.close()
 
 

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,6 +35,9 @@ from .fetch_jobs import DirectWindow, InPlaceJob, batch_jobs, read_local_items
 from .state import copy_state, require, shutdown_source
 
 log = logging.getLogger("insitubatch_nodes")
+# A pool task's read of one variable's stripe group: (variable, stripes, buffers, time
+# submitted) -> the stripes it could not read.
+GroupRead = Callable[[int, list[int], list[np.ndarray], float], list[int]]
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
@@ -395,12 +398,37 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         (the consumer's) thread, each retried on its pool thread (``read_local_retrying``).
         No event-loop hop: waking the loop cost the consumer a GIL hand-back per window
         (~19% of its time on 8-sample chunks, profiled)."""
-        jobs = self._jobs(plan)
+        return self._submit_pool(plan, lt, self._jobs(plan), self._read_local_group)
+
+    def _submit_pool(self, plan: ReadPlan, lt: LoopThread, jobs: list[tuple[int, list[int]]],
+                     read: GroupRead,
+                     refetch: Callable[[list[tuple[int, int, np.ndarray]]], None] | None = None,
+                     ) -> DirectWindow:
+        """A window's stripe groups as pool tasks submitted from this (the consumer's)
+        thread: ``read(v, stripes, outs, submitted)`` on a pool thread, in one of the
+        ``max_inflight`` slots, returns the stripes it could not read (``refetch`` gets
+        them when the window is waited for)."""
         bufs = self._stripe_buffers(jobs)
         now = time.perf_counter()
-        futures = [lt.pool.submit(OneShot(self._run_direct, v, idxs, out, now))
+        futures = [lt.pool.submit(OneShot(self._run_pool, read, v, idxs, out, now))
                    for (v, idxs), out in zip(jobs, bufs, strict=True)]
-        return DirectWindow(plan, jobs, bufs, futures)
+        return DirectWindow(plan, jobs, bufs, futures, refetch)
+
+    def _run_pool(self, read: GroupRead, v: int, idxs: list[int], outs: list[np.ndarray],
+                  submitted: float) -> list[int]:
+        """One ``_submit_pool`` task; the stripes it read are counted here, on the pool
+        (the ones it missed count when refetched)."""
+        with self._direct_slot():
+            missed = read(v, idxs, outs, submitted)
+        self.stats.stripes_read(len(idxs) - len(missed), self.readers[v].geom.stripe_nbytes)
+        return missed
+
+    def _read_local_group(self, v: int, idxs: list[int], outs: list[np.ndarray],
+                          submitted: float) -> list[int]:
+        """A local stripe group, one stripe after another with retries on this thread (a
+        failure raises: nothing is left for a refetch)."""
+        self.readers[v].read_local_retrying(idxs, outs, self.retry, submitted)
+        return []
 
     def _submit_in_place_direct(self, job: InPlaceJob, lt: LoopThread) -> DirectWindow:
         """``_fetch_in_place`` for a local store, without the event loop: each batch-ordered
@@ -459,17 +487,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         """A window whose chunks are all in the local chunk cache: read and decoded on the
         pool from this thread, as a local store's are (no event-loop hop per stripe); a
         stripe whose entry went missing meanwhile is fetched from the store afterwards."""
-        jobs = self._jobs(plan, grouped=True)
-        bufs = self._stripe_buffers(jobs)
-        now = time.perf_counter()
-        futures = [lt.pool.submit(OneShot(self._run_cached, v, idxs, out, now))
-                   for (v, idxs), out in zip(jobs, bufs, strict=True)]
-        return DirectWindow(plan, jobs, bufs, futures, self._refetch)
-
-    def _run_cached(self, v: int, idxs: list[int], outs: list[np.ndarray],
-                    submitted: float) -> list[int]:
-        with self._direct_slot():
-            return self.readers[v].read_cached(idxs, outs, submitted)
+        return self._submit_pool(plan, lt, self._jobs(plan, grouped=True),
+                                 lambda v, idxs, outs, t: self.readers[v].read_cached(
+                                     idxs, outs, t), self._refetch)
 
     def _refetch(self, misses: list[tuple[int, int, np.ndarray]]) -> None:
         """Stripes a cached window found missing after all: from the store, on the loop
@@ -479,14 +499,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         async def fetch() -> None:
             await asyncio.gather(*(self._read(v, [i], [out]) for v, i, out in misses))
 
-        asyncio.run_coroutine_threadsafe(fetch(), lt.loop).result()
-
-    def _run_direct(self, v: int, idxs: list[int], outs: list[np.ndarray],
-                    submitted: float) -> int:
-        """One stripe group on a pool thread, holding one of the ``max_inflight`` slots (a
-        group reads its stripes one after another, as on the event-loop path)."""
-        with self._direct_slot():
-            return self.readers[v].read_local_retrying(idxs, outs, self.retry, submitted)
+        lt.run(fetch())
 
     @contextlib.contextmanager
     def _direct_slot(self) -> Iterator[None]:
@@ -557,9 +570,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             raise
         finally:
             self.stats.wait_s += time.perf_counter() - t0
-        if isinstance(fut, DirectWindow):
-            for (v, idxs) in fut.jobs:
-                self.stats.stripes_read(len(idxs), self.readers[v].geom.stripe_nbytes)
+        if isinstance(fut, DirectWindow):  # its stripes were counted on the pool
             self.stats.window_fetched(len(win.plan.chunk_ids))
         self._fifo.popleft()
         self._delivered = snap
