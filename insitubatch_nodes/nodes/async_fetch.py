@@ -208,11 +208,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         local store, any variables in one pool task (if it fails, every stripe is read again
         on its own, with its own retries and error note, as ``StripeReader.read_group``);
         else one read each. Then each batch is told how many of its rows landed."""
-        assert self._lt is not None and self.arena is not None
+        assert self._lt is not None
         lt = self._lt
-        per_var: dict[int, int] = {}
-        for v, _, _, _ in items:
-            per_var[v] = per_var.get(v, 0) + 1
         async with self._slot():
             if all(self.readers[v].groups_reads for v, _, _, _ in items):
                 try:
@@ -228,11 +225,20 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             else:
                 for v, i, _, out in items:
                     await self.readers[v].read(i, out, lt.loop, lt.pool, self.retry)
+        self._items_landed(items, generation)
+
+    def _items_landed(self, items: list[tuple[int, int, int, np.ndarray]],
+                      generation: int) -> None:
+        """In-place stripes ``(variable, index, batch, out)`` were read: count them, and tell
+        each batch how many of its rows landed."""
+        assert self.arena is not None
+        per_var: dict[int, int] = {}
+        per_batch: dict[int, int] = {}
+        for v, _, b, _ in items:
+            per_var[v] = per_var.get(v, 0) + 1
+            per_batch[b] = per_batch.get(b, 0) + 1
         for v, n in per_var.items():
             self.stats.stripes_read(n, self.readers[v].geom.stripe_nbytes)
-        per_batch: dict[int, int] = {}
-        for _, _, b, _ in items:
-            per_batch[b] = per_batch.get(b, 0) + 1
         for b, n in per_batch.items():
             self.arena.done(b, n, generation)
 
@@ -351,10 +357,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 raise
             job.copy_rows(arena)
         except BaseException as e:
-            if not isinstance(e, asyncio.CancelledError):
-                e.add_note(f"insitubatch: reading the window of chunks "
-                           f"{list(job.plan.chunk_ids)[:8]} into batches {job.batches[:8]}")
-            arena.fail(job.batches, e, job.generation)
+            job.fail(arena, e, note=not isinstance(e, asyncio.CancelledError))
             raise
         self.stats.window_fetched(len(job.plan.chunk_ids))
         return DecodedWindow(job.plan, tuple({} for _ in job.plan.reads))
@@ -456,15 +459,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                     stats.read.retried(len(items))  # the failed group try: all again
                     for v, i, _, out in items:
                         self.readers[v].read_local_retrying([i], [out], self.retry)
-            per_var: dict[int, int] = {}
-            per_batch: dict[int, int] = {}
-            for v, _, b, _ in items:
-                per_var[v] = per_var.get(v, 0) + 1
-                per_batch[b] = per_batch.get(b, 0) + 1
-            for v, n in per_var.items():
-                self.stats.stripes_read(n, self.readers[v].geom.stripe_nbytes)
-            for b, n in per_batch.items():
-                arena.done(b, n, job.generation)
+            self._items_landed(items, job.generation)
             with self._left_lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -473,9 +468,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             job.copy_rows(arena)
             stats.window_fetched(len(job.plan.chunk_ids))
         except BaseException as e:
-            e.add_note(f"insitubatch: reading the window of chunks "
-                       f"{list(job.plan.chunk_ids)[:8]} into batches {job.batches[:8]}")
-            arena.fail(job.batches, e, job.generation)
+            job.fail(arena, e)
             raise
 
     def _all_cached(self, plan: ReadPlan) -> bool:

@@ -98,6 +98,14 @@ class InPlaceJob:
         for b, n in counted.items():
             arena.done(b, n, self.generation)
 
+    def fail(self, arena: BatchArena, e: BaseException, note: bool = True) -> None:
+        """The window failed with ``e``: every batch it feeds fails with it (named in a note
+        on ``e``, unless ``note`` is off, as for a cancellation)."""
+        if note:
+            e.add_note(f"insitubatch: reading the window of chunks "
+                       f"{list(self.plan.chunk_ids)[:8]} into batches {self.batches[:8]}")
+        arena.fail(self.batches, e, self.generation)
+
 
 def batch_jobs(items: list[tuple[int, int, int, np.ndarray]], threads: int,
                 ) -> list[list[tuple[int, int, int, np.ndarray]]]:
