@@ -368,7 +368,24 @@ def rank_schedule(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
     samples at all repeats some of the other ranks'), ``drop`` cuts each rank to the
     smallest share, ``none`` leaves shares unequal (not for DDP).
     """
+    return _adjusted(ctx, epoch, rank, world_size, history,
+                     _windows(ctx, epoch, history, world_size))
+
+
+def rank_schedules(ctx: ScheduleContext, epoch: int, world_size: int,
+                   history: Sequence[Resumption] = ()) -> list[RankSchedule]:
+    """``rank_schedule`` of every rank, the epoch's windows dealt once (checking a restored
+    state's history needs all of a past generation's ranks)."""
     all_windows = _windows(ctx, epoch, history, world_size)
+    return [_adjusted(ctx, epoch, r, world_size, history, all_windows)
+            for r in range(world_size)]
+
+
+def _adjusted(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
+              history: Sequence[Resumption],
+              all_windows: list[list[WindowSpec]]) -> RankSchedule:
+    """``rank``'s share of ``all_windows`` (every rank's, as dealt) with the equal-steps
+    adjustment."""
     counts = tuple(sum(w.n_base for w in wins) for wins in all_windows)
     wins = list(all_windows[rank])
     own = counts[rank]

@@ -15,6 +15,7 @@ from insitubatch_nodes.schedule import (
     ScheduleContext,
     plan_window,
     rank_schedule,
+    rank_schedules,
 )
 
 
@@ -193,3 +194,17 @@ def test_window_reads_include_every_step():
     stripes = (plan.draw_order[:, None] + win.offsets[None, :]) // 8
     assert list(plan.last_use[0]) == [int(np.flatnonzero((stripes == r).any(axis=1))[-1])
                                       for r in plan.reads[0]]
+
+
+@given(n=st.integers(1, 120), cs=st.integers(1, 6), block=st.integers(1, 4),
+       world=st.integers(1, 5), uneven=st.sampled_from(["pad", "drop", "none"]))
+@settings(max_examples=40, deadline=None)
+def test_all_ranks_at_once_are_each_ranks_own_schedule(n, cs, block, world, uneven):
+    c = ctx(n, cs, block, uneven=uneven)
+    history = [Resumption(2, (Progress(0, 1), Progress(1, 0)))] if n >= 4 * cs else []
+    for r, together in enumerate(rank_schedules(c, 1, world, history)):
+        alone = rank_schedule(c, 1, r, world, history)
+        assert (together.target, together.own_samples, together.counts) == (
+            alone.target, alone.own_samples, alone.counts)
+        assert [w.final_draws().tolist() for w in together.windows] == [
+            w.final_draws().tolist() for w in alone.windows]

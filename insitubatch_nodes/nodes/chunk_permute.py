@@ -10,7 +10,7 @@ from torchdata.nodes import BaseNode
 
 from ..geometry import SampleGrid
 from ..items import ScheduledWindow
-from ..schedule import RankSchedule, Resumption, ScheduleContext, rank_schedule
+from ..schedule import RankSchedule, Resumption, ScheduleContext, rank_schedule, rank_schedules
 from .state import require_count, shutdown_source
 
 
@@ -114,11 +114,12 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
         """Each old rank's recorded progress must lie within the schedule it ran (the one
         the generation before computed for it): a record past a window's draws would make
         the re-deal skip the rest of that window silently. One schedule per old rank per
-        resume: paid once, on load."""
+        resume (all of a generation's ranks dealt at once): paid once, on load."""
+        ctx = self._context()
         for g, res in enumerate(history):
+            schedules = rank_schedules(ctx, epoch, res.world_size, history[:g])
             for r, p in enumerate(res.progress):
-                wins = rank_schedule(self._context(), epoch, r, res.world_size,
-                                     history[:g]).windows
+                wins = schedules[r].windows
                 size = wins[p.window].n_final if p.window < len(wins) else 0
                 if p.window > len(wins) or p.offset > size:
                     raise ValueError(
