@@ -37,9 +37,11 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
             group = zarr.open_group(opened.store, mode="r")
         except Exception as e:
             raise explain(opened, e) from None
-        display, found = opened.display, discover(dict(group.arrays())).static
+        display, found = opened.display, None
     have = sorted(group.array_keys())
     if variables is None:
+        if found is None:  # only when asked: it opens every array of the group
+            found = discover(dict(group.arrays())).static
         if not found:
             raise ValueError(f"no static fields (numeric arrays without the sample dimension) "
                              f"in {display}; arrays there: {have}. Name them: "

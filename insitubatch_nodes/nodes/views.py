@@ -27,6 +27,9 @@ class ChannelsLastNode(TransformNode[dict[str, torch.Tensor]]):
         # negative, e.g. -3 for (C, E, N); None: only drop axes
         self.channel_axis = None if channel_axis_from_end is None else int(channel_axis_from_end)
         self.drop = tuple(sorted(int(a) for a in drop_from_end))
+        # where the channel axis is once the dropped axes are gone
+        self._moved = (None if self.channel_axis is None else
+                       self.channel_axis + sum(1 for a in self.drop if a > self.channel_axis))
 
     def _view(self, key: str, t: torch.Tensor) -> torch.Tensor:
         for axis in self.drop:  # ascending negatives: the farthest axis first
@@ -35,10 +38,7 @@ class ChannelsLastNode(TransformNode[dict[str, torch.Tensor]]):
                                  f"(shape {tuple(t.shape)}); only an axis of size 1 can be "
                                  "dropped (drop_ensemble needs a single ensemble member)")
         dropped = t.squeeze(self.drop) if self.drop else t
-        if self.channel_axis is None:
-            return dropped
-        c = self.channel_axis + sum(1 for a in self.drop if a > self.channel_axis)
-        return dropped.movedim(c, -1)
+        return dropped if self._moved is None else dropped.movedim(self._moved, -1)
 
     def next(self) -> dict[str, Any]:
         batch = next(self.source)
