@@ -118,12 +118,6 @@ class Discovery:
         return "; ".join(f"{n}: {why}" for n, why in self.skipped)
 
 
-def _is_static(name: str, arr: zarr.Array, sample_dim: str) -> bool:
-    dims = _dimension_names(arr)
-    return (dims is not None and sample_dim not in dims and not _is_coordinate(name, arr)
-            and arr.ndim >= 1 and np.dtype(arr.dtype).kind in _NUMERIC_KINDS)
-
-
 def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) -> Discovery:
     """Sort a group's arrays as WeatherBench2 / ARCO-ERA5 (xarray) stores lay them out.
 
@@ -309,10 +303,8 @@ def _check_as_stored(ds: Any, src: Source) -> None:
         shown = np.asarray(ds[dim].values)
         if not isinstance(stored, zarr.Array) or stored.shape != shown.shape:
             continue  # shapes were checked above through the variables
-        if dim == src.sample_dim:
-            values = _sample_coordinate(group, dim, stored.shape[0])
-        else:
-            values = np.asarray(stored[:])
+        # the sample coordinate was decoded when the source was opened
+        values = src.sample_coord if dim == src.sample_dim else np.asarray(stored[:])
         if values is None or values.dtype.kind != shown.dtype.kind:
             continue  # undecodable or differently typed: nothing to compare reliably
         if not np.array_equal(values, shown):
@@ -394,16 +386,7 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
                 f"variable {name!r} has dimensions {dims}; the sample dimension {sample_dim!r} "
                 "must be its first axis"
             )
-        geoms.append(
-            VariableGeometry(
-                name=name,
-                shape=tuple(int(s) for s in arr.shape),
-                chunks=tuple(int(c) for c in arr.chunks),
-                dtype=dtype.newbyteorder("="),
-                dimension_names=dims,
-                shards=tuple(int(s) for s in arr.shards) if arr.shards else None,
-            )
-        )
+        geoms.append(_geometry(name, arr, dims))
         opened.append(arr)
 
     lengths = {g.name: g.shape[0] for g in geoms}
@@ -417,12 +400,21 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
     if sample_dim is None and geoms[0].dimension_names:
         sample_dim = geoms[0].dimension_names[0]
     if variables is not None and sample_dim is not None:
-        static = tuple(n for n, a in sorted(arrays.items())
-                       if _is_static(n, a, sample_dim) and n not in chosen)
+        static = tuple(n for n in discover(arrays, sample_dim).static if n not in chosen)
     return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
                   sample_dim=sample_dim, snapshot_id=snapshot_id,
                   sample_coord=_sample_coordinate(group, sample_dim, n), group=group,
                   static=static)
+
+
+def _geometry(name: str, arr: zarr.Array, dims: tuple[str, ...] | None,
+              labels: tuple[str, ...] | None = None) -> VariableGeometry:
+    """How ``arr`` is laid out, decoded native-endian."""
+    return VariableGeometry(
+        name=name, shape=tuple(int(s) for s in arr.shape),
+        chunks=tuple(int(c) for c in arr.chunks),
+        dtype=np.dtype(arr.dtype).newbyteorder("="), dimension_names=dims,
+        shards=tuple(int(s) for s in arr.shards) if arr.shards else None, labels=labels)
 
 
 def _describe_anemoi(group: zarr.Group, display: str, variables: Sequence[str] | None,
@@ -432,13 +424,7 @@ def _describe_anemoi(group: zarr.Group, display: str, variables: Sequence[str] |
     layout = read_layout(group, display)
     chosen = None if variables is None else select(layout, variables, display)
     arr = group[DATA]
-    dtype = np.dtype(arr.dtype)
-    geom = VariableGeometry(
-        name=DATA, shape=tuple(int(s) for s in arr.shape),
-        chunks=tuple(int(c) for c in arr.chunks), dtype=dtype.newbyteorder("="),
-        dimension_names=layout.dimension_names,
-        shards=tuple(int(s) for s in arr.shards) if arr.shards else None,
-        labels=layout.variables)
+    geom = _geometry(DATA, arr, layout.dimension_names, labels=layout.variables)
     grid = SampleGrid(n_samples=geom.shape[0], chunk_size=geom.sample_chunk)
     return Source(url=display, variables=(geom,), grid=grid, arrays=(arr,),
                   sample_dim=layout.dimension_names[0], snapshot_id=snapshot_id,
