@@ -45,7 +45,6 @@ class AnemoiLayout:
     dimension_names: tuple[str, ...]
     dates: np.ndarray  # datetime64, one per sample
     missing: tuple[int, ...]  # sample indices of the dates listed in ``missing_dates``
-    frequency: str | None
 
 
 def read_layout(group: zarr.Group, display: str) -> AnemoiLayout:
@@ -74,9 +73,7 @@ def read_layout(group: zarr.Group, display: str) -> AnemoiLayout:
             raise ValueError(f"missing date {d!r} of the anemoi dataset {display!r} is not "
                              f"one of its dates ({dates[0]} .. {dates[-1]})")
         missing.append(int(hit[0]))
-    freq = group.attrs.get("frequency")
-    return AnemoiLayout(names, dims, dates, tuple(sorted(missing)),
-                        str(freq) if freq is not None else None)
+    return AnemoiLayout(names, dims, dates, tuple(sorted(missing)))
 
 
 def select(layout: AnemoiLayout, variables: Sequence[str] | str, display: str,
@@ -94,9 +91,10 @@ def select(layout: AnemoiLayout, variables: Sequence[str] | str, display: str,
     return chosen
 
 
-def stored_statistics(group: zarr.Group, layout: AnemoiLayout, display: str,
+def stored_statistics(group: zarr.Group, variables: Sequence[str], display: str,
                       ) -> Mapping[str, np.ndarray]:
-    """The per-variable statistics anemoi-datasets stored (one value per variable each)."""
+    """The per-variable statistics anemoi-datasets stored (one value per name in
+    ``variables``, the dataset's variable axis)."""
     have = set(group.array_keys())
     missing = [k for k in STATISTICS if k not in have]
     if missing:
@@ -105,9 +103,9 @@ def stored_statistics(group: zarr.Group, layout: AnemoiLayout, display: str,
     out = {}
     for k in STATISTICS:
         values = np.asarray(group[k][:], dtype=np.float64)
-        if values.shape != (len(layout.variables),):
+        if values.shape != (len(variables),):
             raise ValueError(f"statistics array {k!r} of {display!r} has shape "
                              f"{values.shape}, not one value per variable "
-                             f"({len(layout.variables)})")
+                             f"({len(variables)})")
         out[k] = values
     return out

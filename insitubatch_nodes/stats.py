@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .anemoi import read_layout, stored_statistics
+from .anemoi import stored_statistics
 from .source import Source
 from .split import SplitManifest
 
@@ -132,12 +132,12 @@ def dataset_stats(source: Source) -> Stats:
     if source.format != "anemoi" or source.group is None:
         raise ValueError(f"{source.url!r} is not an anemoi dataset, so it stores no "
                          "statistics; compute them with ib.compute_stats(source, manifest)")
-    layout = read_layout(source.group, source.url)
-    stored = stored_statistics(source.group, layout, source.url)
-    have = set(source.group.array_keys())
-    count = (np.asarray(source.group["count"][:], dtype=np.int64) if "count" in have
-             else np.zeros(len(layout.variables), dtype=np.int64))
     data = source.variables[0]
+    names = data.labels  # the variable axis, as read when the source was opened
+    assert names is not None
+    stored = stored_statistics(source.group, names, source.url)
+    count = (np.asarray(source.group["count"][:], dtype=np.int64)
+             if "count" in source.group.array_keys() else np.zeros(len(names), dtype=np.int64))
     assert data.dimension_names is not None
     whole = VariableStats(data.name, (str(data.dimension_names[1]),), stored["mean"],
                           stored["stdev"], stored["minimum"], stored["maximum"],
@@ -145,5 +145,5 @@ def dataset_stats(source: Source) -> Stats:
     each = tuple(VariableStats(name, (), *(np.asarray(stored[k][i]) for k in
                                           ("mean", "stdev", "minimum", "maximum")),
                                count=int(count[i]))
-                 for i, name in enumerate(layout.variables))
+                 for i, name in enumerate(names))
     return Stats("stored", (whole, *each))
