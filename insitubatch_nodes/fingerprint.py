@@ -115,8 +115,7 @@ class StateFingerprint:
         values = {}
         for name in want:
             v = obj[name]
-            kind = str if name in ("manifest", "split", "uneven", "excluded") else (
-                bool if name in ("contiguous", "drop_last") else int)
+            kind = _FIELD_KINDS[name]
             ok = (isinstance(v, bool) if kind is bool else
                   isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind is int
                   else isinstance(v, str))
@@ -146,6 +145,12 @@ class StateFingerprint:
             if a != b:
                 out.append((f.name, a, b))
         return out
+
+
+# Each field's JSON type, from the annotations ("int | None" for the rank fields is int).
+_FIELD_KINDS: dict[str, type] = {
+    f.name: {"str": str, "bool": bool, "int": int}[str(f.type).split(" |")[0]]
+    for f in dataclasses.fields(StateFingerprint)}
 
 
 def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,

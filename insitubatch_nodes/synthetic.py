@@ -451,7 +451,6 @@ def write_anemoi_store(path: str | Path, *, n_dates: int = 16, n_cells: int = 40
         "missing_dates": [str(dates[i]) for i in missing], "field_shape": [n_cells],
         "ensemble_dimension": n_ensemble, "resolution": "synthetic", "flatten_grid": True,
         "start_date": str(dates[0]), "end_date": str(dates[-1]), "version": "0.30",
-        **({} if dimensions_attr else {}),
     })
     zarr.consolidate_metadata(path, zarr_format=2)
     return path
