@@ -55,12 +55,12 @@ def _cpu() -> float:
 
 
 def timed_epoch(loader: ib.InSituLoader) -> dict[str, Any]:
-    busy0, ours0 = OtherLoad._busy(), _cpu()
+    busy0, ours0 = OtherLoad.busy(), _cpu()
     t0 = time.perf_counter()
     samples = sum(len(b["sample_index"]) for b in loader)
     seconds = time.perf_counter() - t0
     st = loader.stats()
-    busy, ours = (OtherLoad._busy() - busy0) / seconds, (_cpu() - ours0) / seconds
+    busy, ours = (OtherLoad.busy() - busy0) / seconds, (_cpu() - ours0) / seconds
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
             "cores_ours": ours, "cores_other": max(0.0, busy - ours),
             "cache_hits": st.cache_hits, "cache_misses": st.cache_misses,

@@ -137,7 +137,6 @@ class ProxyProcess:
                 self.process.wait()
 
 
-_busy = OtherLoad._busy  # CPU seconds the whole machine has spent busy so far
 
 
 def _cpu(proc: psutil.Process | None) -> float:
@@ -194,14 +193,14 @@ def run_epoch(source: ib.Source, manifest: ib.SplitManifest, args: argparse.Name
                              max_inflight=max_inflight, prefetch_windows=prefetch_windows)
     with loader:
         cpu0 = {k: _cpu(p) for k, p in procs.items()}
-        busy0 = _busy()
+        busy0 = OtherLoad.busy()
         t0 = time.perf_counter()
         samples = 0
         for batch in loader:
             samples += len(batch["sample_index"])
         seconds = time.perf_counter() - t0
         cpu = {k: (_cpu(p) - cpu0[k]) / seconds for k, p in procs.items()}
-        cpu["other"] = max(0.0, (_busy() - busy0) / seconds - sum(cpu.values()))
+        cpu["other"] = max(0.0, (OtherLoad.busy() - busy0) / seconds - sum(cpu.values()))
         st = loader.stats()
     return {"samples": samples, "seconds": seconds, "peak_in_flight": st.peak_stripes_in_flight,
             "starvation": st.starvation, "cpu": cpu,

@@ -123,19 +123,21 @@ class OtherLoad:
         self.cores: float | None = None
 
     @staticmethod
-    def _busy() -> float:
+    def busy() -> float:
+        """CPU seconds the whole machine has spent busy so far (idle, iowait and steal
+        left out)."""
         import psutil
 
         t = psutil.cpu_times()
         return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0)
 
     def __enter__(self) -> OtherLoad:
-        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), float(usage()[0])
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self.busy(), float(usage()[0])
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self.t0
-        other = (self._busy() - self.busy0) - (float(usage()[0]) - self.own0)
+        other = (self.busy() - self.busy0) - (float(usage()[0]) - self.own0)
         self.cores = max(0.0, other / wall) if wall > 0 else 0.0
 
 
