@@ -50,6 +50,15 @@ def lockstep(batches: Iterable[dict]) -> Iterator[dict | None]:
         yield batch
 
 
+def shut_down() -> None:
+    """Leave the process group together: every rank waits at a barrier, then destroys it.
+    A rank that tears gloo down while another is still leaving its last collective can
+    abort the other at exit (seen once in CI: "terminate called without an active
+    exception" on rank 1 after the job had finished)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", default="demo-data/era5.zarr")
@@ -148,11 +157,11 @@ def main() -> None:
                 if args.stop_after is not None and step >= args.stop_after:
                     if rank == 0:
                         print(f"stopping after {step} steps", flush=True)
-                    dist.destroy_process_group()
+                    shut_down()
                     return
     if rank == 0:
         print(f"done: {step} steps", flush=True)
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -156,10 +156,12 @@ def _records(folder, world):
 
 
 def _torchrun(nproc, *args, cwd):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_port", str(29500 + os.getpid() % 1000 + nproc),
-           str(ROOT / "recipes" / "ddp_torchrun.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # --standalone: torchrun's rendezvous on a free port of its own choosing (a fixed port
+    # can still be held by the previous job's store: EADDRINUSE on a busy machine).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(ROOT / "recipes" / "ddp_torchrun.py"), *args]
+    # PYTHONFAULTHANDLER: should a rank abort, its threads' Python stacks are in the output.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
