@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget for resident decoded data, e.g. 4GB (default: none)")
     i.add_argument("--batch-size", type=_positive_int, default=32)
     i.add_argument("--prefetch-windows", type=_nonneg_int, default=None,
-                   help="windows fetched ahead (default: the loader's, 1 local / 2 remote)")
+                   help="windows fetched ahead (default: the loader's, 2)")
     i.add_argument("--sample-objects", type=_positive_int, default=5,
                    help="stored chunks per variable whose compressed size is measured")
     i.add_argument("--history", type=_positive_int, default=None,

@@ -71,8 +71,8 @@ class FetchConfig:
     """How windows are read: reads in flight, windows fetched ahead, decode threads and
     where decoding runs, the resident-memory budget and the retry policy.
 
-    ``prefetch_windows=None`` means 1 on local disks and 2 on object stores (where a window
-    edge would otherwise expose a round trip). ``decode`` is ``"cpu"``, ``"gpu"`` or a
+    ``prefetch_windows=None`` means 2 (``default_prefetch_windows``: a round trip hidden at
+    each window edge of an object store, a decode pool kept busy on a local disk). ``decode`` is ``"cpu"``, ``"gpu"`` or a
     ``FrameDecoder`` object (tests pass ``HostFrameDecoder``). ``in_place`` decodes every
     chunk straight into its batch row (one sample per chunk, CPU decode, no time steps):
     ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.

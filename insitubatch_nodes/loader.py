@@ -492,7 +492,7 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     - sampling: ``batch_size``, ``block_chunks`` (chunks per shuffle window), ``seed``,
       ``drop_last``, ``rank``/``world_size`` (default: the ``torch.distributed`` group),
       ``uneven`` (equal steps per rank: ``"pad"``, ``"drop"`` or ``"none"``);
-    - fetch: ``max_inflight``, ``prefetch_windows`` (1 local, 2 object stores),
+    - fetch: ``max_inflight``, ``prefetch_windows`` (2),
       ``decode_threads``, ``memory_budget`` (refused with the largest ``block_chunks`` that
       fits), ``retry``, ``decode`` (``"gpu"`` with ``device="cuda"``: nvCOMP per window);
     - sample: ``window=SampleWindow(history, lead, stride)`` (time steps: ``name`` inputs and

@@ -10,6 +10,7 @@ from stores import BLOSC, Var
 import insitubatch_nodes as ib
 from insitubatch_nodes.budget import resident_bound
 from insitubatch_nodes.inspection import format_report, inspect_source, recommend
+from insitubatch_nodes.loader import default_prefetch_windows
 from insitubatch_nodes.quality import recommend_block_chunks, shuffle_quality
 
 VARS = [
@@ -85,8 +86,9 @@ def test_recommendation_follows_the_quality_model(store, quality, batch, want):
     assert rec.block_chunks == rec.block_chunks_for_quality == want
     assert rec.quality == pytest.approx(shuffle_quality(15, 8, want, batch))
     assert rec.block_chunks_memory_cap is None
-    assert rec.resident_bound_bytes == resident_bound(source.grid, source.variables, want, 1,
-                                                      batch)
+    ahead = default_prefetch_windows(source)  # what recommend assumes when not told
+    assert rec.resident_bound_bytes == resident_bound(source.grid, source.variables, want,
+                                                      ahead, batch)
 
 
 def test_memory_budget_caps_and_the_result_builds(store):
@@ -94,7 +96,8 @@ def test_memory_budget_caps_and_the_result_builds(store):
     manifest = ib.split_by_chunk(source, fractions=(1.0,))
     free = recommend(source, 1.0, None, batch_size=32)
     # room for 4 chunks, not 5
-    budget = resident_bound(source.grid, source.variables, 4, 1, 32) + 10
+    budget = resident_bound(source.grid, source.variables, 4,
+                            default_prefetch_windows(source), 32) + 10
     rec = recommend(source, 1.0, budget, batch_size=32)
     assert rec.block_chunks_memory_cap == 4 and rec.block_chunks == 4 < free.block_chunks
     assert rec.quality < 1.0 and "caps block_chunks at 4" in rec.note
