@@ -263,20 +263,33 @@ def test_resume_refetches_at_most_one_window(medium):
 
 # -- memory ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("batch", "block"), [(8, 4), (32, 1), (32, 2), (20, 3)])
-def test_resident_memory_stays_within_bound(store_dir, batch, block):
+@pytest.mark.parametrize(("batch", "block", "ahead"),
+                         [(8, 4, 1), (32, 1, 1), (32, 2, 1), (20, 3, 1), (8, 4, 2), (20, 3, 2)])
+def test_resident_memory_stays_within_bound(store_dir, batch, block, ahead):
     src, _ = make(store_dir, [Var("x", (600, 32, 32), (8, 32, 32), compressors=BLOSC),
                               Var("y", (600, 16), (4, 16), dtype="int16")])
     m = ib.split_by_chunk(src, (1.0,))
     window = block * (8 * 32 * 32 * 4 + 8 * 16 * 2)
     loader = ib.build_loader(src, m, "train", batch_size=batch, block_chunks=block,
-                             prefetch_windows=1)
+                             prefetch_windows=ahead)
     for _ in range(2):
         for _ in loader:
             assert loader.ledger.resident <= loader.resident_bound
     assert 0 < loader.ledger.peak <= loader.resident_bound
     # The bound is a few windows, independent of the epoch's length.
-    assert loader.resident_bound <= (3 + -(-batch // (8 * block))) * window
+    assert loader.resident_bound <= (2 + ahead + -(-batch // (8 * block))) * window
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 2), (2, 3), (3, 4), (16, 4), (None, 2)])
+def test_default_fetch_depth_and_decode_threads(medium, monkeypatch, cores, threads):
+    """Left unset: two windows ahead on a local disk too, and one decode thread more than
+    cores (at most 4), so GIL waits around each chunk do not leave a core idle."""
+    src, _, m = medium
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    with ib.build_loader(src, m, "train", batch_size=32) as loader:
+        fetch = loader.node(ib.AsyncFetchNode)
+        assert fetch.prefetch_windows == 2 and fetch.decode_threads == threads
+        assert sum(len(b["sample_index"]) for b in loader) == m.n_samples_in("train")
 
 
 def test_memory_budget_is_checked(medium):
