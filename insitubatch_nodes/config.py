@@ -72,10 +72,11 @@ class FetchConfig:
     where decoding runs, the resident-memory budget and the retry policy.
 
     ``prefetch_windows=None`` means 2 (``default_prefetch_windows``: a round trip hidden at
-    each window edge of an object store, a decode pool kept busy on a local disk).
+    each window edge of an object store, a decode pool kept busy on a local disk);
+    ``decode_threads=None`` means cores + 1, at most 4 (``default_decode_threads``).
     ``decode`` is ``"cpu"``, ``"gpu"`` or a ``FrameDecoder`` object (tests pass
-    ``HostFrameDecoder``). ``in_place`` decodes every
-    chunk straight into its batch row (one sample per chunk, CPU decode, no time steps):
+    ``HostFrameDecoder``). ``in_place`` decodes every chunk straight into its batch row
+    (one sample per chunk, CPU decode, no time steps):
     ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.
     ``cache`` (a ``ChunkCache``) keeps the stored chunks of object stores and icechunk on
     local disk, so later epochs read them from there.
