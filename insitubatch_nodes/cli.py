@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chunks per loader window (default 16); 'auto': the loader's own "
                         "default (~64 MB windows when it decodes in place)")
     b.add_argument("--max-inflight", type=_positive_int, default=32)
-    b.add_argument("--decode-threads", type=_positive_int, default=None)
+    b.add_argument("--decode-threads", type=_positive_int, default=None,
+                   help="the loader's decode threads (default: the loader's, cores + 1, at most 4)")
     b.add_argument("--epochs", type=_positive_int, default=None,
                    help="loader epochs per measurement (default 5; 3 with --sweep); the best "
                         "after the first is the steady state")
