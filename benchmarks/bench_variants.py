@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     block = loader_block_chunks(source, manifest, cfg)
     floor = GatherFloor(source, manifest.chunk_ids(SPLIT), cfg.floor_threads, block,
                         cfg.batch_size, cfg.seed)
-    loaders = {name: ib.build_loader(source, manifest, SPLIT,
-                                     **{**cfg.loader_kwargs(), "block_chunks": block, **kw})
-               for name, kw in variants.items()}
-    try:
+    loaders: dict[str, ib.InSituLoader] = {}
+    try:  # a variant that does not build still stops the floor's and the others' threads
+        for name, kw in variants.items():
+            loaders[name] = ib.build_loader(source, manifest, SPLIT, **{
+                **cfg.loader_kwargs(), "block_chunks": block, **kw})
         for _ in range(2):  # warm-up: threads, first touch of buffers and code
             floor.run_pass()
             for ld in loaders.values():

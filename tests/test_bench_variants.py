@@ -1,0 +1,40 @@
+"""benchmarks/bench_variants: loader variants side by side against the gather floor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from stores import BLOSC, Var, write_store
+
+from benchmarks.bench_variants import main, parse_variant
+
+
+def test_a_variant_is_integer_build_loader_keywords():
+    assert parse_variant("prefetch_windows=2,max_inflight=64") == {"prefetch_windows": 2,
+                                                                  "max_inflight": 64}
+    with pytest.raises(SystemExit, match="'decode_threads' is not key=value"):
+        parse_variant("decode_threads")
+    with pytest.raises(SystemExit, match=r"prefetch_windows='two' is not an integer"):
+        parse_variant("prefetch_windows=two")
+
+
+def test_every_variant_gets_its_paired_ratio(tmp_path, capsys):
+    write_store(tmp_path / "s.zarr", [Var("x", (96, 8, 8), (8, 8, 8), compressors=BLOSC)])
+    out = tmp_path / "v.json"
+    assert main(["--store", str(tmp_path / "s.zarr"), "--variant", "prefetch_windows=1",
+                 "--variant", "prefetch_windows=2,decode_threads=3", "--rounds", "3",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [v["variant"] for v in got["variants"]] == ["prefetch_windows=1",
+                                                       "prefetch_windows=2,decode_threads=3"]
+    assert len(got["floor_seconds"]) == 3
+    assert all(0 < v["q1"] <= v["median"] <= v["q3"] for v in got["variants"])
+    assert "x floor+copy: median" in capsys.readouterr().out
+
+
+def test_a_loader_keyword_that_does_not_exist_is_refused(tmp_path):
+    write_store(tmp_path / "s.zarr", [Var("x", (32, 4), (8, 4))])
+    with pytest.raises(TypeError, match="no_such_knob"):
+        main(["--store", str(tmp_path / "s.zarr"), "--variant", "prefetch_windows=1",
+              "--variant", "no_such_knob=1"])
