@@ -66,7 +66,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     GROUP_BYTES = 4 << 20  # a grouped local pool task reads at most ~this many decoded bytes
 
     def __init__(self, source: BaseNode[ReadPlan], dataset: Source, *, max_inflight: int = 32,
-                 prefetch_windows: int = 1, decode_threads: int | None = None,
+                 prefetch_windows: int = 2, decode_threads: int | None = None,
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
                  device_decode: FrameDecoder | None = None,
