@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -30,7 +29,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np  # noqa: E402
 
 import insitubatch_nodes as ib  # noqa: E402
-from insitubatch_nodes.bench.common import bench_manifest, print_machine  # noqa: E402
+from insitubatch_nodes.bench.common import (  # noqa: E402
+    OtherLoad,
+    bench_manifest,
+    consume,
+    print_machine,
+)
 from insitubatch_nodes.bench.core import (  # noqa: E402
     SPLIT,
     CoreConfig,
@@ -54,13 +58,6 @@ def parse_variant(text: str) -> dict[str, int]:
     return out
 
 
-def epoch_seconds(loader: ib.InSituLoader) -> float:
-    t0 = time.perf_counter()
-    for _ in loader:
-        pass
-    return time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="a local Zarr store (path or file:// URL)")
@@ -79,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     block = loader_block_chunks(source, manifest, cfg)
     floor = GatherFloor(source, manifest.chunk_ids(SPLIT), cfg.floor_threads, block,
                         cfg.batch_size, cfg.seed)
+    n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
+
+    def epoch_seconds(loader: ib.InSituLoader) -> float:
+        """One epoch, each batch touched as a model would (``consume``, as ``bench``)."""
+        return consume(loader, n_batches, "", source.names[0], progress=False)[1]
+
     loaders: dict[str, ib.InSituLoader] = {}
+    other = OtherLoad().__enter__()
     try:  # a variant that does not build still stops the floor's and the others' threads
         for name, kw in variants.items():
             loaders[name] = ib.build_loader(source, manifest, SPLIT, **{
@@ -97,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             for n in names[r % len(names):] + names[: r % len(names)]:
                 ratios[n].append(f / epoch_seconds(loaders[n]))
     finally:
+        other.__exit__()
         floor.close()
         for ld in loaders.values():
             ld.close()
     print(f"store {source.url}: block_chunks {block}, batch {cfg.batch_size}, "
-          f"{args.rounds} rounds; floor + one gather copy: median {np.median(floor_s):.3f} s")
+          f"{args.rounds} rounds; floor + one gather copy: median {np.median(floor_s):.3f} s; "
+          f"other processes used {other.cores:.2f} cores meanwhile")
     rows = []
     for n in names:
         a = np.asarray(ratios[n])
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine, "store": source.url,
                                          "block_chunks": block, "rounds": args.rounds,
+                                         "other_cores": other.cores,
                                          "floor_seconds": floor_s, "variants": rows}, indent=2))
     return 0
 
