@@ -24,13 +24,24 @@ def test_every_variant_gets_its_paired_ratio(tmp_path, capsys):
     out = tmp_path / "v.json"
     assert main(["--store", str(tmp_path / "s.zarr"), "--variant", "prefetch_windows=1",
                  "--variant", "prefetch_windows=2,decode_threads=3", "--rounds", "3",
-                 "--json", str(out)]) == 0
+                 "--floor-threads", "2,3", "--first-batch", "2", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert [v["variant"] for v in got["variants"]] == ["prefetch_windows=1",
                                                        "prefetch_windows=2,decode_threads=3"]
     assert len(got["floor_seconds"]) == 3 and got["other_cores"] >= 0
-    assert all(0 < v["q1"] <= v["median"] <= v["q3"] for v in got["variants"])
+    assert len(got["floor_idle_core_s"]) == 3
+    assert [f["threads"] for f in got["other_floors"]] == [3]
+    assert got["other_floors"][0]["reference_over_this"] > 0
+    for v in got["variants"]:
+        assert 0 < v["q1"] <= v["median"] <= v["q3"]
+        assert min(v["first_batch_s"].values()) > 0
     assert "x floor+copy: median" in capsys.readouterr().out
+
+
+def test_floor_threads_must_be_counts(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--store", str(tmp_path / "none.zarr"), "--variant", "prefetch_windows=1",
+              "--floor-threads", "2,x"])
 
 
 def test_a_loader_keyword_that_does_not_exist_is_refused(tmp_path):

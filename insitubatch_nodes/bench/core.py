@@ -381,15 +381,16 @@ def time_loader(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
 
 
 def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
-                     repeats: int = 3) -> dict[str, Any]:
+                     repeats: int = 3, **overrides: Any) -> dict[str, Any]:
     """Seconds from building a loader to holding its first batch: fresh, and resumed from a
     state taken after ``resume_after`` batches (build a loader, take k batches, save the
     state, build a fresh loader, load it, time the first batch). Best of ``repeats``.
 
     Each loader is collected before the next clock starts: a resumed job is a fresh process,
     and freeing the last loader's windows inside the timing (a cyclic GC and hundreds of MB
-    unmapped) doubled the medians on 178 MB windows."""
-    kw = cfg.loader_kwargs()
+    unmapped) doubled the medians on 178 MB windows. ``overrides``: more ``build_loader``
+    keywords (``benchmarks/bench_variants.py`` times its variants with them)."""
+    kw = {**cfg.loader_kwargs(), **overrides}
     n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
     k = max(1, min(cfg.resume_after, n_batches - 1))
     with ib.build_loader(source, manifest, SPLIT, **kw) as loader:
