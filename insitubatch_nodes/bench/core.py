@@ -171,8 +171,8 @@ class StripeFloor:
 
 class GatherFloor:
     """The read floor plus the one copy every shuffling loader must make: each sample copied
-    once, in shuffled batches, from the decoded stripes into one reused batch buffer per
-    variable (local stores only).
+    once, in shuffled batches, from the decoded stripes into ``HELD`` batch buffers per
+    variable, in turn (local stores only).
 
     Stripes decode (``read_local``, as in ``StripeFloor``) in windows of ``block_chunks`` on
     ``threads`` pool threads, two windows ahead, while the main thread gathers the current
@@ -187,7 +187,7 @@ class GatherFloor:
     that hands out batches can make it.
     """
 
-    AHEAD = 2  # windows decoding while one is gathered (the loader's head + prefetch)
+    AHEAD = 2  # windows decoding while one is gathered (the loader's prefetch_windows, 2)
     HELD = 2  # batches alive at once: the one the consumer holds, the one being made
 
     def __init__(self, source: ib.Source, chunk_ids: np.ndarray, threads: int,
