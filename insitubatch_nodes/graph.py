@@ -38,6 +38,7 @@ from .nodes import (
     SplitNode,
     TransformNode,
 )
+from .nodes.async_fetch import DEFAULT_PREFETCH_WINDOWS
 from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode
 from .nodes.pin_or_cuda import resolve_device
@@ -84,7 +85,7 @@ def default_prefetch_windows(source: Source) -> int:
     window more of memory for ~5% more samples/s on two saturated cores). ``source`` is
     kept so the default may depend on the store again."""
     del source
-    return 2
+    return DEFAULT_PREFETCH_WINDOWS
 
 
 def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,

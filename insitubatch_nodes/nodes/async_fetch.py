@@ -40,6 +40,11 @@ log = logging.getLogger("insitubatch_nodes")
 GroupRead = Callable[[int, list[int], list[np.ndarray], float], list[int]]
 
 
+# Windows fetched ahead of the one being drawn, on every store (graph.default_prefetch_windows
+# says why): the node's default and the loader's are this one number.
+DEFAULT_PREFETCH_WINDOWS = 2
+
+
 def default_decode_threads() -> int:
     """One more decode thread than cores, at most 4. A decode thread waits for the GIL
     around every chunk (open, read, close, decode each release and retake it) while the
@@ -66,7 +71,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     GROUP_BYTES = 4 << 20  # a grouped local pool task reads at most ~this many decoded bytes
 
     def __init__(self, source: BaseNode[ReadPlan], dataset: Source, *, max_inflight: int = 32,
-                 prefetch_windows: int = 2, decode_threads: int | None = None,
+                 prefetch_windows: int = DEFAULT_PREFETCH_WINDOWS,
+                 decode_threads: int | None = None,
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
                  device_decode: FrameDecoder | None = None,
