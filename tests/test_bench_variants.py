@@ -33,7 +33,7 @@ def test_every_variant_gets_its_paired_ratio(tmp_path, capsys):
     assert [f["threads"] for f in got["other_floors"]] == [3]
     assert got["other_floors"][0]["reference_over_this"] > 0
     for v in got["variants"]:
-        assert 0 < v["q1"] <= v["median"] <= v["q3"]
+        assert v["median"] > 0 and v["idle_core_s"] == v["idle_core_s"]  # a number, not NaN
         assert min(v["first_batch_s"].values()) > 0
     assert "x floor+copy: median" in capsys.readouterr().out
 

@@ -154,7 +154,9 @@ def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     # same name is another store
     from insitubatch_nodes.io.chunk_cache import _read_entry
 
-    for path in (tmp_path / "cache" / "v1").glob("??/*"):
+    entries = sorted((tmp_path / "cache" / "v1").glob("??/*"))
+    assert len(entries) == cache.entries()  # every entry's identity is read below
+    for path in entries:
         with open(path, "rb") as f:
             ident = _read_entry(f)[0].decode()
         assert ident.startswith(f"s3://data/sharded.zarr at {server.endpoint}\n"), ident

@@ -277,7 +277,7 @@ def test_resident_memory_stays_within_bound(store_dir, batch, block, ahead):
             assert loader.ledger.resident <= loader.resident_bound
     assert 0 < loader.ledger.peak <= loader.resident_bound
     # The bound is a few windows, independent of the epoch's length.
-    assert loader.resident_bound <= (2 + ahead + -(-batch // (8 * block))) * window
+    assert loader.resident_bound <= (1 + ahead + -(-batch // (8 * block))) * window
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 2), (2, 3), (3, 4), (16, 4), (None, 2)])
