@@ -1,7 +1,8 @@
 """Which library decodes each codec fastest into a given buffer, alone and on two threads.
 
-``io/decode.py`` decodes the chains we special-case with numcodecs; this benchmark is the
-measurement behind that choice (DESIGN.md, "Decoders"). Each candidate decodes the same
+``io/decode.py`` decodes the chains we special-case with numcodecs, gzip and zlib with
+libdeflate (imagecodecs) where installed; this benchmark is the measurement behind that
+choice (DESIGN.md, "Decoders"). Each candidate decodes the same
 frames into one preallocated buffer per thread, as the loader does: one thread (the cost of
 a chunk) and two threads (the decode pool on the project's 2-core VM: a library that holds
 the GIL, or runs its own threads, does not scale). Rounds alternate the candidates and a

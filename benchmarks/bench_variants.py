@@ -18,8 +18,9 @@ times floors of other thread counts against the first. The measurement behind th
         --floor-threads 2,3 --first-batch 15
 
 A variant is ``key=value[,key=value]`` of ``build_loader`` integer keywords; every variant
-also gets the benchmark's batch size, seed, decode threads and the ``block_chunks`` the
-loader picks by default (the floor shuffles in windows of that size).
+also gets ``bench``'s batch size (32), seed and ``block_chunks`` (16, not the loader's own
+default: windows of one-sample chunks decoded in place are larger by default), and the
+floor shuffles in windows of that size.
 """
 
 from __future__ import annotations

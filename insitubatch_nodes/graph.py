@@ -81,9 +81,9 @@ class Resolved:
 def default_prefetch_windows(source: Source) -> int:
     """2 windows ahead of the one being drawn, on every store. On object stores one would
     expose a round trip at each window edge (README "Latency"); on local disks the decode
-    pool ran dry whenever the consumer was slow at a window edge (README "Speed": one
-    window more of memory for ~5% more samples/s on two saturated cores). ``source`` is
-    kept so the default may depend on the store again."""
+    pool ran dry whenever the consumer was slow at a window edge (DESIGN.md "Prefetch depth
+    on local disks": one window more of memory for -1 to +8% samples/s on two saturated
+    cores). ``source`` is kept so the default may depend on the store again."""
     del source
     return DEFAULT_PREFETCH_WINDOWS
 
