@@ -49,7 +49,7 @@ def default_decode_threads() -> int:
     """One more decode thread than cores, at most 4. A decode thread waits for the GIL
     around every chunk (open, read, close, decode each release and retake it) while the
     training thread runs Python; a third thread on two cores keeps them busy meanwhile
-    (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk, the floor gains nothing)."""
+    (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk, the floor about 2%)."""
     return min(4, (os.cpu_count() or 1) + 1)
 
 
