@@ -112,7 +112,8 @@ class FetchStats:
     peak_in_flight: int = 0
     slot_wait_s: float = 0.0  # stripe-seconds waiting for an in-flight slot
     read: ReadTimes = field(default_factory=ReadTimes)  # store / decode / pool-queue times
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
+                                  compare=False)
 
     def slot_taken(self, waited_s: float) -> None:
         """A stripe read took one of the ``max_inflight`` slots after ``waited_s``."""

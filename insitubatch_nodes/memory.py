@@ -65,7 +65,8 @@ class BufferPool:
         return self.take_many(shape, dtype, 1)[0]
 
     def take_many(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> list[np.ndarray]:
-        """``n`` buffers of one shape and dtype (a window's stripes), under one lock."""
+        """``n`` buffers of one shape and dtype (a window's stripes): the lock is taken twice
+        per call, not per buffer."""
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
             free = self._free.get(key)

@@ -141,7 +141,8 @@ class ChunkCache:
 
     def has(self, ident: str) -> bool:
         """Whether an entry for ``ident`` exists (one ``stat``, no read, no check): cheap
-        enough for the event loop, so a miss goes to the store without a pool hand-off."""
+        enough for the event loop, so a miss goes to the store without a pool hand-off, and
+        for the pool threads that skip re-writing a partly cached stripe's chunks."""
         return os.path.exists(self.path(ident))
 
     def put(self, ident: str, data: bytes | memoryview) -> None:

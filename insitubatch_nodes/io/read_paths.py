@@ -122,8 +122,9 @@ class LocalFiles(ReadPath):
         try:
             buf = _scratch(0)
             got = os.readv(fd, [buf])
-            while got == len(buf):  # maybe more: grow to the file's size, read the rest
-                buf = _scratch(max(os.fstat(fd).st_size, got + 1), keep=got)
+            while got == len(buf):  # maybe more: grow past the file's size, read the rest
+                # (one byte more than the file, so a read that reaches its end stops here)
+                buf = _scratch(max(os.fstat(fd).st_size, got) + 1, keep=got)
                 more = os.preadv(fd, [buf[got:]], got)
                 if not more:
                     break
@@ -251,9 +252,10 @@ _MISS = b""  # never stored in a cache entry's place: a stored chunk is never em
 
 @dataclass(frozen=True, eq=False)
 class CachedGets(AsyncGets):
-    """``gets`` through a local ``ChunkCache``: a stripe's cached chunks are read (and, if
-    all were there, decoded) in one pool task; the others come from the store and enter the
-    cache only after they decoded (or passed ``check``), so damaged bytes are never cached.
+    """``gets`` through a local ``ChunkCache``: a stripe whose chunks are all cached is read
+    and decoded in one pool task; any other stripe comes whole from the store, its chunks
+    entering the cache (those not already there) only after they decoded (or passed
+    ``check``), so damaged bytes are never cached.
     The reader's retries and error naming see the store's own failures unchanged."""
 
     gets: AsyncGets
