@@ -223,3 +223,34 @@ def test_inflate_takes_libdeflate_where_installed_and_numcodecs_decides_the_rest
     out[:] = 0
     slow.decode_into(enc.encode(x), out)
     np.testing.assert_array_equal(out, x)
+
+
+def test_hdf5_shuffle_over_zlib_decodes_chunks_of_any_size_one_after_another(tmp_path):
+    """The inflate under HDF5's shuffle goes to a buffer each decode thread reuses: chunks of
+    different sizes (edge chunks, other variables) decoded in turn on one thread each come
+    out as numcodecs decodes them, whichever came before."""
+    import numcodecs
+    from zarr.codecs.numcodecs import Shuffle, Zlib
+
+    from insitubatch_nodes.io.decode import decoder_for
+
+    pytest.importorskip("imagecodecs")
+    rng = np.random.default_rng(0)
+    cases = []
+    for shape, dtype in [((40, 50), "f4"), ((3, 7), "f8"), ((64, 64), "i2"), ((5,), "f4")]:
+        x = rng.normal(size=shape).astype(dtype)
+        arr = zarr.create_array(tmp_path / f"{dtype}{x.size}.zarr", shape=shape, chunks=shape,
+                                dtype=dtype,
+                                compressors=[Shuffle(elementsize=x.itemsize), Zlib(level=3)])
+        arr[:] = x
+        dec = decoder_for(arr)
+        assert dec is not None and any(dec.fast)
+        stored = (tmp_path / f"{dtype}{x.size}.zarr" / "c" / "/".join("0" * x.ndim)).read_bytes()
+        cases.append((dec, stored, x))
+    for dec, stored, x in cases + cases[::-1]:
+        out = np.empty_like(x)
+        dec.decode_into(stored, out)
+        np.testing.assert_array_equal(out, x)
+        ref = numcodecs.Shuffle(x.itemsize).decode(numcodecs.Zlib().decode(stored))
+        np.testing.assert_array_equal(out.reshape(-1).view(np.uint8),
+                                      np.frombuffer(ref, np.uint8))

@@ -9,6 +9,7 @@ zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from .retry import DECODE_ERRORS, ChunkDecodeError
 
 # DECODE_ERRORS and gzip's BadGzipFile (an OSError): bytes in hand, so not the store's.
 _CODEC_ERRORS = (*DECODE_ERRORS, OSError)
+_inflated = threading.local()  # per decode thread: the inflate buffer under HDF5's shuffle
 
 
 Inflate = Callable[[object, np.ndarray], bool]
@@ -93,7 +95,7 @@ class ChunkDecoder:
                 else:
                     codec.decode(buf, out=out)  # numcodecs fills a given ``out``
             elif fast is not None:  # HDF5's zlib under its shuffle: inflates to the chunk's size
-                tmp = np.empty(out.shape, out.dtype)
+                tmp = _inflate_buffer(out)
                 buf = tmp if fast(buf, tmp) else codec.decode(buf)
             else:
                 buf = codec.decode(buf)
@@ -101,6 +103,16 @@ class ChunkDecoder:
             _copy_bytes(buf, out)
         if self.byteswap:
             out.byteswap(inplace=True)
+
+
+def _inflate_buffer(out: np.ndarray) -> np.ndarray:
+    """This thread's reused buffer, shaped as ``out``, for an inflate the shuffle then reads:
+    a fresh one per chunk page-faulted its memory in every time (``BufferPool``: that halves
+    decode throughput). Valid until this thread's next chunk."""
+    buf = getattr(_inflated, "buf", None)
+    if buf is None or buf.nbytes < out.nbytes:
+        buf = _inflated.buf = np.empty(max(out.nbytes, 1 << 16), np.uint8)
+    return buf[: out.nbytes].view(out.dtype).reshape(out.shape)
 
 
 def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> None:
