@@ -2,6 +2,7 @@
 ledger counts what is really resident."""
 
 import gc
+import threading
 
 import numpy as np
 import torch
@@ -72,7 +73,15 @@ def test_a_give_back_from_a_collection_inside_the_pool_does_not_deadlock():
     cycle: list = [view]
     cycle.append(cycle)
     del view, cycle
-    with pool._lock:  # as if an allocation under the lock started the collection
-        gc.collect()
+
+    def collect_under_the_lock() -> None:
+        with pool._lock:  # as if an allocation under the lock started the collection
+            gc.collect()
+
+    # on a thread, so a give-back that waits on itself fails the test instead of hanging it
+    t = threading.Thread(target=collect_under_the_lock, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "the give-back deadlocked on the pool's lock"
     assert ledger.resident == 0  # given back during the collection
     assert pool.take((3,), np.float32).base is base
