@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import ChainMap, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,8 +215,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         for v, var in enumerate(self.variables):
             if len(drawn) == 1:
                 lookup = drawn[0].window.arrays[v]
-            else:  # a batch across a window edge: stripe indices are global, so merge
-                lookup = {k: a for res in drawn for k, a in res.window.arrays[v].items()}
+            else:  # a batch across a window edge: stripe indices are global, so chain
+                lookup = ChainMap(*(res.window.arrays[v] for res in drawn))
             var_runs = runs.get(var.sample_chunk)
             if var_runs is None:
                 var_runs = runs[var.sample_chunk] = _runs(samples, steps, var.sample_chunk)
