@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {"local": [], "remote": [], "cold": [], "warm": []}
     with moto_serving(staged, work) as (server, logs):
         try:
-            proxy = ProxyProcess(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])),
+            proxy = ProxyProcess(server.address,
                                  args.latency_ms / 1000, logs / "proxy.log")
             OURS[:] = [psutil.Process(), psutil.Process(server.process.pid),
                        psutil.Process(proxy.process.pid)]

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     proxies: list[ProxyProcess] = []
     with moto_serving(staged, work) as (server, logs):
         try:
-            upstream = ("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]))
+            upstream = server.address
             moto = psutil.Process(server.process.pid)
             me = psutil.Process(os.getpid())
             plain = [(i, 1) for i in args.inflight]

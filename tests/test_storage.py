@@ -79,7 +79,7 @@ def test_epoch_survives_faults_and_latency(s3):
     server, data = s3
     plan = FaultPlan(latency_s=0.02, error_rate=0.02, reset_rate=0.015, truncate_rate=0.015,
                      seed=3)
-    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+    with FaultProxy(server.address, plan) as proxy:
         src = open_s3(server, endpoint=proxy.endpoint)
         m = ib.split_by_chunk(src, (1.0,))
         loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=8,
@@ -99,7 +99,7 @@ def test_device_decode_path_over_s3_survives_faults(s3):
     server, data = s3
     plan = FaultPlan(latency_s=0.01, error_rate=0.02, reset_rate=0.015, truncate_rate=0.04,
                      seed=5)
-    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+    with FaultProxy(server.address, plan) as proxy:
         src = open_s3(server, endpoint=proxy.endpoint)
         m = ib.split_by_chunk(src, (1.0,))
         dec = HostFrameDecoder()
@@ -117,7 +117,7 @@ def test_device_decode_path_over_s3_survives_faults(s3):
 def test_stall_longer_than_timeout_is_retried(s3):
     server, data = s3
     plan = FaultPlan(stall_first=2, stall_s=4.0)
-    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+    with FaultProxy(server.address, plan) as proxy:
         src = open_s3(server, endpoint=proxy.endpoint,
                       client_options={"allow_http": True, "timeout": "1s"})
         m = ib.split_by_chunk(src, (1.0,))
@@ -131,7 +131,7 @@ def test_stall_longer_than_timeout_is_retried(s3):
 def test_a_chunk_that_always_fails_ends_the_epoch_loudly(s3):
     server, _ = s3
     plan = FaultPlan(always_fail=("/x/c/5/",))
-    with FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])), plan) as proxy:
+    with FaultProxy(server.address, plan) as proxy:
         src = open_s3(server, endpoint=proxy.endpoint)
         m = ib.split_by_chunk(src, (1.0,))
         loader = ib.build_loader(src, m, "train", batch_size=16, retry=FAST_RETRY)

@@ -38,6 +38,11 @@ class S3Server:
     key_id: str = ""
     secret: str = ""
 
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) the server listens on: what a ``FaultProxy`` forwards to."""
+        return "127.0.0.1", int(self.endpoint.rsplit(":", 1)[1])
+
     def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
         opts: dict[str, Any] = {
             "endpoint": endpoint or self.endpoint,
