@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {"local": [], "remote": [], "cold": [], "warm": []}
     with moto_serving(staged, work) as (server, logs):
         try:
-            proxy = ProxyProcess(server.address,
-                                 args.latency_ms / 1000, logs / "proxy.log")
+            proxy = ProxyProcess(server.address, args.latency_ms / 1000, logs / "proxy.log")
             OURS[:] = [psutil.Process(), psutil.Process(server.process.pid),
                        psutil.Process(proxy.process.pid)]
             remote = ib.open_source(f"s3://{BUCKET}/{KEY}", variables=[VAR],
