@@ -45,7 +45,7 @@ import psutil
 import insitubatch_nodes as ib
 from insitubatch_nodes.bench.common import OtherLoad, machine_info
 from insitubatch_nodes.synthetic import DemoSpec, write_store
-from insitubatch_nodes.testing.s3server import start_moto
+from insitubatch_nodes.testing.s3server import serving
 
 VAR = "t2m"
 BUCKET, KEY = "bench", "era5.zarr"
@@ -100,13 +100,8 @@ def moto_serving(store: StagedStore, work: Path) -> Iterator[tuple[Any, Path]]:
     and stops it on exit, a plain ``kill`` of the benchmark included."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logs = Path(tempfile.mkdtemp(prefix="logs-", dir=work))
-    server = start_moto(logs)
-    try:
-        server.make_bucket(BUCKET)
-        server.upload_dir(store.path, BUCKET, KEY)
+    with serving(logs, BUCKET, {KEY: store.path}) as server:
         yield server, logs
-    finally:
-        server.stop()
 
 
 # -- processes ----------------------------------------------------------------------------

@@ -66,16 +66,9 @@ def stores_on_s3(folder: Path, stores: dict[str, list[Var]],
                  bucket: str = "data") -> Iterator[tuple[Any, dict[str, dict[str, np.ndarray]]]]:
     """moto on loopback serving each store (written under ``folder``) at
     ``s3://bucket/<name>``: yields (server, {name: the data written}); stopped on exit."""
-    from insitubatch_nodes.testing.s3server import start_moto
+    from insitubatch_nodes.testing.s3server import serving
 
-    server = start_moto(folder)
-    try:
-        server.make_bucket(bucket)
-        data = {}
-        for name, variables in stores.items():
-            local = folder / f"local-{name}"
-            data[name] = write_store(local, variables)
-            server.upload_dir(local, bucket, name)
+    data = {name: write_store(folder / f"local-{name}", variables)
+            for name, variables in stores.items()}
+    with serving(folder, bucket, {name: folder / f"local-{name}" for name in stores}) as server:
         yield server, data
-    finally:
-        server.stop()

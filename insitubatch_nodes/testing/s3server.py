@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,20 @@ def start_moto(log_dir: Path) -> S3Server:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("moto server did not start within 30 s")
+
+
+@contextmanager
+def serving(log_dir: Path, bucket: str, stores: Mapping[str, Path]) -> Iterator[S3Server]:
+    """moto with each local store of ``stores`` at ``s3://bucket/<key>``, stopped on exit:
+    what the S3 tests and the remote benchmarks all start from."""
+    server = start_moto(log_dir)
+    try:
+        server.make_bucket(bucket)
+        for key, local in stores.items():
+            server.upload_dir(local, bucket, key)
+        yield server
+    finally:
+        server.stop()
 
 
 def _bootstrap(server: S3Server) -> S3Server:
