@@ -197,3 +197,30 @@ def test_fetch_counters_change_only_under_their_lock():
         t.join()
     assert (stats.slot_wait_s, stats.in_flight, stats.peak_in_flight) == (0.5, 0, 1)
     assert (stats.stripes, stats.bytes_decoded, stats.windows, stats.chunks) == (2, 16, 1, 3)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_fetch_writes_its_shared_counters_only_under_their_lock(store_factory, monkeypatch,
+                                                                     in_place):
+    """Every counter that pool threads and the consumer share is written with the lock held,
+    on both local paths (a write from a caller that skips ``FetchStats``' methods fails the
+    epoch: the assertion raises on the thread that wrote)."""
+    from insitubatch_nodes.counters import FetchStats
+
+    shared = {"windows", "chunks", "stripes", "bytes_decoded", "in_flight", "peak_in_flight",
+              "slot_wait_s"}
+    plain = FetchStats.__setattr__
+    writes = []
+
+    def guarded(self, name, value):
+        if name in shared and "_lock" in self.__dict__:
+            assert self._lock.locked(), f"FetchStats.{name} written without its lock"
+            writes.append(name)
+        plain(self, name, value)
+
+    monkeypatch.setattr(FetchStats, "__setattr__", guarded)
+    src = ib.open_source(store_factory([Var("x", (64, 6), (1, 6), compressors=BLOSC)])[0])
+    m = ib.split_by_chunk(src, (1.0,))
+    with ib.build_loader(src, m, "train", batch_size=8, in_place=in_place) as loader:
+        assert sum(len(b["sample_index"]) for b in loader) == 64
+    assert {"windows", "stripes", "in_flight"} <= set(writes)
