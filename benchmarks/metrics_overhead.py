@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _extract(repo: Path, rev: str | None, dest: Path, name: str) -> None:
+def extract_package(repo: Path, rev: str | None, dest: Path, name: str) -> None:
     """The package as of ``rev`` (``None``: the working tree) as ``dest/name``."""
     dest.mkdir(parents=True)
     if rev is None:
@@ -47,7 +47,7 @@ def _cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _epoch(loader) -> tuple[float, float, int]:
+def timed_epoch(loader) -> tuple[float, float, int]:
     """(wall s, process CPU s, samples) of one epoch; only this loader is running."""
     c0, t0 = _cpu(), time.perf_counter()
     n = 0
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(__file__).resolve().parents[1]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        _extract(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
-        _extract(repo, args.current_rev, Path(tmp) / "c", "ib_current")
+        extract_package(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
+        extract_package(repo, args.current_rev, Path(tmp) / "c", "ib_current")
         sys.path[:0] = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
         mods = {"baseline": importlib.import_module("ib_baseline"),
                 "current": importlib.import_module("ib_current")}
@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
                 loaders[name] = ib.build_loader(src, m, "train", batch_size=args.batch_size,
                                                 block_chunks=args.block_chunks)
             for loader in loaders.values():  # warm-up: threads, pools, buffers
-                _epoch(loader)
-                _epoch(loader)
+                timed_epoch(loader)
+                timed_epoch(loader)
             times: dict[str, list[float]] = {"baseline": [], "current": []}
             cpu: dict[str, list[float]] = {"baseline": [], "current": []}
             n = 0
             for r in range(args.rounds):
                 order = ["baseline", "current"] if r % 2 == 0 else ["current", "baseline"]
                 for name in order:
-                    dt, dc, n = _epoch(loaders[name])
+                    dt, dc, n = timed_epoch(loaders[name])
                     times[name].append(dt)
                     cpu[name].append(dc)
             for loader in loaders.values():

@@ -174,6 +174,45 @@ def test_fetch_error_reaches_consumer_with_note_and_repeats(corrupt):
     loader.close()
 
 
+def test_first_window_of_an_epoch_is_fetched_alone(setup):
+    """No window ahead is submitted until the first one is out (it would share the cores
+    with the first window's last stripes); then the usual depth is kept."""
+    from torchdata.nodes import BaseNode
+
+    src, m = setup[0], setup[1]
+    pending_at_pull: list[tuple[int, int]] = []
+
+    class Recording(BaseNode):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+            self.inner.reset(initial_state)
+
+        def next(self):
+            pending_at_pull.append(fetch.windows_pending())
+            return next(self.inner)
+
+        def get_state(self):
+            return self.inner.state_dict()
+
+    fetch = ib.AsyncFetchNode(Recording(build(src, m, "plan")), src, prefetch_windows=2)
+    try:
+        for epoch in range(2):
+            pending_at_pull.clear()
+            fetch.reset()
+            next(fetch)
+            # the first plan pulled with nothing in flight; the second only once the
+            # first window was delivered (nothing pending), then the third behind it
+            assert [p for p, _ in pending_at_pull] == [0, 0, 1], epoch
+            next(fetch)  # and from then on two windows ahead of the one delivered
+            assert [p for p, _ in pending_at_pull] == [0, 0, 1, 2], epoch
+    finally:
+        fetch.shutdown()
+
+
 def test_close_stops_threads(setup):
     src, m, _ = setup
     fetch = build(src, m, "fetch")

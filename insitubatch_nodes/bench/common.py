@@ -208,10 +208,12 @@ class LoaderSettings:
         return kw
 
 
-def bench_manifest(source: Any, fraction: float, seed: int) -> Any:
-    """The split every benchmark measures: the first ``fraction`` of the chunks as "train"."""
-    import insitubatch_nodes as ib
+def bench_manifest(source: Any, fraction: float, seed: int, package: Any = None) -> Any:
+    """The split every benchmark measures: the first ``fraction`` of the chunks as "train"
+    (made by ``package``, another version of this one, for ``benchmarks/bench_revisions``)."""
+    import insitubatch_nodes
 
+    ib = package if package is not None else insitubatch_nodes
     fractions = (fraction, 1 - fraction) if fraction < 1 else (1.0,)
     return ib.split_by_chunk(source, fractions=fractions, seed=seed)
 

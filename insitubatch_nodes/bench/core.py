@@ -21,7 +21,7 @@ import queue
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -381,7 +381,8 @@ def time_loader(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
 
 
 def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
-                     repeats: int = 3, **overrides: Any) -> dict[str, Any]:
+                     repeats: int = 3, build: Callable[..., Any] | None = None,
+                     **overrides: Any) -> dict[str, Any]:
     """Seconds from building a loader to holding its first batch: fresh, and resumed from a
     state taken after ``resume_after`` batches (build a loader, take k batches, save the
     state, build a fresh loader, load it, time the first batch). Best of ``repeats``.
@@ -389,11 +390,13 @@ def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreCon
     Each loader is collected before the next clock starts: a resumed job is a fresh process,
     and freeing the last loader's windows inside the timing (a cyclic GC and hundreds of MB
     unmapped) doubled the medians on 178 MB windows. ``overrides``: more ``build_loader``
-    keywords (``benchmarks/bench_variants.py`` times its variants with them)."""
+    keywords (``benchmarks/bench_variants.py`` times its variants with them); ``build``:
+    another ``build_loader`` (another version's, ``benchmarks/bench_revisions.py``)."""
+    build = build if build is not None else ib.build_loader
     kw = {**cfg.loader_kwargs(), **overrides}
     n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
     k = max(1, min(cfg.resume_after, n_batches - 1))
-    with ib.build_loader(source, manifest, SPLIT, **kw) as loader:
+    with build(source, manifest, SPLIT, **kw) as loader:
         it = iter(loader)
         for _ in range(k):
             next(it)
@@ -402,7 +405,7 @@ def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreCon
     def once(resume: bool) -> tuple[float, float]:
         gc.collect()  # the previous loader's memory goes now, not inside the timing
         t0 = time.perf_counter()
-        with ib.build_loader(source, manifest, SPLIT, **kw) as fresh:
+        with build(source, manifest, SPLIT, **kw) as fresh:
             if resume:
                 fresh.load_state_dict(state)
             t1 = time.perf_counter()

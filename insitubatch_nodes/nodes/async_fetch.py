@@ -119,6 +119,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._running: list[Future | DirectWindow] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
+        self._started = False  # a window was delivered since the last reset
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -193,6 +194,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.arena.clear()
         self._error = None
         self._exhausted = False
+        self._started = False
         self.source.reset(None if initial_state is None
                           else require(initial_state, self.SOURCE_KEY, self))
         self._delivered = copy_state(self.source.state_dict())
@@ -558,7 +560,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._check_process()
         if self._error is not None:
             raise self._error
-        self._top_up(self.prefetch_windows + 1)
+        # The first window of an epoch (or a restore) goes alone: windows ahead of it would
+        # share the cores with its last stripes and delay the first batch (DESIGN.md "Time
+        # to first batch"); they go in as soon as it is out.
+        self._top_up(self.prefetch_windows + 1 if self._started else 1)
+        self._started = True
         if not self._fifo:
             raise StopIteration
         fut, snap, in_place = self._fifo[0]

@@ -1,0 +1,128 @@
+"""The loader at two git revisions side by side: epochs and first batches, paired.
+
+A change to the loader's own code (not a setting ``bench_variants`` can vary) is measured
+here: both versions of the package are extracted (``git archive``) under different names and
+loaded into **one** process, as ``metrics_overhead`` does, each with its own loader on the
+same store and its own defaults (plus ``bench``'s batch size, seed and the ``block_chunks``
+the current version picks). Epochs alternate between the two (ABBA...); then first batches,
+fresh and resumed (``bench``'s ``time_first_batch``, each version's ``build_loader``),
+alternating as well. Figures are medians over rounds; the epoch figure is the median of
+baseline seconds / current seconds (> 1: the current version is faster). Run on demand,
+never as a test, from the repository root::
+
+    .venv/bin/python -m benchmarks.bench_revisions --store /path/t2m-c8.zarr \\
+        --baseline-rev 7b33b8a --rounds 20 --first-batch 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.metrics_overhead import extract_package, timed_epoch  # noqa: E402
+from insitubatch_nodes.bench.common import bench_manifest, print_machine  # noqa: E402
+from insitubatch_nodes.bench.core import (  # noqa: E402
+    SPLIT,
+    CoreConfig,
+    loader_block_chunks,
+    time_first_batch,
+)
+
+NAMES = ("baseline", "current")
+
+
+def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int) -> dict[str, Any]:
+    """One store: paired epochs, then paired first batches, of each version's loader."""
+    cfg = CoreConfig(url=store)
+    srcs = {n: mods[n].open_source(store) for n in NAMES}
+    mans = {n: bench_manifest(srcs[n], 1.0, cfg.seed, mods[n]) for n in NAMES}
+    import insitubatch_nodes as ib
+
+    here = ib.open_source(store)
+    block = loader_block_chunks(here, bench_manifest(here, 1.0, cfg.seed), cfg)
+    kw = {**cfg.loader_kwargs(), "block_chunks": block}
+    loaders = {n: mods[n].build_loader(srcs[n], mans[n], SPLIT, **kw) for n in NAMES}
+    times: dict[str, list[float]] = {n: [] for n in NAMES}
+    try:
+        for n in NAMES:  # warm-up: threads, pools, buffers
+            timed_epoch(loaders[n])
+            timed_epoch(loaders[n])
+        for r in range(rounds):
+            for n in NAMES if r % 2 == 0 else NAMES[::-1]:
+                times[n].append(timed_epoch(loaders[n])[0])
+    finally:
+        for ld in loaders.values():
+            ld.close()
+    first: dict[str, dict[str, list[float]]] = {n: {"fresh": [], "resumed": []} for n in NAMES}
+    for r in range(first_batch):
+        for n in NAMES if r % 2 == 0 else NAMES[::-1]:
+            t = time_first_batch(srcs[n], mans[n], cfg, 1, build=mods[n].build_loader,
+                                 block_chunks=block)
+            first[n]["fresh"].append(t["first_batch_s"])
+            first[n]["resumed"].append(t["first_batch_after_resume_s"])
+    ratio = np.asarray(times["baseline"]) / np.asarray(times["current"])
+    q1, med, q3 = np.percentile(ratio, [25, 50, 75])
+    out: dict[str, Any] = {"store": store, "block_chunks": block, "rounds": rounds,
+                           "epoch_s": {n: float(np.median(times[n])) for n in NAMES},
+                           "baseline_over_current": {"median": float(med), "q1": float(q1),
+                                                     "q3": float(q3)}}
+    line = (f"{store}: epoch median baseline {out['epoch_s']['baseline']:.3f} s, current "
+            f"{out['epoch_s']['current']:.3f} s; paired baseline / current {med:.3f} "
+            f"(IQR {q1:.3f}..{q3:.3f}) over {rounds} pairs")
+    if first_batch:
+        out["first_batch_s"] = {n: {k: float(np.median(v)) for k, v in first[n].items()}
+                                for n in NAMES}
+        fb = out["first_batch_s"]
+        line += (f"; first batch, median fresh / resumed: baseline "
+                 f"{fb['baseline']['fresh']:.4f} / {fb['baseline']['resumed']:.4f} s, current "
+                 f"{fb['current']['fresh']:.4f} / {fb['current']['resumed']:.4f} s "
+                 f"({first_batch} rounds)")
+    print(line, flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--store", action="append", required=True, help="a local Zarr store")
+    p.add_argument("--baseline-rev", required=True, help="the git revision to compare with")
+    p.add_argument("--current-rev", default=None,
+                   help="the revision measured against it (default: the working tree)")
+    p.add_argument("--rounds", type=int, default=20, help="epochs per version, alternating")
+    p.add_argument("--first-batch", type=int, default=0, metavar="ROUNDS",
+                   help="also time first batches, fresh and resumed, this many rounds")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+    if args.rounds < 3:
+        p.error(f"--rounds {args.rounds}: a median needs at least 3")
+    machine = print_machine()
+    repo = Path(__file__).resolve().parents[1]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        extract_package(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
+        extract_package(repo, args.current_rev, Path(tmp) / "c", "ib_current")
+        sys.path[:0] = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
+        mods = {"baseline": importlib.import_module("ib_baseline"),
+                "current": importlib.import_module("ib_current")}
+        print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
+        for store in args.store:
+            results.append(compare(mods, store, args.rounds, args.first_batch))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine, "baseline_rev": args.baseline_rev,
+                                         "current_rev": args.current_rev, "results": results},
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
