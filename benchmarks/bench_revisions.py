@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -104,18 +105,32 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error(f"--rounds {args.rounds}: a median needs at least 3")
-    machine = print_machine()
     repo = Path(__file__).resolve().parents[1]
+    for rev in (args.baseline_rev, args.current_rev):
+        if rev is not None and subprocess.run(
+                ["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                capture_output=True).returncode != 0:
+            p.error(f"{rev!r} is not a commit of the repository at {repo} (give a hash, tag "
+                    "or branch that `git log` shows)")
+    machine = print_machine()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         extract_package(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
         extract_package(repo, args.current_rev, Path(tmp) / "c", "ib_current")
-        sys.path[:0] = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
-        mods = {"baseline": importlib.import_module("ib_baseline"),
-                "current": importlib.import_module("ib_current")}
-        print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
-        for store in args.store:
-            results.append(compare(mods, store, args.rounds, args.first_batch))
+        added = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
+        sys.path[:0] = added
+        try:
+            mods = {"baseline": importlib.import_module("ib_baseline"),
+                    "current": importlib.import_module("ib_current")}
+            print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
+            for store in args.store:
+                results.append(compare(mods, store, args.rounds, args.first_batch))
+        finally:  # a second run in this process imports its own revisions afresh
+            for path in added:
+                sys.path.remove(path)
+            for name in [m for m in sys.modules if m.split(".")[0] in ("ib_baseline",
+                                                                        "ib_current")]:
+                del sys.modules[name]
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine, "baseline_rev": args.baseline_rev,
