@@ -149,7 +149,8 @@ def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     check_exact(epoch(loader), data)
     cache.flush()
     first = loader.stats()
-    assert first.cache_hits == 0 and first.cache_misses > 0 and cache.entries() > 0
+    # (epoch 1 can hit the index of a shard an earlier window of the epoch cached already)
+    assert first.cache_misses > 0 and cache.entries() > 0
     # keyed by the endpoint too, as on the decode path: another endpoint's bucket of the
     # same name is another store
     from insitubatch_nodes.io.chunk_cache import _read_entry
@@ -163,7 +164,8 @@ def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     check_exact(epoch(loader), data)
     second = loader.stats()
     assert second.cache_misses == first.cache_misses  # epoch 2: all from the cache
-    assert second.cache_hits == first.cache_misses and cache.verify() == 0
+    assert second.cache_hits - first.cache_hits == first.cache_misses + first.cache_hits
+    assert cache.verify() == 0
     loader.close()
 
 
