@@ -66,15 +66,19 @@ class RssSampler:
 
     With ``children=True`` (DataLoader workers) it sums the *proportional* set size (PSS) of
     the process and its children instead: RSS would count every page a forked worker shares
-    with its parent once per process.
+    with its parent once per process. ``poll=False`` samples on entry and exit only: a
+    timed epoch the peers and floors run without a sampler must not carry one either (the
+    100 Hz thread takes the GIL from the training thread); its memory is measured apart.
     """
 
-    def __init__(self, interval_s: float | None = None, children: bool = False) -> None:
+    def __init__(self, interval_s: float | None = None, children: bool = False,
+                 poll: bool = True) -> None:
         import psutil
 
         # Walking child processes costs CPU the workers need: poll them less often.
         self.interval_s = interval_s or (0.025 if children else 0.01)
         self.children = children
+        self.poll = poll
         self._proc = psutil.Process()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="rss-sampler", daemon=True)
@@ -98,12 +102,14 @@ class RssSampler:
 
     def __enter__(self) -> RssSampler:
         self.baseline = self.peak = self._rss()
-        self._thread.start()
+        if self.poll:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.poll:
+            self._thread.join()
         self.peak = max(self.peak, self._rss())
 
     @property

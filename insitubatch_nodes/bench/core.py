@@ -330,7 +330,9 @@ class LoaderEpochs:
         loader = self.loader
         fetch = loader.node(ib.AsyncFetchNode)
         loader.ledger.reset_peak()
-        with RssSampler() as rss, OtherLoad() as other:
+        # No polling thread in a timed epoch (floors and peers have none); the loader's
+        # memory is measured alone in a fresh process (rss_probe).
+        with RssSampler(poll=False) as rss, OtherLoad() as other:
             samples, secs, first, used = consume(loader, self.n_batches,
                                                  f"{self.label} epoch {epoch}", self.key,
                                                  self.cfg.progress)

@@ -119,7 +119,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._running: list[Future | DirectWindow] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
-        self._started = False  # a window was delivered since the last reset
+        self._started = False  # next() ran since the last reset (the first window went in)
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
