@@ -3,8 +3,8 @@
 A change to the loader's own code (not a setting ``bench_variants`` can vary) is measured
 here: both versions of the package are extracted (``git archive``) under different names and
 loaded into **one** process, as ``metrics_overhead`` does, each with its own loader on the
-same store and its own defaults (plus ``bench``'s batch size, seed and the ``block_chunks``
-the current version picks). Epochs alternate between the two (ABBA...); then first batches,
+same store and its own defaults but ``bench``'s batch size, seed, ``block_chunks`` (16) and
+``max_inflight``. Epochs alternate between the two (ABBA...); then first batches,
 fresh and resumed (``bench``'s ``time_first_batch``, each version's ``build_loader``),
 alternating as well. Figures are medians over rounds; the epoch figure is the median of
 baseline seconds / current seconds (> 1: the current version is faster). Run on demand,
@@ -30,7 +30,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np  # noqa: E402
 
-from benchmarks.metrics_overhead import extract_package, timed_epoch  # noqa: E402
+import insitubatch_nodes as ib  # noqa: E402
+from benchmarks.metrics_overhead import epoch_wall_cpu, extract_package  # noqa: E402
 from insitubatch_nodes.bench.common import bench_manifest, print_machine  # noqa: E402
 from insitubatch_nodes.bench.core import (  # noqa: E402
     SPLIT,
@@ -42,25 +43,26 @@ from insitubatch_nodes.bench.core import (  # noqa: E402
 NAMES = ("baseline", "current")
 
 
-def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int) -> dict[str, Any]:
+def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int,
+            cfg: CoreConfig) -> dict[str, Any]:
     """One store: paired epochs, then paired first batches, of each version's loader."""
-    cfg = CoreConfig(url=store)
     srcs = {n: mods[n].open_source(store) for n in NAMES}
     mans = {n: bench_manifest(srcs[n], 1.0, cfg.seed, mods[n]) for n in NAMES}
-    import insitubatch_nodes as ib
-
     here = ib.open_source(store)
     block = loader_block_chunks(here, bench_manifest(here, 1.0, cfg.seed), cfg)
     kw = {**cfg.loader_kwargs(), "block_chunks": block}
-    loaders = {n: mods[n].build_loader(srcs[n], mans[n], SPLIT, **kw) for n in NAMES}
+    loaders: dict[str, Any] = {}
     times: dict[str, list[float]] = {n: [] for n in NAMES}
-    try:
+    try:  # a version that does not build still stops the other's threads
+        for n in NAMES:
+            loaders[n] = mods[n].build_loader(srcs[n], mans[n], SPLIT, **kw)
+        modules = {n: type(loaders[n]).__module__ for n in NAMES}
         for n in NAMES:  # warm-up: threads, pools, buffers
-            timed_epoch(loaders[n])
-            timed_epoch(loaders[n])
+            epoch_wall_cpu(loaders[n])
+            epoch_wall_cpu(loaders[n])
         for r in range(rounds):
             for n in NAMES if r % 2 == 0 else NAMES[::-1]:
-                times[n].append(timed_epoch(loaders[n])[0])
+                times[n].append(epoch_wall_cpu(loaders[n])[0])
     finally:
         for ld in loaders.values():
             ld.close()
@@ -74,6 +76,7 @@ def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int) -> 
     ratio = np.asarray(times["baseline"]) / np.asarray(times["current"])
     q1, med, q3 = np.percentile(ratio, [25, 50, 75])
     out: dict[str, Any] = {"store": store, "block_chunks": block, "rounds": rounds,
+                           "batch_size": cfg.batch_size, "loader_modules": modules,
                            "epoch_s": {n: float(np.median(times[n])) for n in NAMES},
                            "baseline_over_current": {"median": float(med), "q1": float(q1),
                                                      "q3": float(q3)}}
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="epochs per version, alternating")
     p.add_argument("--first-batch", type=int, default=0, metavar="ROUNDS",
                    help="also time first batches, fresh and resumed, this many rounds")
+    p.add_argument("--batch-size", type=int, default=CoreConfig.batch_size)
+    p.add_argument("--resume-after", type=int, default=CoreConfig.resume_after,
+                   help="batches taken before the state a resumed first batch starts from")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     if args.rounds < 3:
@@ -124,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                     "current": importlib.import_module("ib_current")}
             print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
             for store in args.store:
-                results.append(compare(mods, store, args.rounds, args.first_batch))
+                cfg = CoreConfig(url=store, batch_size=args.batch_size,
+                                 resume_after=args.resume_after)
+                results.append(compare(mods, store, args.rounds, args.first_batch, cfg))
         finally:  # a second run in this process imports its own revisions afresh
             for path in added:
                 sys.path.remove(path)

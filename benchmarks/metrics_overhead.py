@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def _cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def timed_epoch(loader) -> tuple[float, float, int]:
+def epoch_wall_cpu(loader: Any) -> tuple[float, float, int]:
     """(wall s, process CPU s, samples) of one epoch; only this loader is running."""
     c0, t0 = _cpu(), time.perf_counter()
     n = 0
@@ -91,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
                 loaders[name] = ib.build_loader(src, m, "train", batch_size=args.batch_size,
                                                 block_chunks=args.block_chunks)
             for loader in loaders.values():  # warm-up: threads, pools, buffers
-                timed_epoch(loader)
-                timed_epoch(loader)
+                epoch_wall_cpu(loader)
+                epoch_wall_cpu(loader)
             times: dict[str, list[float]] = {"baseline": [], "current": []}
             cpu: dict[str, list[float]] = {"baseline": [], "current": []}
             n = 0
             for r in range(args.rounds):
                 order = ["baseline", "current"] if r % 2 == 0 else ["current", "baseline"]
                 for name in order:
-                    dt, dc, n = timed_epoch(loaders[name])
+                    dt, dc, n = epoch_wall_cpu(loaders[name])
                     times[name].append(dt)
                     cpu[name].append(dc)
             for loader in loaders.values():

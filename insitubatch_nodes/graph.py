@@ -23,6 +23,7 @@ from torchdata.nodes import BaseNode
 from .arena import BatchArena
 from .budget import check_budget
 from .config import LoaderConfig, SampleConfig, SamplingConfig
+from .first_batch import FirstBatch
 from .geometry import SampleGrid
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
@@ -363,10 +364,12 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     layout = resolved.layout
     arena = (BatchArena(layout, pool, steps) if resolved.in_place and layout is not None
              else None)
+    first = FirstBatch()  # the shuffle buffer tells the fetch what its first batch needs
     fetch = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                            prefetch_windows=resolved.prefetch_windows,
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,
-                           retry=f.retry, device_decode=resolved.frame_decoder, arena=arena)
+                           retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
+                           first=first)
     if f.cache is not None:
         for reader in fetch.readers:
             reader.use_cache(f.cache, source.snapshot_id)
@@ -374,7 +377,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     if done("fetch", node):
         return Graph(node, stages, ledger)
     node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last,
-                             arena=arena)
+                             arena=arena, first=first)
     if done("shuffle", node):
         return Graph(node, stages, ledger)
     gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords(),

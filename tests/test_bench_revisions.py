@@ -25,6 +25,9 @@ def test_epochs_and_first_batches_of_both_versions(tmp_path, capsys):
     got = json.loads(out.read_text())
     assert got["baseline_rev"] == head and got["current_rev"] is None
     (res,) = got["results"]
+    # each side ran its own copy of the package, not the working tree's
+    assert res["loader_modules"]["baseline"].startswith("ib_baseline.")
+    assert res["loader_modules"]["current"].startswith("ib_current.")
     assert res["baseline_over_current"]["median"] > 0
     assert min(res["epoch_s"].values()) > 0
     for version in ("baseline", "current"):

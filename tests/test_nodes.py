@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 from stores import BLOSC, Var, write_store
+from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.first_batch import FirstBatch
 from insitubatch_nodes.graph import build_graph, resolve
 from insitubatch_nodes.items import BatchDraw, DecodedWindow, ScheduledWindow
 from insitubatch_nodes.nodes import (
@@ -174,43 +176,85 @@ def test_fetch_error_reaches_consumer_with_note_and_repeats(corrupt):
     loader.close()
 
 
+class RecordingPlans(BaseNode):
+    """Passes plans through, noting ``fetch.windows_pending()`` as each is pulled."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.fetch = None
+        self.pending: list[int] = []
+
+    def reset(self, initial_state=None):
+        super().reset(initial_state)
+        self.pending.clear()
+        self.inner.reset(initial_state)
+
+    def next(self):
+        self.pending.append(self.fetch.windows_pending()[0])
+        return next(self.inner)
+
+    def get_state(self):
+        return self.inner.state_dict()
+
+
+def fetch_recording(src, m, first=None):
+    plans = RecordingPlans(build(src, m, "plan"))
+    plans.fetch = ib.AsyncFetchNode(plans, src, prefetch_windows=2, first=first)
+    return plans, plans.fetch
+
+
 def test_first_window_of_an_epoch_is_fetched_alone(setup):
     """No window ahead is submitted until the first one is out (it would share the cores
     with the first window's last stripes); then the usual depth is kept."""
-    from torchdata.nodes import BaseNode
-
     src, m = setup[0], setup[1]
-    pending_at_pull: list[tuple[int, int]] = []
-
-    class Recording(BaseNode):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def reset(self, initial_state=None):
-            super().reset(initial_state)
-            self.inner.reset(initial_state)
-
-        def next(self):
-            pending_at_pull.append(fetch.windows_pending())
-            return next(self.inner)
-
-        def get_state(self):
-            return self.inner.state_dict()
-
-    fetch = ib.AsyncFetchNode(Recording(build(src, m, "plan")), src, prefetch_windows=2)
+    plans, fetch = fetch_recording(src, m)
     try:
         for epoch in range(2):
-            pending_at_pull.clear()
             fetch.reset()
             next(fetch)
             # the first plan pulled with nothing in flight; the second only once the
             # first window was delivered (nothing pending), then the third behind it
-            assert [p for p, _ in pending_at_pull] == [0, 0, 1], epoch
+            assert plans.pending == [0, 0, 1], epoch
             next(fetch)  # and from then on two windows ahead of the one delivered
-            assert [p for p, _ in pending_at_pull] == [0, 0, 1, 2], epoch
+            assert plans.pending == [0, 0, 1, 2], epoch
     finally:
         fetch.shutdown()
+
+
+@pytest.mark.parametrize(("batch", "restore_after", "together"), [
+    (7, 0, 1),  # within the first window (24 draws): it goes alone
+    (30, 0, 2),  # runs into the second window: both go in at once
+    (7, 3, 2),  # restored 21 draws into the head window: 3 left there, 4 from the next
+    (7, 2, 1),  # restored 14 draws in: the batch is within the head window
+])
+def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_after,
+                                                        together):
+    """With the shuffle buffer's ``FirstBatch``, the fetch starts with every window the first
+    batch (after a restore: the next batch) draws from, and no more."""
+    src, m = setup[0], setup[1]
+    state = None
+    if restore_after:
+        first = FirstBatch()
+        _, fetch = fetch_recording(src, m, first)
+        shuffle = ShuffleBufferNode(fetch, src.variables, batch, first=first)
+        try:
+            shuffle.reset()
+            for _ in range(restore_after):
+                next(shuffle)
+            state = shuffle.state_dict()
+        finally:
+            shuffle.shutdown()
+    first = FirstBatch()
+    plans, fetch = fetch_recording(src, m, first)
+    shuffle = ShuffleBufferNode(fetch, src.variables, batch, first=first)
+    try:
+        shuffle.reset(state)
+        next(shuffle)
+        # pulled before the first window went out: nothing, then one pending, ...
+        assert plans.pending[:together + 1] == [*range(together), 0 if together == 1 else 1]
+    finally:
+        shuffle.shutdown()
 
 
 def test_close_stops_threads(setup):

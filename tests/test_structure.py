@@ -107,7 +107,8 @@ def test_no_import_cycle():
 # layer and the layers below, never one above.
 LAYERS = [
     {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute", "fingerprint",
-     "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout", "arena"},
+     "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout", "arena",
+     "first_batch"},
     {"io", "storage", "anemoi", "source", "stats", "split"},
     {"config"},
     {"nodes"},

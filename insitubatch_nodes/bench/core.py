@@ -397,10 +397,10 @@ def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreCon
     another ``build_loader`` (another version's, ``benchmarks/bench_revisions.py``)."""
     build = build if build is not None else ib.build_loader
     kw = {**cfg.loader_kwargs(), **overrides}
-    n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
-    # At most halfway: the batch timed after the restore is a full one, not an epoch's short
-    # last batch (on a 200-step store, 10 batches in would leave the 8-sample remainder).
-    k = max(1, min(cfg.resume_after, (n_batches - 1) // 2))
+    # At most halfway through the full batches: the batch timed after the restore is a full
+    # one, not the epoch's short last batch (which a 200-step store's 10 batches in were).
+    full = manifest.n_samples_in(SPLIT) // cfg.batch_size
+    k = max(1, min(cfg.resume_after, (full - 1) // 2))
     with build(source, manifest, SPLIT, **kw) as loader:
         it = iter(loader)
         for _ in range(k):

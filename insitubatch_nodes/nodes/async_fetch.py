@@ -20,6 +20,7 @@ from torchdata.nodes import BaseNode
 
 from ..arena import BatchArena
 from ..counters import FetchStats
+from ..first_batch import FirstBatch
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.loop_thread import LoopThread
@@ -76,7 +77,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
                  device_decode: FrameDecoder | None = None,
-                 arena: BatchArena | None = None) -> None:
+                 arena: BatchArena | None = None, first: FirstBatch | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -92,6 +93,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.retry = retry if retry is not None else RetryPolicy()
         # Plans with batch slots are decoded straight into these batches (graph.py decides).
         self.arena = arena
+        # The draws the first batch reaches, from the shuffle buffer (graph.py wires it);
+        # without it the first window goes alone.
+        self.first = first
         self.stats = FetchStats()
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, dataset.url)
@@ -522,15 +526,19 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             finally:
                 self.stats.slot_released()
 
-    def _top_up(self, depth: int) -> None:
-        """Keep ``depth`` undelivered windows submitted (pulling plans from upstream)."""
+    def _top_up(self, depth: int, draws: int | None = None) -> None:
+        """Keep ``depth`` undelivered windows submitted (pulling plans from upstream); with
+        ``draws``, stop as soon as the windows pulled here hold that many draws."""
         lt = self._ensure_loop()
-        while not self._exhausted and len(self._fifo) < depth:
+        held = 0
+        while (not self._exhausted and len(self._fifo) < depth
+               and (draws is None or held < draws)):
             try:
                 plan = next(self.source)
             except StopIteration:
                 self._exhausted = True
                 break
+            held += plan.n_samples
             snap = copy_state(self.source.state_dict())
             if plan.slots is not None and self.arena is not None:
                 job = self._prepare_in_place(plan)
@@ -560,10 +568,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._check_process()
         if self._error is not None:
             raise self._error
-        # The first window of an epoch (or a restore) goes alone: windows ahead of it would
-        # share the cores with its last stripes and delay the first batch (DESIGN.md "Time
-        # to first batch"); they go in as soon as it is out.
-        self._top_up(self.prefetch_windows + 1 if self._started else 1)
+        if self._started:
+            self._top_up(self.prefetch_windows + 1)
+        else:
+            # The first batch's windows alone: windows ahead of them would share the cores
+            # with their last stripes and delay it (DESIGN.md "Time to first batch"); they go
+            # in as soon as the first is out.
+            need = self.first.draws if self.first is not None else 0
+            self._top_up(self.prefetch_windows + 1, draws=max(1, need))
         self._started = True
         if not self._fifo:
             raise StopIteration

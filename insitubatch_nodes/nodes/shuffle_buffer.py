@@ -13,6 +13,7 @@ from torchdata.nodes import BaseNode
 
 from ..arena import BatchArena
 from ..counters import ShuffleStats
+from ..first_batch import FirstBatch
 from ..geometry import VariableGeometry
 from ..items import BatchDraw, DecodedWindow, GatherPart
 from .state import copy_state, require, require_count, shutdown_source
@@ -74,7 +75,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
 
     def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
                  batch_size: int, drop_last: bool = False,
-                 arena: BatchArena | None = None) -> None:
+                 arena: BatchArena | None = None, first: FirstBatch | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -84,6 +85,9 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self.drop_last = bool(drop_last)
         # Where windows with batch slots were decoded (the same arena as the fetch's).
         self.arena = arena
+        # Told at each reset how far into its first windows the first batch draws, so the
+        # fetch submits just those first (graph.py hands the fetch the same object).
+        self.first = first
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
@@ -111,6 +115,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         else:
             self.source.reset(None)
             self._skip = 0
+        if self.first is not None:
+            self.first.draws = self._skip + self.batch_size
 
     def _pull(self) -> _Resident | None:
         snap = copy_state(self.source.state_dict())
