@@ -42,7 +42,9 @@ class Run:
     sample_nbytes: int
     first_batch_s: float | None = None
     cpu_s: float | None = None
-    rss_peak: int | None = None  # bytes, process (+ workers) at its highest during the run
+    # bytes, process (+ workers) at its highest during the run (a run timed without a
+    # polling thread, RssSampler(poll=False): the larger of its start and its end)
+    rss_peak: int | None = None
     rss_growth: int | None = None  # bytes above the RSS when the run started
     extra: dict[str, Any] = field(default_factory=dict)
 
