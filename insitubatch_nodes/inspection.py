@@ -168,8 +168,8 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     want = recommend_block_chunks(n_units, unit, batch_size, quality) * step
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     grid, variables = source.grid, source.variables
-    if in_place is None:  # what build_loader decides with its defaults for this store
-        in_place = decodes_in_place(source) and steps is None
+    if in_place is None:  # what build_loader decides with its defaults (time steps too)
+        in_place = decodes_in_place(source, steps)
     runs = 1 if run is None else max(1, want // run)
 
     def bound(block: int) -> int:
