@@ -16,6 +16,7 @@ from .config import (
 from .dataset import SampleDataset
 from .distributed import merge_rank_states
 from .fingerprint import StateFingerprint
+from .first_batch import FirstBatch
 from .geometry import SampleGrid, VariableGeometry
 from .io.chunk_cache import ChunkCache
 from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
@@ -55,5 +56,5 @@ __all__ = [
     "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
     "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache", "ChunkReadError",
-    "CorruptChunkError", "StateFingerprint",
+    "CorruptChunkError", "StateFingerprint", "FirstBatch",
 ]
