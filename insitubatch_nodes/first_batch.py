@@ -2,7 +2,7 @@
 
 At the start the fetch submits only the windows that the first batch draws from: windows
 ahead of them would share the cores with their last stripes and delay it; it tops up to its
-usual depth once they are out. Only the shuffle buffer knows how many draws that is (its
+usual depth once all of them are out. Only the shuffle buffer knows how many draws that is (its
 batch size, and after a restore the head window's draws delivered before), so the graph
 builder hands one ``FirstBatch`` to both, and neither looks for the other.
 """

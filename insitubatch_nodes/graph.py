@@ -250,11 +250,11 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
     return max(DEFAULT_BLOCK_CHUNKS, min(256, IN_PLACE_WINDOW_BYTES // max(1, sample_bytes)))
 
 
-def decodes_in_place(source: Source, steps: SampleWindow | None = None) -> bool:
-    """Whether ``build_loader`` with its defaults (and time ``steps``, if given) decodes
-    ``source`` straight into batches (every variable one sample per chunk, as ARCO-ERA5 /
-    WeatherBench2 / anemoi stores): ``inspection.recommend`` sizes windows for that path."""
-    return _not_in_place(source, steps, None, build_layout(source.variables)) is None
+def decodes_in_place(source: Source) -> bool:
+    """Whether ``build_loader`` with its defaults decodes ``source`` straight into batches
+    (every variable one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores),
+    with or without time steps: ``inspection.recommend`` sizes windows for that path."""
+    return _not_in_place(source, None, None, build_layout(source.variables)) is None
 
 
 def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDecoder | None,

@@ -169,7 +169,7 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     grid, variables = source.grid, source.variables
     if in_place is None:  # what build_loader decides with its defaults (time steps too)
-        in_place = decodes_in_place(source, steps)
+        in_place = decodes_in_place(source)
     runs = 1 if run is None else max(1, want // run)
 
     def bound(block: int) -> int:

@@ -204,9 +204,10 @@ def fetch_recording(src, m, first=None):
     return plans, plans.fetch
 
 
-def test_first_window_of_an_epoch_is_fetched_alone(setup):
-    """No window ahead is submitted until the first one is out (it would share the cores
-    with the first window's last stripes); then the usual depth is kept."""
+def test_without_first_batch_the_first_window_is_fetched_alone(setup):
+    """A hand-built fetch without a ``FirstBatch``: no window ahead is submitted until the
+    first one is out (it would share the cores with its last stripes); then the usual depth
+    is kept."""
     src, m = setup[0], setup[1]
     plans, fetch = fetch_recording(src, m)
     try:
@@ -231,7 +232,8 @@ def test_first_window_of_an_epoch_is_fetched_alone(setup):
 def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_after,
                                                         together):
     """With the shuffle buffer's ``FirstBatch``, the fetch starts with every window the first
-    batch (after a restore: the next batch) draws from, and no more."""
+    batch (after a restore: the next batch) draws from, and no more; the windows ahead go in
+    once all of those are out."""
     src, m = setup[0], setup[1]
     state = None
     if restore_after:
@@ -251,8 +253,20 @@ def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_aft
     try:
         shuffle.reset(state)
         next(shuffle)
-        # pulled before the first window went out: nothing, then one pending, ...
-        assert plans.pending[:together + 1] == [*range(together), 0 if together == 1 else 1]
+        # the first batch's windows pulled together (0, 1, ... pending), then, once all are
+        # out (nothing pending), the two ahead
+        assert plans.pending == [*range(together), 0, 1]
+        shuffle.reset()  # a fresh epoch after a restore: back to the batch size
+        assert first.draws == batch
+    finally:
+        shuffle.shutdown()
+
+
+def test_the_graph_hands_one_first_batch_to_the_fetch_and_the_shuffle_buffer(setup):
+    shuffle = build(setup[0], setup[1], "shuffle")
+    try:
+        assert isinstance(shuffle, ShuffleBufferNode)
+        assert shuffle.first is not None and shuffle.first is shuffle.source.first
     finally:
         shuffle.shutdown()
 

@@ -123,7 +123,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._running: list[Future | DirectWindow] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
-        self._started = False  # next() ran since the last reset (the first window went in)
+        self._started = False  # next() ran since the last reset (the first windows went in)
+        self._held = 0  # of those, the first batch's windows not yet delivered: none go ahead
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -199,6 +200,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._error = None
         self._exhausted = False
         self._started = False
+        self._held = 0
         self.source.reset(None if initial_state is None
                           else require(initial_state, self.SOURCE_KEY, self))
         self._delivered = copy_state(self.source.state_dict())
@@ -568,15 +570,16 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._check_process()
         if self._error is not None:
             raise self._error
-        if self._started:
-            self._top_up(self.prefetch_windows + 1)
-        else:
+        if not self._started:
             # The first batch's windows alone: windows ahead of them would share the cores
             # with their last stripes and delay it (DESIGN.md "Time to first batch"); they go
-            # in as soon as the first is out.
+            # in once all of them are out.
             need = self.first.draws if self.first is not None else 0
             self._top_up(self.prefetch_windows + 1, draws=max(1, need))
-        self._started = True
+            self._held = len(self._fifo)
+            self._started = True
+        elif not self._held:
+            self._top_up(self.prefetch_windows + 1)
         if not self._fifo:
             raise StopIteration
         fut, snap, in_place = self._fifo[0]
@@ -584,7 +587,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self._fifo.popleft()
             self._running = [f for f in self._running if not f.done()] + [fut]
             self._delivered = snap
-            self._top_up(self.prefetch_windows)
+            self._after_delivery()
             return DecodedWindow(in_place, tuple({} for _ in in_place.reads))
         t0 = time.perf_counter()
         try:
@@ -602,8 +605,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if self.window_decoder is not None:
             self.window_decoder.hand_over([t for a in win.arrays for t in a.values()
                                            if isinstance(t, torch.Tensor)])
-        self._top_up(self.prefetch_windows)  # ahead of the window just delivered
+        self._after_delivery()
         return win
+
+    def _after_delivery(self) -> None:
+        """A window went out: keep ``prefetch_windows`` ahead of it, unless windows the first
+        batch needs are still to come (then nothing goes ahead of them yet)."""
+        self._held = max(0, self._held - 1)
+        if not self._held:
+            self._top_up(self.prefetch_windows)
 
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched)."""

@@ -107,16 +107,18 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._resident.clear()
         self._exhausted = False
         self._error: BaseException | None = None
-        if initial_state is not None:
-            self.source.reset(require(initial_state, self.SOURCE_KEY, self))
-            self._skip = require_count(initial_state, self.OFFSET_KEY, self)
-            if self.arena is not None:
-                self.arena.skip_next(self._skip)  # the fetch need not decode them again
-        else:
-            self.source.reset(None)
-            self._skip = 0
+        # The skip and the first batch's reach are set before upstream resets: a prefetching
+        # stage between may ask the fetch for windows as soon as it is reset.
+        self._skip = (0 if initial_state is None
+                      else require_count(initial_state, self.OFFSET_KEY, self))
         if self.first is not None:
             self.first.draws = self._skip + self.batch_size
+        if initial_state is not None:
+            if self.arena is not None:
+                self.arena.skip_next(self._skip)  # the fetch need not decode them again
+            self.source.reset(require(initial_state, self.SOURCE_KEY, self))
+        else:
+            self.source.reset(None)
 
     def _pull(self) -> _Resident | None:
         snap = copy_state(self.source.state_dict())
