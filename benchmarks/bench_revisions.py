@@ -5,10 +5,11 @@ here: both versions of the package are extracted (``git archive``) under differe
 loaded into **one** process, as ``metrics_overhead`` does, each with its own loader on the
 same store and its own defaults but ``bench``'s batch size, seed and ``max_inflight``, and
 the ``block_chunks`` the working tree's ``bench`` picks (16; larger windows in place).
-Epochs alternate between the two (ABBA...); then first batches, fresh and resumed (``bench``'s ``time_first_batch``, each version's ``build_loader``),
-alternating as well. Figures are medians over rounds; the epoch figure is the median of
-baseline seconds / current seconds (> 1: the current version is faster). Run on demand,
-never as a test, from the repository root::
+Epochs alternate between the two (ABBA...); then first batches, fresh and resumed
+(``bench``'s ``time_first_batch``, each version's ``build_loader``), alternating as well.
+Figures are medians over rounds; the epoch figure is the median of baseline seconds /
+current seconds (> 1: the current version is faster). Run on demand, never as a test, from
+the repository root::
 
     .venv/bin/python -m benchmarks.bench_revisions --store /path/t2m-c8.zarr \\
         --baseline-rev 7b33b8a --rounds 20 --first-batch 20
