@@ -532,15 +532,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         """Keep ``depth`` undelivered windows submitted (pulling plans from upstream); with
         ``draws``, stop as soon as the windows pulled here hold that many draws."""
         lt = self._ensure_loop()
-        held = 0
+        pulled = 0  # draws of the windows pulled here
         while (not self._exhausted and len(self._fifo) < depth
-               and (draws is None or held < draws)):
+               and (draws is None or pulled < draws)):
             try:
                 plan = next(self.source)
             except StopIteration:
                 self._exhausted = True
                 break
-            held += plan.n_samples
+            pulled += plan.n_samples
             snap = copy_state(self.source.state_dict())
             if plan.slots is not None and self.arena is not None:
                 job = self._prepare_in_place(plan)
