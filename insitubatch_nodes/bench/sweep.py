@@ -72,7 +72,9 @@ def _epochs(loader: ib.InSituLoader, n_batches: int, epochs: int, desc: str,
     best: dict[str, Any] | None = None
     last_index: list[np.ndarray] = []
     loader.ledger.reset_peak()
-    with RssSampler() as rss:
+    # Polled 4 times a second, not 100: the floor it is compared with runs without a sampler,
+    # and each poll takes the GIL from the training thread (the peak is coarser for it).
+    with RssSampler(interval_s=0.25) as rss:
         for e in range(epochs):
             before = loader.stats()
             if keep_index and e == epochs - 1:
