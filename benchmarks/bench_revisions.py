@@ -18,11 +18,10 @@ the repository root::
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
 import sys
-import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +31,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np  # noqa: E402
 
 import insitubatch_nodes as ib  # noqa: E402
-from benchmarks.metrics_overhead import epoch_wall_cpu, extract_package  # noqa: E402
+from benchmarks.metrics_overhead import imported_revisions, paired_epochs  # noqa: E402
 from insitubatch_nodes.bench.common import bench_manifest, print_machine  # noqa: E402
 from insitubatch_nodes.bench.core import (  # noqa: E402
     SPLIT,
     CoreConfig,
+    alternating_first_batches,
     loader_block_chunks,
     time_first_batch,
 )
@@ -53,27 +53,17 @@ def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int,
     block = loader_block_chunks(here, bench_manifest(here, 1.0, cfg.seed), cfg)
     kw = {**cfg.loader_kwargs(), "block_chunks": block}
     loaders: dict[str, Any] = {}
-    times: dict[str, list[float]] = {n: [] for n in NAMES}
     try:  # a version that does not build still stops the other's threads
         for n in NAMES:
             loaders[n] = mods[n].build_loader(srcs[n], mans[n], SPLIT, **kw)
         modules = {n: type(loaders[n]).__module__ for n in NAMES}
-        for n in NAMES:  # warm-up: threads, pools, buffers
-            epoch_wall_cpu(loaders[n])
-            epoch_wall_cpu(loaders[n])
-        for r in range(rounds):
-            for n in NAMES if r % 2 == 0 else NAMES[::-1]:
-                times[n].append(epoch_wall_cpu(loaders[n])[0])
+        times, _, _ = paired_epochs(loaders, rounds, NAMES)
     finally:
         for ld in loaders.values():
             ld.close()
-    first: dict[str, dict[str, list[float]]] = {n: {"fresh": [], "resumed": []} for n in NAMES}
-    for r in range(first_batch):
-        for n in NAMES if r % 2 == 0 else NAMES[::-1]:
-            t = time_first_batch(srcs[n], mans[n], cfg, 1, build=mods[n].build_loader,
-                                 block_chunks=block)
-            first[n]["fresh"].append(t["first_batch_s"])
-            first[n]["resumed"].append(t["first_batch_after_resume_s"])
+    first = alternating_first_batches(
+        {n: partial(time_first_batch, srcs[n], mans[n], cfg, 1, build=mods[n].build_loader,
+                    block_chunks=block) for n in NAMES}, first_batch)
     ratio = np.asarray(times["baseline"]) / np.asarray(times["current"])
     q1, med, q3 = np.percentile(ratio, [25, 50, 75])
     out: dict[str, Any] = {"store": store, "block_chunks": block, "rounds": rounds,
@@ -121,25 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                     "or branch that `git log` shows)")
     machine = print_machine()
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        extract_package(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
-        extract_package(repo, args.current_rev, Path(tmp) / "c", "ib_current")
-        added = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
-        sys.path[:0] = added
-        try:
-            mods = {"baseline": importlib.import_module("ib_baseline"),
-                    "current": importlib.import_module("ib_current")}
-            print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
-            for store in args.store:
-                cfg = CoreConfig(url=store, batch_size=args.batch_size,
-                                 resume_after=args.resume_after)
-                results.append(compare(mods, store, args.rounds, args.first_batch, cfg))
-        finally:  # a second run in this process imports its own revisions afresh
-            for path in added:
-                sys.path.remove(path)
-            for name in [m for m in sys.modules if m.split(".")[0] in ("ib_baseline",
-                                                                        "ib_current")]:
-                del sys.modules[name]
+    with imported_revisions(repo, args.baseline_rev, args.current_rev) as mods:
+        print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
+        for store in args.store:
+            cfg = CoreConfig(url=store, batch_size=args.batch_size,
+                             resume_after=args.resume_after)
+            results.append(compare(mods, store, args.rounds, args.first_batch, cfg))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine, "baseline_rev": args.baseline_rev,

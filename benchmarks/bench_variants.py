@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -42,11 +43,13 @@ from insitubatch_nodes.bench.common import (  # noqa: E402
     bench_manifest,
     consume,
     print_machine,
+    rotated,
 )
 from insitubatch_nodes.bench.core import (  # noqa: E402
     SPLIT,
     CoreConfig,
     GatherFloor,
+    alternating_first_batches,
     loader_block_chunks,
     time_first_batch,
 )
@@ -112,38 +115,33 @@ def main(argv: list[str] | None = None) -> int:
         return secs
 
     loaders: dict[str, ib.InSituLoader] = {}
-    other = OtherLoad().__enter__()
     try:  # a variant that does not build still stops the floor's and the others' threads
-        for name, kw in variants.items():
-            loaders[name] = ib.build_loader(source, manifest, SPLIT, **{
-                **cfg.loader_kwargs(), "block_chunks": block, **kw})
-        names = list(loaders)
-        for _ in range(2):  # warm-up: threads, first touch of buffers and code
-            for fl in floors:
-                fl.run_pass()
-            for n in names:
-                epoch_seconds(n)
-        idle.clear()
-        ratios: dict[str, list[float]] = {n: [] for n in names}
-        floor_s: list[float] = []
-        other_floors: list[list[float]] = [[] for _ in floors[1:]]
-        for r in range(args.rounds):
-            f = floor.run_pass()
-            floor_s.append(f)
-            for k, fl in enumerate(floors[1:]):
-                other_floors[k].append(f / fl.run_pass())
-            for n in names[r % len(names):] + names[: r % len(names)]:
-                ratios[n].append(f / epoch_seconds(n))
-        first: dict[str, dict[str, list[float]]] = {n: {"fresh": [], "resumed": []}
-                                                    for n in names}
-        for r in range(args.first_batch):
-            for n in names[r % len(names):] + names[: r % len(names)]:
-                t = time_first_batch(source, manifest, cfg, 1,
-                                     **{"block_chunks": block, **variants[n]})
-                first[n]["fresh"].append(t["first_batch_s"])
-                first[n]["resumed"].append(t["first_batch_after_resume_s"])
+        with OtherLoad() as other:
+            for name, kw in variants.items():
+                loaders[name] = ib.build_loader(source, manifest, SPLIT, **{
+                    **cfg.loader_kwargs(), "block_chunks": block, **kw})
+            names = list(loaders)
+            for _ in range(2):  # warm-up: threads, first touch of buffers and code
+                for fl in floors:
+                    fl.run_pass()
+                for n in names:
+                    epoch_seconds(n)
+            idle.clear()
+            ratios: dict[str, list[float]] = {n: [] for n in names}
+            floor_s: list[float] = []
+            other_floors: list[list[float]] = [[] for _ in floors[1:]]
+            for r in range(args.rounds):
+                f = floor.run_pass()
+                floor_s.append(f)
+                for k, fl in enumerate(floors[1:]):
+                    other_floors[k].append(f / fl.run_pass())
+                for n in rotated(names, r):
+                    ratios[n].append(f / epoch_seconds(n))
+            first = alternating_first_batches(
+                {n: partial(time_first_batch, source, manifest, cfg, 1,
+                            **{"block_chunks": block, **variants[n]}) for n in names},
+                args.first_batch)
     finally:
-        other.__exit__()
         for fl in floors:
             fl.close()
         for ld in loaders.values():

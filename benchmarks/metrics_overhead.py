@@ -17,6 +17,7 @@ on a shared 2-core VM is tens of percent, which is why the ratio is paired epoch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import resource
@@ -25,10 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from insitubatch_nodes.bench.common import rotated
 
 
 def extract_package(repo: Path, rev: str | None, dest: Path, name: str) -> None:
@@ -57,6 +61,46 @@ def epoch_wall_cpu(loader: Any) -> tuple[float, float, int]:
     return time.perf_counter() - t0, _cpu() - c0, n
 
 
+@contextlib.contextmanager
+def imported_revisions(repo: Path, baseline_rev: str, current_rev: str | None,
+                       ) -> Iterator[dict[str, Any]]:
+    """The package at ``baseline_rev`` and at ``current_rev`` (``None``: the working tree),
+    imported side by side as ``ib_baseline`` and ``ib_current``; both are forgotten on exit,
+    so a second use in this process imports its own revisions afresh."""
+    names = {"baseline": "ib_baseline", "current": "ib_current"}
+    with tempfile.TemporaryDirectory() as tmp:
+        extract_package(repo, baseline_rev, Path(tmp) / "b", names["baseline"])
+        extract_package(repo, current_rev, Path(tmp) / "c", names["current"])
+        added = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
+        sys.path[:0] = added
+        try:
+            yield {k: importlib.import_module(v) for k, v in names.items()}
+        finally:
+            for path in added:
+                sys.path.remove(path)
+            for name in [m for m in sys.modules if m.split(".")[0] in names.values()]:
+                del sys.modules[name]
+
+
+def paired_epochs(loaders: dict[str, Any], rounds: int, order: Sequence[str],
+                  ) -> tuple[dict[str, list[float]], dict[str, list[float]], int]:
+    """(wall s, process CPU s per epoch of each loader, samples per epoch): two warm-up
+    epochs each (threads, pools, buffers), then ``rounds`` rounds with ``order`` rotating
+    (ABBA...) so both see the same process state, page cache and VM speed."""
+    for loader in loaders.values():
+        epoch_wall_cpu(loader)
+        epoch_wall_cpu(loader)
+    times: dict[str, list[float]] = {n: [] for n in order}
+    cpu: dict[str, list[float]] = {n: [] for n in order}
+    samples = 0
+    for r in range(rounds):
+        for name in rotated(order, r):
+            dt, dc, samples = epoch_wall_cpu(loaders[name])
+            times[name].append(dt)
+            cpu[name].append(dc)
+    return times, cpu, samples
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", action="append", required=True)
@@ -73,12 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     repo = Path(__file__).resolve().parents[1]
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        extract_package(repo, args.baseline_rev, Path(tmp) / "b", "ib_baseline")
-        extract_package(repo, args.current_rev, Path(tmp) / "c", "ib_current")
-        sys.path[:0] = [str(Path(tmp) / "b"), str(Path(tmp) / "c")]
-        mods = {"baseline": importlib.import_module("ib_baseline"),
-                "current": importlib.import_module("ib_current")}
+    with imported_revisions(repo, args.baseline_rev, args.current_rev) as mods:
         for name, mod in mods.items():  # an A/A run (same revision twice) calibrates noise
             print(f"{name}: {'with' if hasattr(mod.InSituLoader, 'stats') else 'without'} "
                   "metrics")
@@ -91,18 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 m = ib.split_by_chunk(src, fractions=(1.0,), seed=0)
                 loaders[name] = ib.build_loader(src, m, "train", batch_size=args.batch_size,
                                                 block_chunks=args.block_chunks)
-            for loader in loaders.values():  # warm-up: threads, pools, buffers
-                epoch_wall_cpu(loader)
-                epoch_wall_cpu(loader)
-            times: dict[str, list[float]] = {"baseline": [], "current": []}
-            cpu: dict[str, list[float]] = {"baseline": [], "current": []}
-            n = 0
-            for r in range(args.rounds):
-                order = ["baseline", "current"] if r % 2 == 0 else ["current", "baseline"]
-                for name in order:
-                    dt, dc, n = epoch_wall_cpu(loaders[name])
-                    times[name].append(dt)
-                    cpu[name].append(dc)
+            times, cpu, n = paired_epochs(loaders, args.rounds, ("baseline", "current"))
             for loader in loaders.values():
                 loader.close()
             res: dict = {"samples": n, "times": times, "cpu": cpu}

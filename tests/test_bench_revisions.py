@@ -15,7 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the git history")
 
 
-def test_epochs_and_first_batches_of_both_versions(tmp_path, capsys):
+def test_epochs_and_first_batches_of_both_versions(tmp_path, capsys, monkeypatch):
+    import benchmarks.bench_revisions as br
+
+    timed_with: list[str] = []  # the package each first batch was built by
+    real = br.time_first_batch
+
+    def recording(*args, build, **kw):
+        timed_with.append(build.__module__.split(".")[0])
+        return real(*args, build=build, **kw)
+
+    monkeypatch.setattr(br, "time_first_batch", recording)
     write_store(tmp_path / "s.zarr", [Var("x", (96, 8, 8), (8, 8, 8), compressors=BLOSC)])
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -28,6 +38,7 @@ def test_epochs_and_first_batches_of_both_versions(tmp_path, capsys):
     # each side ran its own copy of the package, not the working tree's
     assert res["loader_modules"]["baseline"].startswith("ib_baseline.")
     assert res["loader_modules"]["current"].startswith("ib_current.")
+    assert sorted(timed_with) == ["ib_baseline", "ib_baseline", "ib_current", "ib_current"]
     assert res["baseline_over_current"]["median"] > 0
     assert min(res["epoch_s"].values()) > 0
     for version in ("baseline", "current"):

@@ -38,10 +38,13 @@ def test_every_variant_gets_its_paired_ratio(tmp_path, capsys):
     assert "x floor+copy: median" in capsys.readouterr().out
 
 
-def test_floor_threads_must_be_counts(tmp_path):
+@pytest.mark.parametrize(("threads", "says"), [("2,x", "give integers"),
+                                               ("2,0", "every count must be >= 1")])
+def test_floor_threads_must_be_counts(tmp_path, capsys, threads, says):
     with pytest.raises(SystemExit):
         main(["--store", str(tmp_path / "none.zarr"), "--variant", "prefetch_windows=1",
-              "--floor-threads", "2,x"])
+              "--floor-threads", threads])
+    assert f"--floor-threads {threads!r}: {says}" in capsys.readouterr().err
 
 
 def test_a_loader_keyword_that_does_not_exist_is_refused(tmp_path):

@@ -9,7 +9,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,10 +80,10 @@ class RssSampler:
         # Walking child processes costs CPU the workers need: poll them less often.
         self.interval_s = interval_s or (0.025 if children else 0.01)
         self.children = children
-        self.poll = poll
         self._proc = psutil.Process()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="rss-sampler", daemon=True)
+        self._thread = (threading.Thread(target=self._poll, name="rss-sampler", daemon=True)
+                        if poll else None)
         self.baseline = 0
         self.peak = 0
 
@@ -104,13 +104,13 @@ class RssSampler:
 
     def __enter__(self) -> RssSampler:
         self.baseline = self.peak = self._rss()
-        if self.poll:
+        if self._thread is not None:
             self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self.poll:
+        if self._thread is not None:
             self._thread.join()
         self.peak = max(self.peak, self._rss())
 
@@ -147,6 +147,13 @@ class OtherLoad:
         wall = time.perf_counter() - self.t0
         other = (self.busy() - self.busy0) - (float(usage()[0]) - self.own0)
         self.cores = max(0.0, other / wall) if wall > 0 else 0.0
+
+
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """``names`` in round ``r``'s order: each starts a round in turn, so no path always runs
+    right after the same other one (paired benchmarks alternate with it)."""
+    k = r % len(names)
+    return [*names[k:], *names[:k]]
 
 
 def consume(batches: Iterable[Any], total: int, desc: str, key: str | None,

@@ -21,7 +21,7 @@ import queue
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ from .common import (
     fmt,
     local_path,
     print_machine,
+    rotated,
     usage,
     usage_extra,
     warm_page_cache,
@@ -425,6 +426,21 @@ def time_first_batch(source: ib.Source, manifest: ib.SplitManifest, cfg: CoreCon
             "build_s": min(b for _, b in fresh), "resume_after_batches": k,
             "state_json_bytes": len(json.dumps(state)),
             "all_fresh_s": [t for t, _ in fresh], "all_resumed_s": [t for t, _ in resumed]}
+
+
+def alternating_first_batches(timers: Mapping[str, Callable[[], dict[str, Any]]],
+                              rounds: int) -> dict[str, dict[str, list[float]]]:
+    """First batches of several loaders side by side: each ``timers[name]()`` is one
+    ``time_first_batch`` (``repeats=1``), called ``rounds`` times in rotating order so a
+    drifting VM touches every loader alike. Name -> {"fresh": [...], "resumed": [...]}."""
+    out: dict[str, dict[str, list[float]]] = {n: {"fresh": [], "resumed": []}
+                                              for n in timers}
+    for r in range(rounds):
+        for n in rotated(list(timers), r):
+            t = timers[n]()
+            out[n]["fresh"].append(t["first_batch_s"])
+            out[n]["resumed"].append(t["first_batch_after_resume_s"])
+    return out
 
 
 # -- the naive per-sample DataLoader ------------------------------------------------------
