@@ -68,7 +68,7 @@ def stores_on_s3(folder: Path, stores: dict[str, list[Var]],
     ``s3://bucket/<name>``: yields (server, {name: the data written}); stopped on exit."""
     from insitubatch_nodes.testing.s3server import serving
 
-    data = {name: write_store(folder / f"local-{name}", variables)
-            for name, variables in stores.items()}
-    with serving(folder, bucket, {name: folder / f"local-{name}" for name in stores}) as server:
+    local = {name: folder / f"local-{name}" for name in stores}
+    data = {name: write_store(local[name], variables) for name, variables in stores.items()}
+    with serving(folder, bucket, local) as server:
         yield server, data

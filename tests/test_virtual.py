@@ -253,15 +253,12 @@ def test_files_on_s3_with_credentials_that_never_leak(tmp_path, caplog):
     from virtualizarr import open_virtual_mfdataset
     from virtualizarr.parsers import HDFParser
 
-    from insitubatch_nodes.testing.s3server import REGION, start_moto
+    from insitubatch_nodes.testing.s3server import REGION, serving
 
     data = tmp_path / "netcdf"
     data.mkdir()
     paths = write_netcdf(data, t2m_chunks=(2, 4, 3), z_chunks=(2, 3, 4))
-    server = start_moto(tmp_path)
-    try:
-        server.make_bucket("archive")
-        server.upload_dir(data, "archive", "nc")
+    with serving(tmp_path, "archive", {"nc": data}) as server:
         store = S3Store("archive", endpoint=server.endpoint, region=REGION,
                         access_key_id=server.key_id, secret_access_key=server.secret,
                         client_options={"allow_http": True})
@@ -309,5 +306,3 @@ def test_files_on_s3_with_credentials_that_never_leak(tmp_path, caplog):
         text = messages(info.value)
         assert "PermissionError" in text and "SignatureDoesNotMatch" in text
         assert f"virtual_chunk_access for {prefix}" in text
-    finally:
-        server.stop()
