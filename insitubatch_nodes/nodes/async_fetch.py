@@ -94,8 +94,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         # Plans with batch slots are decoded straight into these batches (graph.py decides).
         self.arena = arena
         # The draws the first batch reaches, from the shuffle buffer (graph.py wires it);
-        # without it the first window goes alone.
-        self.first = first
+        # a fresh one says 0, and the first window goes alone.
+        self.first = first if first is not None else FirstBatch()
         self.stats = FetchStats()
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, dataset.url)
@@ -124,7 +124,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._delivered: dict | None = None
         self._exhausted = False
         self._started = False  # next() ran since the last reset (the first windows went in)
-        self._held = 0  # of those, the first batch's windows not yet delivered: none go ahead
+        self._holding = False  # the first batch's windows are not all out: none go ahead
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -200,7 +200,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._error = None
         self._exhausted = False
         self._started = False
-        self._held = 0
+        self._holding = False
         self.source.reset(None if initial_state is None
                           else require(initial_state, self.SOURCE_KEY, self))
         self._delivered = copy_state(self.source.state_dict())
@@ -574,11 +574,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             # The first batch's windows alone: windows ahead of them would share the cores
             # with their last stripes and delay it (DESIGN.md "Time to first batch"); they go
             # in once all of them are out.
-            need = self.first.draws if self.first is not None else 0
-            self._top_up(self.prefetch_windows + 1, draws=max(1, need))
-            self._held = len(self._fifo)
+            self._top_up(self.prefetch_windows + 1, draws=max(1, self.first.draws))
+            self._holding = True
             self._started = True
-        elif not self._held:
+        elif not self._holding:
             self._top_up(self.prefetch_windows + 1)
         if not self._fifo:
             raise StopIteration
@@ -611,9 +610,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def _after_delivery(self) -> None:
         """A window went out: keep ``prefetch_windows`` ahead of it, unless windows the first
         batch needs are still to come (then nothing goes ahead of them yet)."""
-        self._held = max(0, self._held - 1)
-        if not self._held:
-            self._top_up(self.prefetch_windows)
+        if self._holding and self._fifo:
+            return
+        self._holding = False
+        self._top_up(self.prefetch_windows)
 
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched)."""

@@ -113,12 +113,10 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                       else require_count(initial_state, self.OFFSET_KEY, self))
         if self.first is not None:
             self.first.draws = self._skip + self.batch_size
-        if initial_state is not None:
-            if self.arena is not None:
-                self.arena.skip_next(self._skip)  # the fetch need not decode them again
-            self.source.reset(require(initial_state, self.SOURCE_KEY, self))
-        else:
-            self.source.reset(None)
+        if initial_state is not None and self.arena is not None:
+            self.arena.skip_next(self._skip)  # the fetch need not decode them again
+        self.source.reset(None if initial_state is None
+                          else require(initial_state, self.SOURCE_KEY, self))
 
     def _pull(self) -> _Resident | None:
         snap = copy_state(self.source.state_dict())
