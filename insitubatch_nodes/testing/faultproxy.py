@@ -3,13 +3,18 @@
 It sits between obstore and the S3 server and, per request: adds latency; answers a chosen
 fraction of chunk GETs with 503/500; resets the connection mid-body; truncates bodies (with a
 matching Content-Length, so only decoding notices); stalls longer than the client's timeout;
-and always fails chosen keys. Its RNG is seeded. It stops by itself after ``max_requests`` or
+and always fails chosen keys. A request's fault is drawn from (seed, path, how many times
+that path was asked before), not from one stream shared by all requests: each key meets the
+same faults in the same order however the requests interleave, so a test's outcome does not
+hang on timing (with one shared stream, a key retried alone at an epoch's tail met whatever
+cluster of faults the stream held there). It stops by itself after ``max_requests`` or
 ``max_seconds``, so a broken test cannot leave it running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import re
 import threading
@@ -52,7 +57,7 @@ class FaultProxy:
         self.upstream = upstream
         self.plan = plan
         self.stats = FaultStats()
-        self._rng = random.Random(plan.seed)
+        self._asked: collections.Counter[str] = collections.Counter()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._started = time.monotonic()
@@ -128,13 +133,15 @@ class FaultProxy:
             st.paths.append(path)
             await self._error(writer, 503)
             return True
-        fault = None
+        fault, code = None, 503
         if target:
             if st.stalls < plan.stall_first:
                 st.stalls += 1
                 await asyncio.sleep(plan.stall_s)
                 return False
-            x = self._rng.random()
+            rng = random.Random(f"{plan.seed}:{method}:{path}:{self._asked[path]}")
+            self._asked[path] += 1
+            x, code = rng.random(), rng.choice((503, 500))
             rates = (("error", plan.error_rate), ("reset", plan.reset_rate),
                      ("truncate", plan.truncate_rate))
             for name, rate in rates:
@@ -144,7 +151,7 @@ class FaultProxy:
                 x -= rate
         if fault == "error":
             st.errors += 1
-            await self._error(writer, self._rng.choice((503, 500)))
+            await self._error(writer, code)
             return True
         status, rheaders, rbody = await self._forward(method, path, headers, body)
         if fault == "reset" and len(rbody) > 1:
