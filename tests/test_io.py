@@ -181,6 +181,27 @@ def test_local_reads_grow_the_thread_buffer_and_keep_what_was_read(tmp_path):
     assert got == blobs
 
 
+def test_chunks_that_cover_part_of_a_stripe_decode_without_fresh_memory(tmp_path):
+    """A chunk covering only part of its stripe (inner chunks, an edge chunk past the
+    array's end) decodes into a per-thread buffer, then into place: a fresh chunk-sized
+    array per chunk was a fresh mapping, page-faulted in every time."""
+    import tracemalloc
+
+    data = write_store(tmp_path / "s.zarr", [Var("x", (6, 300, 500), (4, 128, 256))])["x"]
+    src = ib.open_source(tmp_path / "s.zarr")
+    reader = StripeReader(src.arrays[0], src.variables[0], src.url)
+    chunk_bytes = 4 * 128 * 256 * 4
+    for index in (0, 1, 0):  # stripe 1 is the edge: 2 of its chunk's 4 samples exist
+        out = np.zeros(src.variables[0].stripe_shape, "f4")
+        tracemalloc.start()
+        reader.read_local(index, out)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        np.testing.assert_array_equal(out[: len(data[4 * index:4 * index + 4])],
+                                      data[4 * index:4 * index + 4])
+    assert peak < chunk_bytes // 4, peak  # the last read: no chunk-sized allocation
+
+
 @pytest.mark.parametrize("codec", ["gzip", "zlib"])
 def test_inflate_takes_libdeflate_where_installed_and_numcodecs_decides_the_rest(
         tmp_path, codec, monkeypatch):

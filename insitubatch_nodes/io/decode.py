@@ -9,7 +9,6 @@ zarr, so no array zarr can read is refused.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,10 +20,11 @@ import zarr
 from .blosc_frame import check_header
 from .codec_chain import CodecChain, classify
 from .retry import DECODE_ERRORS, ChunkDecodeError
+from .thread_buffer import ThreadBuffer
 
 # DECODE_ERRORS and gzip's BadGzipFile (an OSError): bytes in hand, so not the store's.
 _CODEC_ERRORS = (*DECODE_ERRORS, OSError)
-_inflated = threading.local()  # per decode thread: the inflate buffer under HDF5's shuffle
+_INFLATED = ThreadBuffer()  # per decode thread: the inflate under HDF5's shuffle
 
 
 Inflate = Callable[[object, np.ndarray], bool]
@@ -95,7 +95,7 @@ class ChunkDecoder:
                 else:
                     codec.decode(buf, out=out)  # numcodecs fills a given ``out``
             elif fast is not None:  # HDF5's zlib under its shuffle: inflates to the chunk's size
-                tmp = _inflate_buffer(out)
+                tmp = _INFLATED.array(out.shape, out.dtype)  # valid until its next chunk
                 buf = tmp if fast(buf, tmp) else codec.decode(buf)
             else:
                 buf = codec.decode(buf)
@@ -103,16 +103,6 @@ class ChunkDecoder:
             _copy_bytes(buf, out)
         if self.byteswap:
             out.byteswap(inplace=True)
-
-
-def _inflate_buffer(out: np.ndarray) -> np.ndarray:
-    """This thread's reused buffer, shaped as ``out``, for an inflate the shuffle then reads:
-    a fresh one per chunk page-faulted its memory in every time (``BufferPool``: that halves
-    decode throughput). Valid until this thread's next chunk."""
-    buf = getattr(_inflated, "buf", None)
-    if buf is None or buf.nbytes < out.nbytes:
-        buf = _inflated.buf = np.empty(max(out.nbytes, 1 << 16), np.uint8)
-    return buf[: out.nbytes].view(out.dtype).reshape(out.shape)
 
 
 def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -32,10 +31,12 @@ from ..counters import ReadTimes
 from .chunk_cache import CacheScope, ChunkCache
 from .pool_task import OneShot
 from .retry import DECODE_ERRORS, ChunkDecodeError
+from .thread_buffer import ThreadBuffer
 
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
 Loop = asyncio.AbstractEventLoop
+_READ = ThreadBuffer()  # ``LocalFiles.get_scratch``: one chunk file's bytes per thread
 
 
 class Stripes(Protocol):
@@ -120,11 +121,11 @@ class LocalFiles(ReadPath):
         except FileNotFoundError:
             return None
         try:
-            buf = _scratch(0)
+            buf = _READ.raw(0)
             got = os.readv(fd, [buf])
             while got == len(buf):  # maybe more: grow past the file's size, read the rest
                 # (one byte more than the file, so a read that reaches its end stops here)
-                buf = _scratch(max(os.fstat(fd).st_size, got) + 1, keep=got)
+                buf = _READ.raw(max(os.fstat(fd).st_size, got) + 1, keep=got)
                 more = os.preadv(fd, [buf[got:]], got)
                 if not more:
                     break
@@ -508,17 +509,3 @@ def _checked(check: FrameCheck, data: bytes | memoryview | None, key: str) -> No
     except ValueError as e:
         raise ChunkDecodeError(f"chunk {key!r}: {e}", key) from e
 
-
-_local = threading.local()
-
-
-def _scratch(n: int, keep: int = 0) -> memoryview:
-    """This thread's read buffer, at least ``n`` bytes (grown, never shrunk; a grown one
-    starts with the old one's first ``keep`` bytes)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf) < n:
-        grown = memoryview(bytearray(max(n, 1 << 16)))
-        if buf is not None and keep:
-            grown[:keep] = buf[:keep]
-        buf = _local.buf = grown
-    return buf

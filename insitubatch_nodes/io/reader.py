@@ -45,10 +45,13 @@ from .retry import (
     is_store_error,
 )
 from .retry import classify as classify_error
+from .thread_buffer import ThreadBuffer
 
 __all__ = ["FrameCheck", "Frames", "StripeReader"]
 
 T = TypeVar("T")
+# A chunk that covers only part of its stripe decodes here first (per decode thread).
+_PARTIAL = ThreadBuffer()
 
 
 @dataclass
@@ -184,7 +187,7 @@ class StripeReader:
             if self.direct:
                 self.decoder.decode_into(data, out)
                 return
-            tmp = np.empty(self.geom.chunks, dtype=self.geom.dtype)
+            tmp = _PARTIAL.array(self.geom.chunks, self.geom.dtype)  # copied out below
             self.decoder.decode_into(data, tmp)
         except ChunkDecodeError as e:
             e.inner = inner  # the reader names the chunk key (it knows the stripe)
