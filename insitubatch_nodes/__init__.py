@@ -33,6 +33,7 @@ from .nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
+from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode
 from .nodes.static import StaticFieldsNode, open_static
 from .plan import ReadPlan
@@ -56,5 +57,6 @@ __all__ = [
     "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
     "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache", "ChunkReadError",
-    "CorruptChunkError", "StateFingerprint", "FirstBatch",
+    "CorruptChunkError", "StateFingerprint", "FirstBatch", "StackChannelsNode",
+    "resolve_channels",
 ]

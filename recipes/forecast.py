@@ -26,7 +26,6 @@ from torch import nn
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.demo import VARIABLES, DemoSpec, make_demo_store
-from insitubatch_nodes.nodes.channels import resolve_channels
 
 
 class Forecaster(nn.Module):
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     val = ib.build_loader(source, split, "val", config)
     print(f"{source.url}: {source.format} store, channels {names}; split periods "
           f"{ {k: [str(v) for v in p] for k, p in periods.items()} }, gap {split.gap} steps")
-    channels = len(resolve_channels(source, names))  # a whole-level variable: one per level
+    channels = len(ib.resolve_channels(source, names))  # a whole-level variable: one per level
     model = Forecaster(channels, window.history)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     with train, val:
