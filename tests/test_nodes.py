@@ -177,21 +177,26 @@ def test_fetch_error_reaches_consumer_with_note_and_repeats(corrupt):
 
 
 class RecordingPlans(BaseNode):
-    """Passes plans through, noting ``fetch.windows_pending()`` as each is pulled."""
+    """Passes plans through, noting ``fetch.windows_pending()`` as each is pulled: windows
+    submitted and not handed over (``pending``), and of those, made (``made``)."""
 
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
         self.fetch = None
         self.pending: list[int] = []
+        self.made: list[int] = []
 
     def reset(self, initial_state=None):
         super().reset(initial_state)
         self.pending.clear()
+        self.made.clear()
         self.inner.reset(initial_state)
 
     def next(self):
-        self.pending.append(self.fetch.windows_pending()[0])
+        pending, made = self.fetch.windows_pending()
+        self.pending.append(pending)
+        self.made.append(made)
         return next(self.inner)
 
     def get_state(self):
@@ -215,10 +220,10 @@ def test_without_first_batch_the_first_window_is_fetched_alone(setup):
             fetch.reset()
             next(fetch)
             # the first plan pulled with nothing in flight; the second only once the
-            # first window was delivered (nothing pending), then the third behind it
-            assert plans.pending == [0, 0, 1], epoch
-            next(fetch)  # and from then on two windows ahead of the one delivered
-            assert plans.pending == [0, 0, 1, 2], epoch
+            # first window was made (about to be handed over), then the third behind it
+            assert plans.pending == [0, 1, 2] and plans.made[1] == 1, epoch
+            next(fetch)  # and from then on two windows ahead of the one handed over
+            assert plans.pending == [0, 1, 2, 2], epoch
     finally:
         fetch.shutdown()
 
@@ -254,12 +259,58 @@ def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_aft
         shuffle.reset(state)
         next(shuffle)
         # the first batch's windows pulled together (0, 1, ... pending), then, once all are
-        # out (nothing pending), the two ahead
-        assert plans.pending == [*range(together), 0, 1]
+        # made (the last of them about to be handed over), the two ahead
+        assert plans.pending == [*range(together), 1, 2]
+        assert plans.made[together] == 1  # no window ahead before the last of them was made
         shuffle.reset()  # a fresh epoch after a restore: back to the batch size
         assert first.draws == batch
     finally:
         shuffle.shutdown()
+
+
+class FailingOnce(RecordingPlans):
+    """Raises once, at the ``at``-th plan asked for (counting from 1), before pulling it."""
+
+    def __init__(self, inner, at):
+        super().__init__(inner)
+        self.at, self.asked = at, 0
+
+    def next(self):
+        self.asked += 1
+        if self.asked == self.at:
+            raise OSError("the plan stage failed once")
+        return super().next()
+
+
+@pytest.mark.parametrize("at", [2, 3, 4, 5])
+def test_an_epoch_survives_a_plan_stage_that_fails_once(setup, at):
+    """Pulling a plan can fail (the plan stage raises, an interrupt) while the fetch tops up
+    its queue as a made window goes out, or while the shuffle buffer has taken some draws of
+    a batch that runs into the next window: the error reaches the caller, and asking again
+    serves what was in hand, once (before, the made window or the draws were lost while the
+    state counted them delivered): the epoch is every sample once, in the same order."""
+    src, m = setup[0], setup[1]
+
+    def epoch(plans):
+        plans.fetch = ib.AsyncFetchNode(plans, src, prefetch_windows=2)
+        shuffle = ShuffleBufferNode(plans.fetch, src.variables, 7)
+        out, errors = [], 0
+        try:
+            shuffle.reset()
+            while True:
+                try:
+                    out.append(next(shuffle).sample_index.tolist())
+                except StopIteration:
+                    return out, errors
+                except OSError:
+                    errors += 1
+        finally:
+            shuffle.shutdown()
+
+    want, _ = epoch(RecordingPlans(build(src, m, "plan")))
+    got, errors = epoch(FailingOnce(build(src, m, "plan"), at))
+    assert errors == 1
+    assert got == want
 
 
 def test_the_graph_hands_one_first_batch_to_the_fetch_and_the_shuffle_buffer(setup):

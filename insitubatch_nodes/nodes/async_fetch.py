@@ -46,6 +46,13 @@ GroupRead = Callable[[int, list[int], list[np.ndarray], float], list[int]]
 DEFAULT_PREFETCH_WINDOWS = 2
 
 
+def _made(win: DecodedWindow) -> Future:
+    """A window already made, as a done future in the queue's place of the one that made it."""
+    done: Future = Future()
+    done.set_result(win)
+    return done
+
+
 def default_decode_threads() -> int:
     """One more decode thread than cores, at most 4. A decode thread waits for the GIL
     around every chunk (open, read, close, decode each release and retake it) while the
@@ -583,10 +590,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             raise StopIteration
         fut, snap, in_place = self._fifo[0]
         if in_place is not None:
+            self._before_delivery()
             self._fifo.popleft()
             self._running = [f for f in self._running if not f.done()] + [fut]
             self._delivered = snap
-            self._after_delivery()
             return DecodedWindow(in_place, tuple({} for _ in in_place.reads))
         t0 = time.perf_counter()
         try:
@@ -599,21 +606,26 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.stats.wait_s += time.perf_counter() - t0
         if isinstance(fut, DirectWindow):  # its stripes were counted on the pool
             self.stats.window_fetched(len(win.plan.chunk_ids))
+            # Its result() runs once: should the top-up below raise, the head is kept as made.
+            self._fifo[0] = (_made(win), snap, None)
+        self._before_delivery()
         self._fifo.popleft()
         self._delivered = snap
         if self.window_decoder is not None:
             self.window_decoder.hand_over([t for a in win.arrays for t in a.values()
                                            if isinstance(t, torch.Tensor)])
-        self._after_delivery()
         return win
 
-    def _after_delivery(self) -> None:
-        """A window went out: keep ``prefetch_windows`` ahead of it, unless windows the first
-        batch needs are still to come (then nothing goes ahead of them yet)."""
-        if self._holding and self._fifo:
+    def _before_delivery(self) -> None:
+        """The head window is about to go out: keep ``prefetch_windows`` ahead of it, unless
+        windows the first batch needs are still to come after it (then nothing goes ahead of
+        them yet). Topped up before the head is popped: if pulling or submitting a plan
+        raises, the head stays queued and the next call delivers it (popped first, it was
+        lost while the state already counted it delivered)."""
+        if self._holding and len(self._fifo) > 1:
             return
         self._holding = False
-        self._top_up(self.prefetch_windows)
+        self._top_up(self.prefetch_windows + 1)
 
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched)."""

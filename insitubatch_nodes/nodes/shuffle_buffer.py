@@ -170,25 +170,36 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         drawn: list[_Resident] = []  # windows this batch drew from, in order
         batches: set[int] = set()  # with batch slots: the batch these draws were decoded into
         need = self.batch_size
-        while need:
-            if not self._resident:
-                if self._exhausted:
-                    break
-                res = self._pull()
-                if res is None:
-                    break
-                self._resident.append(res)
-            head = self._resident[0]
-            slots = head.window.plan.slots
-            if slots is not None and head.offset < slots.batch.size:
-                batches.add(int(slots.batch[head.offset]))
-                batches.add(int(slots.batch[min(head.offset + need, slots.batch.size) - 1]))
-            taken = self._draw(head, need)
-            pieces.append(taken)
-            drawn.append(head)
-            need -= taken.size
-            if head.offset >= head.window.plan.n_samples:
-                self._resident.popleft()
+        starts: list[int] = []  # each drawn window's offset before this batch
+        try:
+            while need:
+                if not self._resident:
+                    if self._exhausted:
+                        break
+                    res = self._pull()
+                    if res is None:
+                        break
+                    self._resident.append(res)
+                head = self._resident[0]
+                slots = head.window.plan.slots
+                if slots is not None and head.offset < slots.batch.size:
+                    batches.add(int(slots.batch[head.offset]))
+                    batches.add(int(slots.batch[min(head.offset + need, slots.batch.size) - 1]))
+                starts.append(head.offset)
+                taken = self._draw(head, need)
+                pieces.append(taken)
+                drawn.append(head)
+                need -= taken.size
+                if head.offset >= head.window.plan.n_samples:
+                    self._resident.popleft()
+        except BaseException:
+            # Pulling the next window failed (upstream raised, an interrupt) after draws of
+            # this batch were taken: put them back, so asking again serves them, once.
+            for res, start in zip(reversed(drawn), reversed(starts), strict=True):
+                if res.offset >= res.window.plan.n_samples:
+                    self._resident.appendleft(res)
+                res.offset = start
+            raise
         if need == self.batch_size or (need and self.drop_last):
             self._resident.clear()
             raise StopIteration
