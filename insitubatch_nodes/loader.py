@@ -54,14 +54,29 @@ __all__ = ["InSituLoader", "build_loader", "default_prefetch_windows", "parse_by
 
 class _ExactIterator(LoaderIterator):
     """torchdata 0.11's iterator counts the item it pre-fetches after a restore twice
-    (upstream issue 1453); count each delivered item once."""
+    (upstream issue 1453); count each delivered item once.
+
+    An error escaping the graph (a failed read, a transform's error, an interrupt) may come
+    after a stage took the failed batch's draws from upstream, so the graph's state already
+    counts that batch delivered. The graph goes back to the state after the last batch
+    delivered (kept at each one: ~3 us), so asking again serves the failed batch, and a
+    ``state_dict()`` taken after the error resumes at it; a lasting failure raises again."""
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._delivered: dict[str, Any] = self.root.state_dict()
         ring = self.loader._recent_states
         if ring is not None:
             # States are keyed by batches delivered *this epoch*: never answer from another.
             ring.clear()
+
+    def _go_back(self, error: BaseException) -> None:
+        """After ``error``: the graph as it was after the last batch delivered."""
+        try:
+            self.root.reset(self._delivered)
+        except BaseException as e:  # the error the caller sees stays the first one
+            error.add_note(f"insitubatch: going back to the state after batch "
+                           f"{self._num_yielded} of this epoch failed too: {e!r}")
 
     def next(self):  # noqa: D102
         if self._cached_item is not None:
@@ -76,18 +91,21 @@ class _ExactIterator(LoaderIterator):
             except StopIteration:
                 meter.epoch_end = time.perf_counter()
                 raise
+            except BaseException as e:
+                self._go_back(e)
+                raise
             finally:
                 t1 = time.perf_counter()
                 meter.waited(t1 - t0)
             self._num_yielded += 1
+            self._delivered = state = self.root.state_dict()
             if meter.next_log is not None:
                 maybe_log(self.loader.nodes(), meter, self.loader.resident_bound, t1)
             # Recorded when the item is pulled: a cached item (pulled by has_next) was
             # recorded then, with the same count and state.
             ring = self.loader._recent_states
             if ring is not None:
-                ring.append((self._num_yielded,
-                             self.loader.snapshot(self.root.state_dict(), self._num_yielded)))
+                ring.append((self._num_yielded, self.loader.snapshot(state, self._num_yielded)))
         return item
 
 

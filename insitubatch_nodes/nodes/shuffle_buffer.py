@@ -113,8 +113,10 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                       else require_count(initial_state, self.OFFSET_KEY, self))
         if self.first is not None:
             self.first.draws = self._skip + self.batch_size
-        if initial_state is not None and self.arena is not None:
-            self.arena.skip_next(self._skip)  # the fetch need not decode them again
+        if self.arena is not None:
+            # The fetch need not decode them again; 0 on a fresh start, so a skip set by an
+            # earlier reset whose window was never prepared does not carry over.
+            self.arena.skip_next(self._skip)
         self.source.reset(None if initial_state is None
                           else require(initial_state, self.SOURCE_KEY, self))
 
