@@ -43,7 +43,7 @@ from .nodes import (
     TransformNode,
 )
 from .nodes.chunk_permute import parse_history
-from .nodes.state import Resumable, require_count, require_dict, shutdown_source
+from .nodes.state import Resumable, copy_state, require_count, require_dict, shutdown_source
 from .schedule import Resumption
 from .source import Source
 from .split import SplitManifest
@@ -73,7 +73,7 @@ class _ExactIterator(LoaderIterator):
     def _go_back(self, error: BaseException) -> None:
         """After ``error``: the graph as it was after the last batch delivered."""
         try:
-            self.root.reset(self._delivered)
+            self.root.reset(copy_state(self._delivered))  # kept whole for another error
         except BaseException as e:  # the error the caller sees stays the first one
             error.add_note(f"insitubatch: going back to the state after batch "
                            f"{self._num_yielded} of this epoch failed too: {e!r}")
