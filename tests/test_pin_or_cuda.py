@@ -605,6 +605,26 @@ def test_stager_copies_bit_for_bit_through_a_slow_gpu():
     assert stager.ring.allocations == 9 and len(ops.pinned_allocs) == 9
 
 
+def test_a_failed_copy_frees_its_slot_even_when_the_wait_fails_too():
+    """A device copy that raises (out of memory) is followed by a wait for what was issued;
+    if that raises as well (a sticky CUDA error), the slot must still be given back, or
+    after ``ring_size`` batches the user sees "still leased" instead of the CUDA error."""
+    class Failing(FakeOps):
+        def to_device(self, host):
+            raise RuntimeError("CUDA error: out of memory")
+
+    class BrokenStream(FakeStream):
+        def synchronize(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    ops = Failing(eager=True)
+    ops.new_stream = lambda: BrokenStream(eager=True)
+    stager = CudaStager(ops, ring_size=1)
+    for seed in range(3):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            stager(batch(4, seed))
+
+
 def test_stager_with_a_lying_event_corrupts_so_the_fake_has_teeth():
     """Control: if the ring trusted an event that reports completion too early, the host
     slot would be overwritten before its copy ran, and the fake sees it."""

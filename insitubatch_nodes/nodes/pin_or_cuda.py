@@ -173,11 +173,13 @@ class CudaStager:
                 event = self.ops.new_event()
                 event.record(self.stream)
         finally:
-            if event is None:
-                # Failed before the copies were all issued: wait for what was issued, so
-                # the slot is free when it comes round again.
-                self.stream.synchronize()
-            self.ring.record(lease, event)
+            try:
+                if event is None:
+                    # Failed before the copies were all issued: wait for what was issued,
+                    # so the slot is free when it comes round again.
+                    self.stream.synchronize()
+            finally:  # a synchronize that raises too (a sticky CUDA error) frees the slot
+                self.ring.record(lease, event)
         consumer.wait_event(event)
         for k in host:
             self.ops.hand_over(out[k], consumer)
