@@ -64,6 +64,10 @@ class _ExactIterator(LoaderIterator):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        # torchdata's has_next() keeps the state it saw before looking ahead; a restored
+        # epoch with nothing left rolls over to the next one by reset(None) without clearing
+        # it, and every later state_dict() answered with that old state (a resume replayed).
+        self._cached_state_dict = None
         self._delivered: dict[str, Any] = self.root.state_dict()
         ring = self.loader._recent_states
         if ring is not None:

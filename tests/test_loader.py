@@ -251,6 +251,38 @@ def test_resume_at_epoch_end_starts_next_epoch(medium):
     same(epoch(b), e1)
 
 
+def test_checkpoints_after_resuming_at_an_epoch_end_move_on(medium):
+    """Restored at an epoch's end, the loader rolls over to the next epoch; the states it
+    gives from then on are its own (torchdata kept the restored one and answered with it in
+    every later epoch, so resuming from a later checkpoint replayed what was served)."""
+    src, _, m = medium
+    kw = dict(batch_size=16, block_chunks=3)
+    a = ib.build_loader(src, m, "train", **kw)
+    epoch(a)
+    e1, e2 = epoch(a), epoch(a)
+    b = ib.build_loader(src, m, "train", **kw)
+    b.load_state_dict(_state_at_epoch_end(src, m, kw))
+    it = iter(b)
+    for _ in range(3):
+        next(it)
+    c = ib.build_loader(src, m, "train", **kw)
+    c.load_state_dict(b.state_dict())
+    same(epoch(c), e1[3:])
+    for _ in it:
+        pass
+    it = iter(b)
+    next(it)
+    d = ib.build_loader(src, m, "train", **kw)
+    d.load_state_dict(b.state_dict())
+    same(epoch(d), e2[1:])
+
+
+def _state_at_epoch_end(src, m, kw):
+    a = ib.build_loader(src, m, "train", **kw)
+    epoch(a)
+    return a.state_dict()
+
+
 def test_num_yielded_is_exact_after_restore(medium):
     src, _, m = medium
     a = ib.build_loader(src, m, "train", batch_size=16)
