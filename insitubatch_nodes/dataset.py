@@ -251,7 +251,8 @@ class SampleDataset(Dataset):
         why = ""
         if self.resolved.excluded:
             why = (f"; chunks {list(self.resolved.excluded)} are left out (their samples "
-                   f"touch the store's missing steps {list(self.source.missing)})")
+                   f"touch the store's missing steps {list(self.source.missing)}, or with "
+                   "time steps another split's chunks)")
         g = self.resolved.grid
         if g.first or g.end != g.n_samples:
             why += f"; with this window only anchors {g.first} to {g.end - 1} are samples"

@@ -49,9 +49,10 @@ _HOW = {
     "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
     "run_chunks": "time windows deal runs of run_chunks adjacent chunks: build the loader with "
                   "the saved run_chunks (and window=)",
-    "excluded": "the chunks left out for the store's missing dates differ (the store's "
-                "missing_dates, or window=, changed): resume on the store and window the state "
-                "was saved with",
+    "excluded": "the chunks left out for the store's missing dates, or because their time "
+                "windows reach another split, differ (the store's missing_dates, window= or "
+                "the split changed): resume on the store, split and window the state was "
+                "saved with",
     "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
@@ -84,7 +85,7 @@ class StateFingerprint:
     uneven: str
     contiguous: bool
     run_chunks: int  # chunks per contiguous run with time windows; 0 without
-    excluded: str  # hash of the chunks left out for missing dates ("" when none)
+    excluded: str  # hash of the chunks left out (missing dates, split edges; "" when none)
     batch_size: int
     drop_last: bool
     rank: int | None = None

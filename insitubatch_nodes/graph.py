@@ -12,6 +12,7 @@ all go through here, so they cannot drift apart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,9 @@ from .source import Source
 from .split import SplitManifest
 from .staging import StagingSeam
 from .stats import Stats
-from .windows import SampleWindow, chunks_touching, default_run_chunks
+from .windows import SampleWindow, chunks_reaching, chunks_touching, default_run_chunks
+
+log = logging.getLogger("insitubatch_nodes")
 
 STAGES = ("split", "permute", "plan", "fetch", "shuffle", "gather", "pin")
 
@@ -75,6 +78,7 @@ class Resolved:
     channels: tuple[Channel, ...] | None  # sample.channels resolved against the source
     channels_key: str  # the batch key they are stacked into
     excluded: tuple[int, ...]  # chunks left out: their samples touch the store's missing steps
+    # or (time steps) another split's chunks
     layout: BatchLayout | None  # where each variable lands in a host-gathered batch
     in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
 
@@ -126,8 +130,24 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     grid = source.grid if steps is None else steps.grid(source.grid)
     chunk_ids = manifest.chunk_ids(split)
     excluded = chunks_touching(source.missing, source.grid, steps)
+    if steps is not None:
+        others = [manifest.chunk_ids(n) for n in manifest.names if n != split]
+        others_ids = np.concatenate(others) if others else np.empty(0, dtype=np.int64)
+        across = chunks_reaching(chunk_ids, others_ids, grid, steps)
+        if across.size:
+            log.info("split %r: chunks %s left out: their samples' time steps reach another "
+                     "split's chunks (split_by_coordinate(gap=) keeps steps free between "
+                     "splits instead)", split, across[:8].tolist())
+            excluded = np.union1d(excluded, across)
     if excluded.size:
+        had = len(chunk_ids)
         chunk_ids = np.setdiff1d(chunk_ids, excluded)
+        if had and len(chunk_ids) == 0:
+            raise ValueError(
+                f"every chunk of split {split!r} ({had}) is left out: its samples touch the "
+                f"store's missing steps {list(source.missing)[:8]} or, with time steps "
+                f"{steps}, reach another split's chunks (split_by_chunk(mode='random') "
+                "interleaves the splits; use contiguous splits or split_by_coordinate(gap=))")
     if len(chunk_ids) == 0:
         raise ValueError(
             f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "

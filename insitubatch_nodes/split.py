@@ -422,6 +422,14 @@ def split_by_coordinate(
         free = (chunks[b][0] - chunks[a][1]) * cs
         if free < gap:
             chunks[b][0] += -(-(gap - free) // cs)
+            free = (chunks[b][0] - chunks[a][1]) * cs
+        if free < need:  # an explicit gap, and snapping closed what the periods left
+            a1, b0 = chunks[a][1] * cs, chunks[b][0] * cs
+            raise ValueError(
+                f"split {a!r} would leak into {b!r}: snapped to chunks of {cs} steps, "
+                f"{a!r} ends at {label(a1 - 1)} and {b!r} starts at {label(b0)}, {free} steps "
+                f"apart, but the window needs {need} (gap={gap}); leave gap=None or raise it"
+            )
     empty = [k for k in order if chunks[k][1] <= chunks[k][0]]
     if empty:
         raise ValueError(f"splits {empty} have no whole chunk left after snapping to chunks of "

@@ -84,6 +84,27 @@ def chunks_touching(missing: Sequence[int], grid: SampleGrid,
     return np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, hi, strict=True)]))
 
 
+def chunks_reaching(chunk_ids: np.ndarray, others: np.ndarray, grid: SampleGrid,
+                    steps: SampleWindow) -> np.ndarray:
+    """Those of ``chunk_ids`` (one split's) holding an anchor whose time steps reach a chunk
+    of ``others`` (the other splits'), ascending: a window read across a split boundary
+    puts one split's steps into another's inputs or targets. Chunks of no split (a gap)
+    may be read. Whole chunks go, as for missing steps."""
+    ids = np.asarray(chunk_ids, dtype=np.int64)
+    if ids.size == 0 or len(others) == 0 or steps.span == 1:
+        return np.empty(0, dtype=np.int64)
+    n_chunks = -(-grid.n_samples // grid.chunk_size)
+    taken = np.zeros(n_chunks + 1, dtype=np.int64)
+    taken[np.asarray(others, dtype=np.int64) + 1] = 1
+    taken = np.cumsum(taken)  # taken[k]: chunks of other splits before chunk k
+    first = np.maximum(ids * grid.chunk_size, grid.first)  # the chunk's anchors
+    last = np.minimum((ids + 1) * grid.chunk_size, grid.end) - 1
+    lo = np.clip(first - steps.before, 0, grid.n_samples - 1) // grid.chunk_size
+    hi = np.clip(last + steps.after, 0, grid.n_samples - 1) // grid.chunk_size
+    hit = (last >= first) & (taken[hi + 1] - taken[lo] > 0)
+    return ids[hit]
+
+
 HALO_SHARE = 0.25  # at most this much extra reading for the halos of a run, by default
 
 

@@ -128,7 +128,15 @@ def test_every_sample_is_the_loaders_row_for_it(stores, case):
     src, manifest, extra = stores[kind]
     opts = {k: extra[v] if k in ("stats", "static") else v for k, v in opts.items()}
     where = f"{kind} {split} {opts}"
-    loader = ib.build_loader(src, manifest, split, batch_size=batch_size, seed=3, **opts)
+    try:
+        loader = ib.build_loader(src, manifest, split, batch_size=batch_size, seed=3, **opts)
+    except ValueError as e:
+        # These small stores' splits are a few chunks: a long window may reach the other
+        # split from every one of them. The dataset refuses the same.
+        assert "is left out" in str(e) and opts.get("window") is not None, where
+        with pytest.raises(ValueError, match="is left out"):
+            ib.SampleDataset(src, manifest, split, **opts)
+        return
     ds = ib.SampleDataset(src, manifest, split, **opts)
     assert np.all(np.diff(ds.sample_indices) > 0)
     patches = opts.get("patch_size") is not None
@@ -145,15 +153,16 @@ def test_every_sample_is_the_loaders_row_for_it(stores, case):
 def test_anchors_and_missing_dates_decide_the_samples(stores):
     src, manifest, _ = stores["anemoi"]
     w = ib.SampleWindow(2, (1,))
-    ds = ib.SampleDataset(src, manifest, "train", window=w)  # train: dates 0..13, 9 missing
-    assert ds.sample_indices.tolist() == [1, 2, 3, 4, 5, 6, 7, 11, 12, 13]
-    assert len(ds) == 10 and ds[-1]["sample_index"].item() == 13
+    # train: dates 0..13, 9 missing; 13's target is val's first date
+    ds = ib.SampleDataset(src, manifest, "train", window=w)
+    assert ds.sample_indices.tolist() == [1, 2, 3, 4, 5, 6, 7, 11, 12]
+    assert len(ds) == 9 and ds[-1]["sample_index"].item() == 12
     with pytest.raises(KeyError, match=r"sample 9 is not in split 'train'.*missing steps \[9\]"):
         ds.index_of(9)
     with pytest.raises(KeyError, match="only anchors 1 to 22 are samples"):
         ds.index_of(0)
-    with pytest.raises(IndexError, match=r"position 10 is out of range .* \(0 to 9\)"):
-        ds[10]
+    with pytest.raises(IndexError, match=r"position 9 is out of range .* \(0 to 8\)"):
+        ds[9]
     with pytest.raises(TypeError, match="integer positions"):
         ds["2t"]
 

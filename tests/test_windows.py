@@ -118,6 +118,44 @@ def test_window_validation():
     assert SampleWindow(3, (1, 6), 2).span == 4 + 12 + 1
 
 
+@pytest.mark.parametrize("mode", ["contiguous", "random"])
+def test_windows_never_read_another_splits_steps(weather, mode):
+    """split_by_chunk leaves no steps free between splits: an anchor at a split's edge
+    read the neighbouring split's steps as inputs or targets (validation targets in a
+    training batch). The chunks holding such anchors are left out; everything else is
+    served once."""
+    src, _ = weather
+    win = SampleWindow(2, (1, 3))
+    m = ib.split_by_chunk(src, (0.6, 0.2, 0.2), seed=1, mode=mode)
+    cs = m.chunk_size
+    served = []
+    for split in m.names:
+        own = set(m.chunk_ids(split).tolist())
+        try:
+            batches = epoch(ib.build_loader(src, m, split, batch_size=5, block_chunks=2,
+                                            window=win))
+        except ValueError as e:  # random splits: maybe no chunk of it is clear of the others
+            assert mode == "random" and "left out" in str(e) and split in str(e)
+            continue
+        anchors = np.concatenate([b["sample_index"] for b in batches])
+        steps = anchors[:, None] + np.concatenate([win.input_offsets, win.target_offsets])
+        assert {int(s) // cs for s in steps.ravel()} <= own, split
+        assert len(set(anchors.tolist())) == anchors.size > 0
+        served.append(split)
+        # an anchor left out is one whose steps reach outside the split (or the store)
+        kept = set(anchors.tolist())
+        for c in own:
+            for a in range(c * cs, min((c + 1) * cs, 203)):
+                inside = all((a + o) // cs in own and 0 <= a + o < 203
+                             for o in range(-win.before, win.after + 1))
+                if inside and all(((c * cs + k) - win.before) // cs in own
+                                  and ((c * cs + k) + win.after) // cs in own
+                                  and (c * cs + k) + win.after < 203
+                                  for k in range(min(cs, 203 - c * cs))):
+                    assert a in kept, (split, a)  # a whole clean chunk is served
+    assert "train" in served and (mode == "random" or served == list(m.names))
+
+
 def test_coordinate_splits_with_gap_and_leak_errors(weather):
     src, _ = weather
     win = SampleWindow(2, (1, 3))
@@ -138,6 +176,22 @@ def test_coordinate_splits_with_gap_and_leak_errors(weather):
                                window=win, gap=0)
     with pytest.raises(ValueError, match="selects no steps"):
         ib.split_by_coordinate(src, {"train": ("2100", None)})
+
+
+def test_a_coordinate_split_that_snapping_makes_leak_is_refused(tmp_path):
+    """Periods 3 steps apart pass a window that needs 2 with gap=0, but snapped to chunks of
+    8 they touch: that is refused too, not handed back as a leaking manifest."""
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    g.create_array("x", shape=(40, 2), chunks=(8, 2), dtype="f4",
+                   dimension_names=("time", "c"))[:] = 0
+    g.create_array("time", shape=(40,), dtype="float64",
+                   dimension_names=("time",))[:] = np.arange(40.0)
+    src = ib.open_source(tmp_path / "s.zarr", sample_dim="time")
+    periods = {"train": (0, 11), "val": (15, 39)}
+    with pytest.raises(ValueError, match="'train' would leak into 'val': snapped to chunks"):
+        ib.split_by_coordinate(src, periods, window=SampleWindow(2, (1,)), gap=0)
+    m = ib.split_by_coordinate(src, periods, window=SampleWindow(2, (1,)))  # the default gap
+    assert (m.ranges("val")[0][0] - m.ranges("train")[0][-1]) * 8 >= 2
 
 
 def test_coordinate_split_needs_a_coordinate(tmp_path):
