@@ -19,6 +19,7 @@ import numpy as np
 from .anemoi import stored_statistics
 from .source import Source
 from .split import SplitManifest
+from .windows import chunks_touching
 
 # Normalisation schemes (anemoi-training's), per variable or label; "default" names the rest.
 SCHEMES = ("mean-std", "std", "min-max", "max", "none")
@@ -83,7 +84,9 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     """Stream ``split`` once and return mean/std/min/max per variable (and kept dim)."""
     manifest.check_source(source)
     names = list(variables) if variables is not None else list(source.names)
-    ids = manifest.chunk_ids(split)
+    # The store's missing dates (anemoi's missing_dates) hold no data: the loader never
+    # serves them, and their fill values (NaN) made every statistic NaN.
+    ids = np.setdiff1d(manifest.chunk_ids(split), chunks_touching(source.missing, source.grid))
     if ids.size == 0:
         raise ValueError(f"split {split!r} has no chunks to compute statistics over")
     plans = []

@@ -193,6 +193,24 @@ def test_anchors_touching_a_missing_date_are_never_served(tmp_path, window):
     assert sorted(seen) == valid  # exactly once over every anchor that stays clear of them
 
 
+def test_statistics_leave_the_missing_dates_out(tmp_path):
+    """A missing date holds no data (NaN as stored here): statistics over it were NaN, and
+    every batch normalised with them too. They are the statistics of the dates served."""
+    missing = (7, 20)
+    path = write_anemoi_store(tmp_path / "a.zarr", n_dates=30, missing=missing)
+    data, _ = _stored(path)
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    st = ib.compute_stats(src, m, keep_dims=("variable",), progress=False)
+    kept = np.delete(data, missing, axis=0).astype(np.float64)
+    (var,) = st.variables
+    np.testing.assert_allclose(var.mean, kept.mean(axis=(0, 2, 3)), rtol=1e-10)
+    np.testing.assert_allclose(var.std, kept.std(axis=(0, 2, 3)), rtol=1e-10)
+    np.testing.assert_array_equal(var.min, kept.min(axis=(0, 2, 3)))
+    batch = next(iter(ib.build_loader(src, m, "train", batch_size=4, stats=st)))
+    assert not np.isnan(batch["data"].numpy()).any()
+
+
 def test_dates_are_the_sample_coordinate_for_splits(tmp_path):
     path = write_anemoi_store(tmp_path / "a.zarr", n_dates=20)
     _, dates = _stored(path)
