@@ -252,6 +252,12 @@ def test_stored_statistics_and_normalization_schemes(tmp_path):
     with pytest.raises(ValueError, match=r"unknown schemes \{'2t': 'zscore'\}"):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=stats,
                         normalize={"2t": "zscore"})
+    # statistics over the whole field (not per label) cannot honour a label's scheme
+    whole = ib.compute_stats(src, ib.split_by_chunk(src, (1.0,)), progress=False)
+    with pytest.raises(ValueError, match=r"schemes for \['msl'\] of 'data' need its "
+                                         r"statistics per label"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=whole,
+                        normalize={"msl": "none"})
     with pytest.raises(ValueError, match="not an anemoi dataset"):
         ib.dataset_stats(ib.open_source(write_wb2_store(
             tmp_path / "wb2.zarr", WB2Spec.small(n_times=2), progress=False)))

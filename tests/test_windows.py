@@ -230,6 +230,42 @@ def test_stats_match_numpy_and_normalize(weather):
     assert b["sample_index"].dtype == torch.int64  # untouched
 
 
+def test_normalisation_keeps_the_precision_and_the_dims_of_the_statistics(tmp_path):
+    """float64 data around 1e9 (and int64) were standardised in float32, which cannot hold
+    the noise on top; statistics kept over two dims could not be broadcast; a negative "max"
+    became 1e-12."""
+    import torch
+
+    g = zarr.open_group(tmp_path / "p.zarr", mode="w")
+    rng = np.random.default_rng(0)
+    n = 16
+    big = 1e9 + rng.random((n, 3, 4))
+    g.create_array("big", shape=big.shape, chunks=(4, 3, 4), dtype="float64",
+                   dimension_names=("time", "lat", "lon"))[:] = big
+    ints = (2**40 + rng.integers(0, 1000, (n, 3, 4))).astype("int64")
+    g.create_array("ints", shape=ints.shape, chunks=(4, 3, 4), dtype="int64",
+                   dimension_names=("time", "lat", "lon"))[:] = ints
+    neg = -5.0 - rng.random((n, 2, 3, 4))
+    g.create_array("neg", shape=neg.shape, chunks=(4, 2, 3, 4), dtype="float32",
+                   dimension_names=("time", "level", "lat", "lon"))[:] = neg
+    src = ib.open_source(tmp_path / "p.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    st = ib.compute_stats(src, m, keep_dims=("level", "lat"), progress=False)
+    assert st["neg"].mean.shape == (2, 3)
+    (b,) = ib.build_loader(src, m, "train", batch_size=n, stats=st,
+                           normalize={"neg": "max"})
+    idx = b["sample_index"].numpy()
+    assert b["big"].dtype == torch.float64 and b["ints"].dtype == torch.float32
+    per_lat = (slice(None), None)  # statistics kept over lat (the sample's first axis)
+    want = (big[idx] - big.mean(axis=(0, 2))[per_lat]) / big.std(axis=(0, 2))[per_lat]
+    np.testing.assert_allclose(b["big"].numpy(), want, atol=1e-5)  # float32: ~1 std off
+    wide = ints.astype(np.float64)
+    wi = (wide[idx] - wide.mean(axis=(0, 2))[per_lat]) / wide.std(axis=(0, 2))[per_lat]
+    np.testing.assert_allclose(b["ints"].numpy(), wi, atol=1e-5)
+    hi = neg.astype(np.float64).max(axis=(0, 3))  # per (level, lat), negative
+    np.testing.assert_allclose(b["neg"].numpy(), neg[idx] / hi[None, :, :, None], rtol=1e-6)
+
+
 def test_xarray_dataset_in(weather, tmp_path):
     import warnings
 

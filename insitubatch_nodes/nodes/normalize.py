@@ -75,7 +75,10 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         self.keeps_batch_memory = dtype is None  # float32 is standardised in place
         self._names = {var.name for var in variables}
         self.schemes = check_schemes(schemes, variables)
-        self._params: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # float64 parameters; the per-(device, dtype) copies batches use are made once.
+        self._exact: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._params: dict[tuple[str, torch.device, torch.dtype],
+                           tuple[torch.Tensor, torch.Tensor]] = {}
         for var in variables:
             try:
                 st = stats[var.name]
@@ -83,37 +86,47 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                 continue
             dims = var.dimension_names or ()
             shape = [1] * (len(var.shape) - 1)
-            for d in st.kept_dims:
-                shape[list(dims).index(d) - 1] = -1
+            for d in st.kept_dims:  # a kept dim keeps its length (several may be kept)
+                i = list(dims).index(d)
+                shape[i - 1] = var.shape[i]
             per_label = (var.labels is not None and st.kept_dims == (dims[1],)
                          and np.size(st.mean) == len(var.labels))
             names = var.labels if per_label and var.labels is not None else None
+            if names is None and var.labels is not None:
+                _check_label_schemes(self.schemes, var, st.kept_dims)
             offset, scale = _offset_scale(st, self.schemes, var.name, names)
-            self._params[var.name] = (
-                torch.as_tensor(offset.astype(np.float32)).reshape(shape),
-                torch.as_tensor(np.maximum(scale, eps).astype(np.float32)).reshape(shape))
+            # A zero scale (a constant field) divides by eps; a negative one ("max" of a
+            # field below zero) is kept, as anemoi-training keeps it.
+            scale = np.where(np.abs(scale) < eps, eps, scale)
+            self._exact[var.name] = (torch.as_tensor(offset).reshape(shape),
+                                     torch.as_tensor(scale).reshape(shape))
 
-    def _params_on(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self._params[name]
-        if p[0].device != device:  # batches decoded on a GPU: move once, keep
-            p = self._params[name] = (p[0].to(device), p[1].to(device))
+    def _params_on(self, name: str, device: torch.device, dtype: torch.dtype,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (name, device, dtype)
+        p = self._params.get(key)
+        if p is None:  # batches decoded on a GPU: moved once, kept
+            offset, scale = self._exact[name]
+            p = self._params[key] = (offset.to(device, dtype), scale.to(device, dtype))
         return p
 
     def _stacked_key(self, value: torch.Tensor, parts: list[tuple[str, Placement]],
                      ) -> torch.Tensor:
         """Standardise each variable's channel range of a stacked tensor, in place."""
-        if not any(name in self._params for name, _ in parts):
+        if not any(name in self._exact for name, _ in parts):
             return value if self.dtype is None else value.to(self.dtype)
-        x = value if value.dtype == torch.float32 else value.to(torch.float32)
+        work = _working_dtype(value.dtype)
+        x = value if value.dtype == work else value.to(work)
         for name, pl in parts:
-            if name not in self._params:
+            if name not in self._exact:
                 continue
-            mean, std = self._params_on(name, x.device)
+            mean, std = self._params_on(name, x.device, work)
             if pl.levels is not None and mean.dim() == 3 and mean.shape[0] > 1:
                 mean, std = mean[pl.levels], std[pl.levels]  # per-level statistics
             view = x[..., pl.channel, :, :]
             view.sub_(mean).div_(std)
-        return x if self.dtype is None else x.to(self.dtype)
+        out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
+        return x if x.dtype == out else x.to(out)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
@@ -122,13 +135,39 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             if name in self._stacked:
                 batch[key] = self._stacked_key(value, self._stacked[name])
                 continue
-            p = self._params.get(name)
-            if p is None:
+            if name not in self._exact:
                 if self.dtype is not None and name in self._names:
                     batch[key] = value.to(self.dtype)
                 continue
-            p = self._params_on(name, value.device)
-            x = value if value.dtype == torch.float32 else value.to(torch.float32)
+            work = _working_dtype(value.dtype)
+            p = self._params_on(name, value.device, work)
+            x = value if value.dtype == work else value.to(work)
             x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
-            batch[key] = x if self.dtype is None else x.to(self.dtype)
+            out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
+            batch[key] = x if x.dtype == out else x.to(out)
         return batch
+
+
+def _working_dtype(stored: torch.dtype) -> torch.dtype:
+    """float64 for float64 data and for 32/64-bit integers (float32 cannot hold their
+    values: 1e9 + noise lost the noise), float32 for the rest."""
+    wide = (torch.float64, torch.int32, torch.int64, torch.uint32, torch.uint64)
+    return torch.float64 if stored in wide else torch.float32
+
+
+def _served_dtype(stored: torch.dtype) -> torch.dtype:
+    """Without ``dtype=``: float64 stays float64, everything else is served as float32."""
+    return torch.float64 if stored == torch.float64 else torch.float32
+
+
+def _check_label_schemes(schemes: Mapping[str, str], var: VariableGeometry,
+                         kept: tuple[str, ...]) -> None:
+    """A scheme named for a label (an anemoi ``2t``) needs statistics per label; without
+    them it was silently not applied."""
+    named = sorted(set(schemes) & set(var.labels or ()))
+    if named:
+        axis = (var.dimension_names or ("", "variable"))[1]
+        raise ValueError(f"normalization schemes for {named} of {var.name!r} need its "
+                         f"statistics per label (kept over {axis!r}), but they are kept over "
+                         f"{list(kept)}: compute them with keep_dims=({axis!r},) or use "
+                         "dataset_stats")
