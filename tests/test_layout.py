@@ -97,6 +97,30 @@ def test_channels_in_place_equal_gather_then_stack(weather, picks, window, norma
             np.testing.assert_array_equal(g[k], w[k], err_msg=k)
 
 
+@pytest.mark.parametrize("chunk", [1, 4])  # in place, and windows with a gather
+def test_a_variable_with_one_level_named_alone_is_one_channel(tmp_path, chunk):
+    """A (1, y, x) sample named alone in ``channels=`` was a whole-variable channel whose
+    rows did not fit its (y, x) slot: the gather failed on every store with more than one
+    step per chunk."""
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    n = 12
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((n, 1, 5, 6)).astype("f4")
+    t2m = rng.standard_normal((n, 5, 6)).astype("f4")
+    g.create_array("t", shape=t.shape, chunks=(chunk, 1, 5, 6), dtype="f4",
+                   dimension_names=("time", "level", "lat", "lon"))[:] = t
+    g.create_array("t2m", shape=t2m.shape, chunks=(chunk, 5, 6), dtype="f4",
+                   dimension_names=("time", "lat", "lon"))[:] = t2m
+    g.create_array("level", shape=(1,), dtype="float64", dimension_names=("level",))[:] = [500.0]
+    src = ib.open_source(tmp_path / "s.zarr", variables=["t", "t2m"])
+    m = ib.split_by_chunk(src, (1.0,))
+    assert [c.label for c in resolve_channels(src, ["t", "t2m"])] == ["t@500.0", "t2m"]
+    for b in ib.build_loader(src, m, "train", batch_size=5, channels=["t", "t2m"]):
+        idx = b["sample_index"].numpy()
+        want = np.concatenate([t[idx], t2m[idx][:, None]], axis=1)
+        np.testing.assert_array_equal(b["channels"].numpy(), want)
+
+
 def test_channels_of_different_dtypes_are_stacked_afterwards(weather, tmp_path):
     src, m = weather
     both = ib.open_source(src.url, variables=["t2m", "q"])

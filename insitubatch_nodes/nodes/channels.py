@@ -36,7 +36,9 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                            f"named channels: {list(labelled)}")
         var = source.variable(name)
         if level is None:
-            if len(var.sample_shape) > 2 and var.sample_shape[0] > 1:
+            # A (level, y, x) sample gives a channel per level, a single level included
+            # (as a whole channel its (1, y, x) rows did not fit the (y, x) slot).
+            if len(var.sample_shape) > 2:
                 if len(var.sample_shape) != 3:
                     raise ValueError(f"stacking the levels of {name!r} needs samples shaped "
                                      f"(level, y, x); its dims are {var.dimension_names}")
