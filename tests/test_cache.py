@@ -348,3 +348,28 @@ def test_the_option_is_checked(tmp_path):
     roomy.put_later("huge", bytes(65 << 20))  # more than the writer's backlog: not cached
     roomy.flush()
     assert roomy.skipped == 1 and roomy.get("huge") is None
+
+
+def test_the_cache_scope_names_the_server_and_account_however_they_were_given(monkeypatch):
+    """The endpoint in the options, or in AWS_ENDPOINT_URL (obstore reads it), and an Azure
+    account: without them a bucket of one name on MinIO and on AWS (or a container in two
+    accounts) shared entries, and the other server's bytes were served."""
+    import obstore.store
+
+    from insitubatch_nodes.io.read_paths import store_place
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AZURE_STORAGE_ACCOUNT_NAME",
+                 "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def s3(**kw):
+        return obstore.store.from_url("s3://data/x.zarr", region="us-east-1",
+                                      skip_signature=True, **kw)
+
+    assert store_place(s3()) == ""
+    assert store_place(s3(endpoint="http://minio:9000")) == " at http://minio:9000"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9999")
+    assert store_place(s3()) == " at http://127.0.0.1:9999"
+    assert store_place(s3(endpoint="http://minio:9000")) == " at http://minio:9000"
+    az = obstore.store.from_url("az://cont/x.zarr", account_name="acct", skip_signature=True)
+    assert store_place(az) == " account_name acct"

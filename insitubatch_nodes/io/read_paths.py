@@ -361,6 +361,30 @@ class CachedGets(AsyncGets):
         return datas
 
 
+# Where obstore takes an endpoint or an account from when the store's options do not say.
+_PLACE_ENV = {"S3Store": (("endpoint", ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")),),
+              "AzureStore": (("endpoint", ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")),
+                             ("account_name", ("AZURE_STORAGE_ACCOUNT_NAME",
+                                               "AZURE_STORAGE_ACCOUNT"))),
+              "GCSStore": ()}
+
+
+def store_place(store: Any) -> str:
+    """What besides its URL says which server and account an obstore store reads (its
+    endpoint, an Azure account), given in its options or taken from the environment as
+    obstore does: a bucket of one name on MinIO and on AWS must not share cache entries."""
+    config = {str(k).lower(): v for k, v in (getattr(store, "config", None) or {}).items()}
+    place = ""
+    for field, names in _PLACE_ENV.get(type(store).__name__, ()):
+        value = config.get(field) or next((os.environ[n] for n in names if os.environ.get(n)),
+                                          None)
+        if value:
+            place += f" at {value}" if field == "endpoint" else f" {field} {value}"
+    if "endpoint" in config and type(store).__name__ not in _PLACE_ENV:
+        place += f" at {config['endpoint']}"
+    return place
+
+
 def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     """``path`` with its store reads through ``cache``; local files are never cached (their
     chunks are on local disk already). zarr's own ``getitem`` reads (chains we do not
@@ -368,10 +392,10 @@ def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     if isinstance(path, (CachedGets, CachedGetitem)):
         return path
     gets = path.gets if isinstance(path, ZarrGetitem) else path
-    if isinstance(gets, ObjectStoreGets):  # the same bucket name on another endpoint
-        endpoint = (getattr(gets.store, "config", None) or {}).get("endpoint")
-        if endpoint:
-            scope = CacheScope.of(f"{scope.url} at {endpoint}", scope.snapshot_id)
+    if isinstance(gets, ObjectStoreGets):  # the same bucket name on another server
+        place = store_place(gets.store)
+        if place:
+            scope = CacheScope.of(f"{scope.url}{place}", scope.snapshot_id)
     if isinstance(path, AsyncGets):
         return CachedGets(path, cache, scope)
     if isinstance(path, ZarrGetitem):
