@@ -26,8 +26,10 @@ _IN_PLACE_BATCH = ("this loader decodes straight into batches planned from the e
 # Per-rank fields; a merged (elastic) state has none: any world size may load it.
 RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # Not compared for a merged state: the resumed generation deals the rest of the epoch
-# afresh over the new ranks and evens their steps by the new loader's policy.
-MERGED_FREE: tuple[str, ...] = (*RANK_FIELDS, "uneven")
+# afresh over the new ranks. ``uneven`` is compared: the old ranks' schedules, against which
+# their recorded progress is checked and the rest is found, are rebuilt with it (a merged
+# state loaded under another policy was refused as "edited").
+MERGED_FREE: tuple[str, ...] = RANK_FIELDS
 
 _HOW = {
     "manifest": "load it into a loader built with the split manifest it was saved with "

@@ -220,6 +220,11 @@ def test_merge_carries_the_fingerprint_without_rank(store):
     with ib.build_loader(src, m, "train", **{**KW, "seed": 5}, rank=0, world_size=3) as ld, \
             pytest.raises(ValueError, match="seed: saved 0, this loader 5"):
         ld.load_state_dict(merged)
+    # the old ranks' schedules are rebuilt with the saved policy: another one is refused by
+    # name (it used to pass this check and fail later, calling the state edited)
+    with ib.build_loader(src, m, "train", **KW, rank=0, world_size=3, uneven="pad") as ld, \
+            pytest.raises(ValueError, match="uneven: saved 'none', this loader 'pad'"):
+        ld.load_state_dict(merged)
 
 
 def test_merge_refuses_ranks_out_of_order_or_built_differently(store):
