@@ -337,7 +337,13 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
         node = StackChannelsNode(node, channels, key=resolved.channels_key)
         between.append(node)
     if sm.patch_size is not None:
-        spatial = source.variables[0].sample_shape[-len(sm.patch_size):]
+        k = len(sm.patch_size)
+        shapes = {v.name: tuple(v.sample_shape[-k:]) for v in source.variables}
+        if len(set(shapes.values())) > 1:  # one grid of patches cuts one grid of points
+            raise ValueError(f"patch_size={tuple(sm.patch_size)} cuts every variable on one "
+                             f"grid, but their last {k} dims differ: {shapes}; open the "
+                             "variables of one grid (open_source(variables=...))")
+        spatial = next(iter(shapes.values()))
         # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
         # patch corners once
         node = PatchNode(node, sm.patch_size, sm.patch_stride, spatial_shape=spatial)

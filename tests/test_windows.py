@@ -340,6 +340,21 @@ def test_patches_cover_each_sample_patch_pair_once(weather):
         ib.build_loader(src, m, "train", patch_size=(9, 9))
 
 
+def test_patches_of_variables_on_different_grids_are_refused(tmp_path):
+    """One grid of patch corners (the first variable's) cut the others wrong or not at all:
+    a variable on another grid came through whole, repeated per patch."""
+    g = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    g.create_array("fine", shape=(8, 8, 8), chunks=(4, 8, 8), dtype="f4",
+                   dimension_names=("time", "y", "x"))[:] = 1
+    g.create_array("coarse", shape=(8, 4, 4), chunks=(4, 4, 4), dtype="f4",
+                   dimension_names=("time", "y2", "x2"))[:] = 2
+    src = ib.open_source(tmp_path / "g.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    with pytest.raises(ValueError, match=r"their last 2 dims differ: \{'coarse': \(4, 4\), "
+                                         r"'fine': \(8, 8\)\}"):
+        ib.build_loader(src, m, "train", patch_size=(4, 4))
+
+
 def test_static_fields_from_a_second_store(weather, tmp_path):
     src, _ = weather
     g = zarr.open_group(tmp_path / "static.zarr", mode="w")
