@@ -43,7 +43,7 @@ from .nodes import (
 from .nodes.async_fetch import DEFAULT_PREFETCH_WINDOWS
 from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode
-from .nodes.pin_or_cuda import resolve_device
+from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .nodes.static import StaticFieldsNode
 from .nodes.views import ChannelsLastNode
 from .permute import resolve_rank
@@ -414,6 +414,12 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     node, between = transform_stages(gather, source, resolved, resolve_device(d.device))
     dev = ops.device if ops is not None else resolve_device(d.device)
     seam = connect_staging(gather, between) if dev is not None and dev.type == "cuda" else None
+    if seam is not None:
+        ops = ops if ops is not None else CudaOps(dev)
+        if arena is not None:
+            # Decoded in place into pinned memory: the stager copies those batches to the
+            # GPU from where they were decoded. Set before the first batch is allocated.
+            arena.pool = BufferPool(ledger, allocate=PinnedArrays(ops))
     node = PinOrCudaNode(node, device=d.device, ring_size=d.ring_size, ops=ops, staging=seam)
     stages["pin"] = node
     return Graph(node, stages, ledger)

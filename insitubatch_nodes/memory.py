@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -50,10 +51,17 @@ class BufferPool:
     One plain ``weakref.ref`` per view does the give-back and the ledger's count together:
     a ``weakref.finalize`` (and a second one for the ledger) cost the consumer thread
     several microseconds per stripe and per batch.
+
+    ``allocate(shape, dtype)`` makes a new base array (default ``np.empty``); the CUDA graph
+    passes one that returns pinned host memory, so batches decoded in place are copied to
+    the GPU straight from where they were decoded.
     """
 
-    def __init__(self, ledger: MemoryLedger | None = None) -> None:
+    def __init__(self, ledger: MemoryLedger | None = None,
+                 allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+                 ) -> None:
         self.ledger = ledger
+        self._new = allocate if allocate is not None else np.empty
         # Reentrant: a give-back runs wherever a view dies, which can be a garbage
         # collection started by an allocation on a thread that holds the lock.
         self._lock = threading.RLock()
@@ -71,7 +79,7 @@ class BufferPool:
         with self._lock:
             free = self._free.get(key)
             bases = [free.pop() for _ in range(min(n, len(free)))] if free else []
-        bases += [np.empty(shape, dtype=dtype) for _ in range(n - len(bases))]
+        bases += [self._new(shape, dtype) for _ in range(n - len(bases))]
         nbytes = bases[0].nbytes if self.ledger is not None and bases else 0
         views = [base.view() for base in bases]
         entries = [(id(view), (weakref.ref(view, partial(self._give_back, id(view))),

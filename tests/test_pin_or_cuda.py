@@ -155,10 +155,22 @@ class FakeOps:
         self.pinned_allocs.append(buf)
         return buf
 
+    def is_pinned(self, tensor):
+        """Inside a buffer ``pinned`` made (what cudaHostAlloc'd memory is to CUDA)."""
+        p = tensor.data_ptr()
+        return any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b in self.pinned_allocs)
+
     def to_device(self, host):
         assert self.current is not None, "device copies must be issued on the side stream"
+        assert host.is_contiguous() and self.is_pinned(host), "async copies read pinned memory"
+        # Like a DMA, the deferred copy reads the memory, not the tensor: it must not keep
+        # the host tensor (and the pool buffer behind it) alive until it runs.
+        base = next(b for b in self.pinned_allocs
+                    if b.data_ptr() <= host.data_ptr() < b.data_ptr() + b.numel())
+        at, n = host.data_ptr() - base.data_ptr(), host.numel() * host.element_size()
+        raw = base[at:at + n].view(host.dtype).view(host.shape)
         out = torch.full(host.shape, 0, dtype=host.dtype)
-        self.current.issue(lambda: out.copy_(host))
+        self.current.issue(lambda: out.copy_(raw))
         return out
 
     def hand_over(self, tensor, stream):
@@ -572,6 +584,58 @@ def test_gather_into_slot_cancels_the_slot_at_epoch_end(store):
     assert not any(node._stager.ring.leased(i) for i in range(3))
 
 
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    """One sample per chunk: the fetch decodes each chunk straight into its batch row."""
+    path = tmp_path_factory.mktemp("pin1") / "s.zarr"
+    data = write_store(path, [Var("x", (53, 3, 4), (1, 3, 4), compressors=BLOSC),
+                              Var("y", (53, 2), (1, 2), dtype="int16")])
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (1.0,)), data
+
+
+@pytest.mark.parametrize("event_cls", [FakeEvent, LyingEvent])
+def test_in_place_batches_go_to_the_gpu_from_the_pinned_arena(one_step, event_cls):
+    """One sample per chunk: chunks are decoded into pinned batch memory and copied to the
+    device from there (no host copy of a variable), through a slow fake GPU; the arena's
+    memory is recycled only after its copy ran. Control: with events that claim completion
+    too early, the arena reuses memory whose copy still waits, and the batches differ."""
+    src, m, data = one_step
+    ops = FakeOps(eager=False, event_cls=event_cls)
+    node = fake_cuda_graph(src, m, ops, 5)  # copies deferred up to 5 batches: a window
+    got = run_graph(node, epochs=3)  # in which the arena reuses memory freed too early
+    want = run_graph(_cpu_graph(src, m, None, None), epochs=3)
+    assert len(got) == len(want) == 3 * 9
+    same = all(np.array_equal(g[k], w[k]) for g, w in zip(got, want, strict=True) for k in g)
+    if event_cls is LyingEvent:
+        assert not same
+        return
+    assert same
+    for b in got:
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+    stager = node._stager
+    rows = 3 * 53
+    assert stager.bytes_copied == rows * 8  # sample_index only
+    assert stager.bytes_in_place == rows * (12 * 4 + 2 * 2)
+    assert len(stager._held) < 5  # at most ring_size batches held, none after synchronize
+    node.synchronize()
+    assert not stager._held
+
+
+def test_in_place_stays_pageable_when_a_stage_makes_new_tensors(one_step):
+    """A cast makes new tensors: the arena is not pinned (those would be pinned for
+    nothing) and the cast batches are copied into the ring."""
+    src, m, _ = one_step
+    ops = FakeOps(eager=True)
+    node = fake_cuda_graph(src, m, ops, 2, normalize_dtype=torch.bfloat16)
+    got = run_graph(node, epochs=1)
+    assert len(got) == 9 and node.staging is None
+    assert node._stager.bytes_in_place == 0 and not node._stager._held
+    assert sum(b.numel() for b in ops.pinned_allocs) == sum(
+        b.numel() for i in range(2) for b in node._stager.ring.buffers(i).values())
+
+
 # -- CudaStager on CPU with fake ops: staging, streams, events ------------------------------
 
 def test_staging_view_shapes_and_dtypes():
@@ -735,6 +799,30 @@ def test_cuda_loader_batches_equal_cpu_batches_bit_for_bit(store):
         assert pin._stager.bytes_copied == rows * 8  # sample_index only
         assert all(buf.is_pinned() for i in range(pin.ring.size)
                    for buf in pin.ring.buffers(i).values())
+
+
+@needs_cuda
+def test_cuda_in_place_batches_are_copied_from_pinned_arena_memory(one_step):
+    """One sample per chunk on a real GPU: chunks are decoded into pinned batch memory and
+    copied from there; only ``sample_index`` goes through the ring."""
+    src, m, data = one_step
+    kw = dict(batch_size=6, block_chunks=3, seed=5, rank=0, world_size=1)
+    with ib.build_loader(src, m, "train", device=None, **kw) as cpu, \
+            ib.build_loader(src, m, "train", device="cuda", **kw) as gpu:
+        assert gpu.node(ib.AsyncFetchNode).arena is not None
+        for _ in range(3):
+            want = epoch(cpu)
+            kept = list(gpu)
+            torch.cuda.synchronize()
+            got = [{k: v.cpu().numpy() for k, v in b.items()} for b in kept]
+            assert len(got) == len(want) == 9
+            for g, w in zip(got, want, strict=True):
+                for k in g:
+                    np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+        pin = gpu.node(PinOrCudaNode)
+        rows = 3 * 53
+        assert pin._stager.bytes_copied == rows * 8
+        assert pin._stager.bytes_in_place == rows * (12 * 4 + 2 * 2)
 
 
 @needs_cuda

@@ -12,8 +12,11 @@ k+1 overlaps the model's work on batch k:
    still running, wait for its event (with ``ring_size`` >= the prefetch depth this almost
    never waits);
 2. ``GatherNode`` writes the batch's variables straight into the slot's pinned buffers
-   (through the ``StagingSeam`` the graph builder handed to both stages); anything else
-   in the batch (``sample_index``, tensors a transform made) is copied into the slot;
+   (through the ``StagingSeam`` the graph builder handed to both stages); a batch decoded in
+   place (one sample per chunk) already lies in pinned memory (the graph gives the batch
+   arena a pinned allocator) and is copied to the device from there, held until its copy
+   has completed; anything else in the batch (``sample_index``, tensors a transform made)
+   is copied into the slot;
 3. on the side stream, allocate the device tensors and issue the H2D copies, then record an
    event on the side stream and store it with the slot (the slot is not written again until
    that event has completed);
@@ -28,6 +31,7 @@ CPU with a fake ``CudaOps`` that defers the "device" copies until their event is
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -79,6 +83,9 @@ class CudaOps:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Allocate on the current (side) stream and copy asynchronously from pinned memory."""
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
@@ -93,6 +100,20 @@ def staging_view(buffer: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch
     """A contiguous tensor shaped and typed like ``like`` over the first ``nbytes`` of a flat
     uint8 ``buffer`` (a slot's buffer may be larger: short last batch, smaller dtype)."""
     return buffer[:nbytes].view(like.dtype).view(like.shape)
+
+
+class PinnedArrays:
+    """An allocator of numpy arrays over pinned host memory (``BufferPool(allocate=...)``):
+    the batch arena decodes into them, so ``CudaStager`` copies those batches to the device
+    with no host copy. Pinning is slow; the pool recycles the arrays, so it is paid once."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.ops.pinned(n)[:n].numpy().view(dtype).reshape(shape)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -110,7 +131,9 @@ class CudaStager:
 
     ``open()`` leases the next slot before the batch is made, so that ``staging_array``
     can hand ``GatherNode`` pinned memory to gather into; ``__call__`` then finds those
-    tensors already in place and copies only the rest.
+    tensors already in place and copies only the rest. Contiguous pinned tensors from
+    elsewhere (batches decoded in place into ``PinnedArrays``) are copied from where they
+    lie and held until their copy completes, at most ``ring_size`` batches of them at once.
     """
 
     def __init__(self, ops: Any, ring_size: int = DEFAULT_RING_SIZE) -> None:
@@ -118,6 +141,9 @@ class CudaStager:
         self.ring: HostRing[torch.Tensor] = HostRing(ring_size, ops.pinned)
         self.stream = ops.new_stream()
         self._open: Lease[torch.Tensor] | None = None
+        # (event, pinned host tensors its copies read), oldest first: the tensors' memory
+        # (a batch arena's, recycled once they die) must outlive the copies out of it.
+        self._held: deque[tuple[Any, list[torch.Tensor]]] = deque()
         # counters, for tests and benchmarks: host bytes memcpy'd into the ring, and bytes
         # that were already there (gathered in place)
         self.bytes_copied = 0
@@ -149,15 +175,22 @@ class CudaStager:
         host = {k: v for k, v in batch.items()
                 if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
         nbytes = {k: v.numel() * v.element_size() for k, v in host.items()}
+        self._release_held()
         lease, self._open = self._open, None
         if lease is None:
             lease = self.ring.acquire(nbytes)
         out = dict(batch)
         consumer = self.ops.current_stream()
         event = None
+        held: list[torch.Tensor] = []
         try:
             staged = {}
             for k, v in host.items():
+                if v.is_contiguous() and self.ops.is_pinned(v) and not self._in_slot(lease, k, v):
+                    staged[k] = v  # decoded in place into pinned memory: no host copy
+                    held.append(v)
+                    self.bytes_in_place += nbytes[k]
+                    continue
                 buf = self.ring.grow(lease, k, nbytes[k])
                 staged[k] = dst = staging_view(buf, nbytes[k], v)
                 if v.is_contiguous() and v.data_ptr() == dst.data_ptr():
@@ -180,14 +213,34 @@ class CudaStager:
                     self.stream.synchronize()
             finally:  # a synchronize that raises too (a sticky CUDA error) frees the slot
                 self.ring.record(lease, event)
+        if held:
+            self._held.append((event, held))
         consumer.wait_event(event)
         for k in host:
             self.ops.hand_over(out[k], consumer)
         return out
 
+    def _in_slot(self, lease: Lease[torch.Tensor], key: str, v: torch.Tensor) -> bool:
+        """Whether ``v`` lies in the leased slot's buffer for ``key`` (gathered into it):
+        the ring's event guards that memory, nothing need be held."""
+        buf = lease.buffers.get(key)
+        return buf is not None and v.data_ptr() == buf.data_ptr()
+
+    def _release_held(self) -> None:
+        """Drop the tensors whose copies completed (events complete in issue order, on one
+        stream); wait for the oldest while ``ring_size`` batches are held, so in-place
+        batches in flight stay as few as the ring's slots (the memory bound counts them)."""
+        held = self._held
+        while held and held[0][0].query():
+            held.popleft()
+        while len(held) >= self.ring.size:
+            held.popleft()[0].synchronize()
+
     def synchronize(self) -> None:
         """Block until every copy issued so far has finished."""
         self.ring.synchronize()
+        while self._held:
+            self._held.popleft()[0].synchronize()
 
 
 class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
