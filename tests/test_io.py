@@ -3,6 +3,7 @@
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import numcodecs
 import numpy as np
 import pytest
 import zarr
@@ -149,6 +150,40 @@ def test_truncated_blosc_frame_is_an_error_not_stale_data():
             dec.decode_into(frame[:cut], out)
     with pytest.raises(ValueError, match="expected 16"):
         dec.decode_into(numcodecs.Blosc().encode(np.arange(2, dtype="f4")), np.empty(2, "f8"))
+
+
+@pytest.mark.parametrize("codec,fmt", [("zstd", 3), ("zstd", 2), ("gzip", 3), ("gzip", 2),
+                                       ("lz4", 2)])
+def test_a_chunk_that_decodes_short_is_refused_not_padded_with_old_bytes(tmp_path, codec,
+                                                                          fmt):
+    """A chunk that is a valid stream of the codec but decodes to fewer bytes than the chunk
+    (metadata rewritten without its chunks): zarr raises; so do we, naming the chunk, where
+    numcodecs alone would leave the buffer's older bytes in the rest of the chunk."""
+    import numcodecs
+
+    from insitubatch_nodes.io.retry import CorruptChunkError
+
+    nc = {"zstd": numcodecs.Zstd(), "gzip": numcodecs.GZip(), "lz4": numcodecs.LZ4()}[codec]
+    v3 = {"zstd": zc.ZstdCodec(), "gzip": zc.GzipCodec()}.get(codec)
+    path = tmp_path / "s.zarr"
+    write_store(path, [Var("a", (16, 4), (8, 4), zarr_format=fmt,
+                           compressors=nc if fmt == 2 else v3)])
+    key = "a/1.0" if fmt == 2 else "a/c/1/0"
+    (path / key).write_bytes(nc.encode(np.full(16, 5.0, "f4").tobytes()))  # half a chunk
+    with pytest.raises(ValueError):
+        zarr.open_array(path / "a")[:]
+    with pytest.raises(CorruptChunkError, match=f"chunk '{key}' of variable 'a'"):
+        read_all(ib.open_source(path))
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 65535, 65791, 65792, 70000])
+@pytest.mark.parametrize("level", [1, 19])
+def test_zstd_frame_header_states_the_decoded_size(n, level):
+    from insitubatch_nodes.io.decode import _zstd_content_size
+
+    frame = numcodecs.Zstd(level=level).encode(np.arange(n, dtype="u1"))
+    assert _zstd_content_size(frame) == n
+    assert _zstd_content_size(b"not zstd") is None
 
 
 def test_local_reads_grow_the_thread_buffer_and_keep_what_was_read(tmp_path):

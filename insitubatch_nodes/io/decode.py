@@ -92,8 +92,10 @@ class ChunkDecoder:
                     numcodecs.blosc.decompress(buf, out)
                 elif isinstance(codec, numcodecs.Shuffle):
                     _unshuffle_into(codec, buf, out)
-                else:
+                elif _fills_exactly(codec, buf, out.nbytes):
                     codec.decode(buf, out=out)  # numcodecs fills a given ``out``
+                else:  # size not in a header: decode, then copy with the size checked
+                    _copy_bytes(codec.decode(buf), out)
             elif fast is not None:  # HDF5's zlib under its shuffle: inflates to the chunk's size
                 tmp = _INFLATED.array(out.shape, out.dtype)  # valid until its next chunk
                 buf = tmp if fast(buf, tmp) else codec.decode(buf)
@@ -112,6 +114,45 @@ def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> N
     if n != out.nbytes:
         raise ValueError(f"shuffled chunk has {n} bytes, expected {out.nbytes}")
     codec.decode(src, out=out)
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _zstd_content_size(data: object) -> int | None:
+    """The decoded size a zstd frame header states (RFC 8878, 3.1.1.1), or ``None`` if
+    it states none. numcodecs exposes no ZSTD_getFrameContentSize, and these few bytes
+    spare the hot path a decode into fresh memory and a copy."""
+    head = bytes(memoryview(data).cast("B")[:18])  # type: ignore[arg-type]
+    if len(head) < 6 or head[:4] != _ZSTD_MAGIC:
+        return None
+    fhd = head[4]
+    single = (fhd >> 5) & 1
+    size = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    if size == 0 or len(head) < at + size:
+        return None
+    return int.from_bytes(head[at:at + size], "little") + (256 if size == 2 else 0)
+
+
+def _fills_exactly(codec: numcodecs.abc.Codec, data: object, nbytes: int) -> bool:
+    """Whether ``codec.decode(data, out=...)`` of ``nbytes`` is known to write exactly
+    ``nbytes``. numcodecs' Zstd, LZ4 and GZip only check that ``out`` is large enough: a
+    short chunk (metadata rewritten without its chunks) would leave the rest of ``out``
+    holding an older chunk. Zstd and LZ4 state the size in a header, checked here (a wrong
+    one raises); GZip does not (the libdeflate path checks it): decode and copy instead."""
+    if isinstance(codec, numcodecs.Zstd):
+        got = _zstd_content_size(data)
+        if got is None:
+            return False
+    elif isinstance(codec, numcodecs.LZ4):
+        head = bytes(memoryview(data).cast("B")[:4])  # type: ignore[arg-type]
+        got = int.from_bytes(head, "little") if len(head) == 4 else -1
+    else:  # the others copy through numcodecs' ndarray_copy, which checks the size
+        return not isinstance(codec, numcodecs.GZip)
+    if got != nbytes:
+        raise ValueError(f"chunk decodes to {got} bytes, expected {nbytes}")
+    return True
 
 
 def _copy_bytes(src: object, out: np.ndarray) -> None:
