@@ -194,7 +194,9 @@ def open_source(
     if isinstance(url, (str, os.PathLike)):
         opened = open_url(url, storage_options)
     else:
-        opened = OpenedStore(url, type(url).__name__)
+        # zarr's own name for the store (``object_store://S3Store(bucket=..., prefix=...)``,
+        # ``file:///path``): messages and cache scopes tell two stores apart by it.
+        opened = OpenedStore(url, str(url))
     return _open_group(opened, variables, sample_dim)
 
 

@@ -373,3 +373,32 @@ def test_the_cache_scope_names_the_server_and_account_however_they_were_given(mo
     assert store_place(s3(endpoint="http://minio:9000")) == " at http://minio:9000"
     az = obstore.store.from_url("az://cont/x.zarr", account_name="acct", skip_signature=True)
     assert store_place(az) == " account_name acct"
+
+
+def test_store_objects_are_cached_apart_and_memory_stores_not_at_all(tmp_path):
+    """Two stores handed to ``open_source`` as zarr store objects: each is named by zarr's
+    own name for it (its root), so one cache never serves one store's chunks for the
+    other's. A memory store (named by an id that another store may get later) is read
+    without the cache."""
+    import obstore.store
+    import zarr.storage
+
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    for i, name in enumerate(("a.zarr", "b.zarr")):
+        path = tmp_path / name
+        data = write_store(path, VARS, seed=i)
+        store = zarr.storage.ObjectStore(obstore.store.LocalStore(prefix=str(path)),
+                                         read_only=True)
+        src = ib.open_source(store)
+        assert str(path) in src.url
+        with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache) as loader:
+            check_exact(epoch(loader), data)
+            assert loader.stats().cache_misses > 0 and loader.stats().cache_hits == 0
+    memory = zarr.storage.MemoryStore()
+    data = write_store(memory, VARS)
+    src = ib.open_source(memory)
+    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                         cache=cache) as loader:
+        check_exact(epoch(loader), data)
+        assert loader.stats().cache_hit_ratio is None

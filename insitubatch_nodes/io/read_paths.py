@@ -389,7 +389,9 @@ def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     """``path`` with its store reads through ``cache``; local files are never cached (their
     chunks are on local disk already). zarr's own ``getitem`` reads (chains we do not
     decode, sharding among them) go through a ``CachingStore``."""
-    if isinstance(path, (CachedGets, CachedGetitem)):
+    if isinstance(path, (CachedGets, CachedGetitem)) or scope.url.startswith("memory://"):
+        # A memory store's chunks are in memory already, and its name (``memory://<id>``)
+        # is no place: another store may have the same id later or in another process.
         return path
     gets = path.gets if isinstance(path, ZarrGetitem) else path
     if isinstance(gets, ObjectStoreGets):  # the same bucket name on another server
