@@ -176,6 +176,23 @@ def test_a_chunk_that_decodes_short_is_refused_not_padded_with_old_bytes(tmp_pat
         read_all(ib.open_source(path))
 
 
+def test_a_corrupt_gzip_chunk_on_zarrs_path_is_corrupt_not_transient(tmp_path):
+    """zarr decodes what we do not (here a Fortran-order v2 array); gzip's BadGzipFile is an
+    OSError, which must not read as a store error to retry for the network's sake."""
+    from insitubatch_nodes.io.retry import CorruptChunkError
+
+    path = tmp_path / "f.zarr"
+    g = zarr.open_group(path, mode="w", zarr_format=2)
+    g.create_array("a", shape=(16, 4), chunks=(8, 4), dtype="f4", order="F",
+                   compressors=numcodecs.GZip())[:] = 1
+    (path / "a" / "1.0").write_bytes(b"\x1f\x8b" + b"garbage" * 5)
+    src = ib.open_source(path)
+    with pytest.raises(CorruptChunkError, match=r"chunk 'a/1.0' of variable 'a'.*Unknown "
+                       r"compression method") as info:
+        read_all(src)
+    assert info.value.__cause__ is not None
+
+
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 65535, 65791, 65792, 70000])
 @pytest.mark.parametrize("level", [1, 19])
 def test_zstd_frame_header_states_the_decoded_size(n, level):

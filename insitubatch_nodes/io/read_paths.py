@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gzip
 import os
 import time
 from abc import ABC, abstractmethod
@@ -424,7 +425,8 @@ class ZarrGetitem(ReadPath):
         t0 = time.perf_counter()
         try:
             data = await self.arr.async_array.getitem((stripes.rows(index),))
-        except DECODE_ERRORS as e:  # zarr fetched and decoded: received bytes
+        except (*DECODE_ERRORS, gzip.BadGzipFile) as e:  # zarr fetched and decoded: received
+            # bytes (BadGzipFile is an OSError, but only gzip's decoder raises it)
             raise ChunkDecodeError(f"zarr could not decode the stripe: {e}") from e
         stripes.times.add(time.perf_counter() - t0, 0.0)
         rows = int(data.shape[0])
