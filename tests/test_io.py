@@ -193,6 +193,23 @@ def test_a_corrupt_gzip_chunk_on_zarrs_path_is_corrupt_not_transient(tmp_path):
     assert info.value.__cause__ is not None
 
 
+@pytest.mark.parametrize("chunks", [(4, 5, 6), (4, 5, 3)])
+def test_a_damaged_shard_is_named_by_its_own_key(tmp_path, chunks):
+    """zarr's chunk grid is the shard grid: the error names the stored shard, not a key
+    made of inner-chunk coordinates (another, healthy shard, or no object at all)."""
+    from insitubatch_nodes.io.retry import CorruptChunkError
+
+    path = tmp_path / "s.zarr"
+    write_store(path, [Var("a", (37, 5, 6), chunks, shards=(8, 5, 6))])
+    shard = path / "a" / "c" / "1" / "0" / "0"  # rows 8..16
+    raw = bytearray(shard.read_bytes())
+    raw[:20] = b"\xff" * 20
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunkError, match=r"^shard 'a/c/1/0/0' of variable 'a'") as info:
+        read_all(ib.open_source(path))
+    assert info.value.key == "a/c/1/0/0"
+
+
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 65535, 65791, 65792, 70000])
 @pytest.mark.parametrize("level", [1, 19])
 def test_zstd_frame_header_states_the_decoded_size(n, level):

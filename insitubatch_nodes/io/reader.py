@@ -148,6 +148,21 @@ class StripeReader:
                 return None, inner
         return template, inner
 
+    def stored_key(self, coords: tuple[int, ...]) -> str:
+        """The key of the stored object that holds chunk ``coords``: in a sharded array, its
+        shard (zarr's chunk grid is the shard grid there), which is what errors must name."""
+        shards = self.arr.shards
+        if shards is None:
+            return self.chunk_key(coords)
+        grid = tuple(c * n // s for c, n, s in zip(coords, self.geom.chunks, shards,
+                                                    strict=True))
+        key = self.arr.metadata.encode_chunk_key(grid)
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def stored_keys(self, index: int) -> list[str]:
+        """The stored objects holding stripe ``index`` (its shards, in a sharded array)."""
+        return list(dict.fromkeys(self.stored_key((index, *inner)) for inner in self.inner))
+
     def keys(self, index: int) -> list[str]:
         """The store keys of stripe ``index``'s inner chunks, in inner-chunk order."""
         return [self.chunk_key((index, *inner)) for inner in self.inner]
@@ -161,7 +176,7 @@ class StripeReader:
         """Names the array and chunk for error notes (never credentials)."""
         coords = (index,) + (0,) * (len(self.geom.shape) - 1)
         return (f"variable {self.geom.name!r} of {self.source_url}, sample-axis chunk {index} "
-                f"(first key {self.chunk_key(coords)!r})")
+                f"(first key {self.stored_key(coords)!r})")
 
     def region(self, inner: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
         """Where an inner chunk lands in the stripe buffer, and which part of it is valid."""
@@ -377,14 +392,14 @@ class StripeReader:
         (store, variable, chunk key), how often it was tried, and what failed last."""
         key = exc.key if isinstance(exc, ChunkDecodeError) else None
         if key is None and isinstance(exc, ChunkDecodeError) and exc.inner is not None:
-            key = self.chunk_key((index, *exc.inner))
-        if key is None and len(self.inner) == 1:
-            key = self.chunk_key((index, *self.inner[0]))
-        if key is not None:
-            chunk = f"chunk {key!r}"
+            key = self.stored_key((index, *exc.inner))
+        stored = self.stored_keys(index) if key is None else [key]
+        what = "shard" if self.arr.shards is not None else "chunk"
+        if len(stored) == 1:
+            key = stored[0]
+            chunk = f"{what} {key!r}"
         else:
-            keys = self.keys(index)
-            chunk = (f"one of the {len(keys)} chunks {keys[0]!r} ... {keys[-1]!r} of "
+            chunk = (f"one of the {len(stored)} {what}s {stored[0]!r} ... {stored[-1]!r} of "
                      f"sample-axis chunk {index}")
         where = f"{chunk} of variable {self.geom.name!r} in {self.source_url}"
         plural = "s" if attempts != 1 else ""
