@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import zarr
 import zarr.errors
@@ -87,8 +87,12 @@ def open_url(url: str | os.PathLike[str],
     text = os.fspath(url)
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
+    if not isinstance(url, str) or (scheme not in ("file", *OBJECT_STORE_SCHEMES)
+                                    and Path(text).expanduser().exists()):
+        scheme = ""  # a path object, or a local path with a colon in it ("run:1.zarr")
     if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
-        path = Path(parts.path if scheme == "file" else text).expanduser()
+        # a file:// URL escapes its path ("%20" for a space), as Path.as_uri() writes it
+        path = Path(unquote(parts.path) if scheme == "file" else text).expanduser()
         if not path.exists():
             raise FileNotFoundError(
                 f"Zarr store not found: {redact_url(text)!r} (looked for the directory "
@@ -259,7 +263,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
                 storage = icechunk.s3_storage(bucket=parts.hostname or "",
                                               prefix=parts.path.lstrip("/") or None, **opts)
             elif parts.scheme in ("", "file"):
-                path = Path(parts.path if parts.scheme == "file" else text)
+                path = Path(unquote(parts.path) if parts.scheme == "file" else text)
                 if not path.exists():
                     raise FileNotFoundError(f"no icechunk repository at {str(path)!r}")
                 storage = icechunk.local_filesystem_storage(str(path))

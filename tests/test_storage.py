@@ -349,3 +349,21 @@ def test_forked_dataloader_workers_get_a_clear_error_not_a_hang(tmp_path):
 def test_local_paths_never_touch_the_network(tmp_path):
     write_store(tmp_path / "s.zarr", [Var("x", (16, 3), (8, 3))])
     assert ib.open_source(Path(tmp_path / "s.zarr")).url.startswith("file://")
+
+
+def test_local_paths_with_spaces_and_colons_open_however_they_are_given(tmp_path, monkeypatch):
+    """``Path.as_uri()`` escapes a space as %20; a relative path with a colon is a path,
+    not a URL scheme, when it exists (and always when given as a path object)."""
+    spaced = tmp_path / "with space.zarr"
+    data = write_store(spaced, [Var("x", (16, 3), (8, 3))])
+    colon = tmp_path / "run:1.zarr"
+    write_store(colon, [Var("x", (16, 3), (8, 3))])
+    for url in (spaced.as_uri(), str(spaced), spaced):
+        src = ib.open_source(url)
+        assert src.variables[0].name == "x"
+        assert np.array_equal(src.arrays[0][:], data["x"])
+    monkeypatch.chdir(tmp_path)
+    for url in ("run:1.zarr", Path("run:1.zarr"), colon.as_uri()):
+        assert ib.open_source(url).variables[0].name == "x"
+    with pytest.raises(ValueError, match="nope:1.zarr"):
+        ib.open_source("nope:1.zarr")
