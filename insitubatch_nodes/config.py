@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .io.chunk_cache import ChunkCache
@@ -153,6 +154,29 @@ class SampleConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.patch_stride is not None and self.patch_size is None:
             raise ValueError("sample.patch_stride needs patch_size")
+        for name in ("patch_size", "patch_stride"):
+            value = getattr(self, name)
+            if value is not None and (not value or not all(
+                    isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1
+                    for n in value)):
+                raise ValueError(f"sample.{name} must be positive integers, one per patched "
+                                 f"dim, got {value!r}")
+        if (self.patch_stride is not None and self.patch_size is not None
+                and len(self.patch_stride) != len(self.patch_size)):
+            raise ValueError(f"sample.patch_stride {self.patch_stride} and patch_size "
+                             f"{self.patch_size} must have one entry per patched dim each")
+        if self.static is not None:
+            if not isinstance(self.static, Mapping):
+                raise TypeError(f"sample.static must map names to arrays, as "
+                                f"ib.open_static(url) returns, got a "
+                                f"{type(self.static).__name__}: {repr(self.static)[:80]}")
+            for name, value in self.static.items():
+                numeric = (not value.dtype.is_complex if isinstance(value, torch.Tensor)
+                           else np.asarray(value).dtype.kind in "biuf")
+                if not isinstance(name, str) or not numeric:
+                    raise TypeError(f"sample.static[{name!r}] must be a numeric array under "
+                                    f"a string name (ib.open_static(url) returns such a "
+                                    f"dict), got {type(value).__name__}")
 
     @property
     def time_steps(self) -> SampleWindow | None:

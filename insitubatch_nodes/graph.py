@@ -44,7 +44,7 @@ from .nodes.async_fetch import DEFAULT_PREFETCH_WINDOWS
 from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
-from .nodes.static import StaticFieldsNode
+from .nodes.static import StaticFieldsNode, check_static
 from .nodes.views import ChannelsLastNode
 from .permute import resolve_rank
 from .quality import shuffle_quality
@@ -331,6 +331,8 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
                              schemes=sm.normalize)
         between.append(node)
     if sm.static:
+        check_static(sm.static, {v.name: v.sample_shape for v in source.variables},
+                     len(sm.patch_size) if sm.patch_size is not None else 0)
         node = StaticFieldsNode(node, sm.static, device=device)
         between.append(node)
     if channels and layout is None:
@@ -338,6 +340,10 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
         between.append(node)
     if sm.patch_size is not None:
         k = len(sm.patch_size)
+        short = {v.name: v.sample_shape for v in source.variables if len(v.sample_shape) < k}
+        if short:
+            raise ValueError(f"patch_size={tuple(sm.patch_size)} cuts the last {k} dims of "
+                             f"each sample, but these samples have fewer: {short}")
         shapes = {v.name: tuple(v.sample_shape[-k:]) for v in source.variables}
         if len(set(shapes.values())) > 1:  # one grid of patches cuts one grid of points
             raise ValueError(f"patch_size={tuple(sm.patch_size)} cuts every variable on one "

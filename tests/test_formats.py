@@ -1,6 +1,7 @@
 """Stores as other people's tools write them, opened as they are: WeatherBench2 /
 ARCO-ERA5 (xarray ``to_zarr``), with static fields and arrays the loader cannot serve."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -357,3 +358,40 @@ def test_a_state_over_other_missing_dates_is_refused(tmp_path):
     other = ib.build_loader(ib.open_source(b), m, "train", batch_size=4)
     with pytest.raises(ValueError, match=r"excluded: saved '[0-9a-f]+', this loader"):
         other.load_state_dict(state)
+
+
+def test_static_fields_must_lie_on_the_data_grid(arco):
+    """A mask transposed or from another grid, or an array with the sample axis, would be
+    broadcast next to the data as it is: refused at build time, naming the field and the
+    samples' shapes. A field on the grid is cut into the same patches as the data."""
+    path, ds = arco
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    lsm = ib.open_static(src)["land_sea_mask"]
+    for bad in (lsm.T, lsm[:, :4], ds["2m_temperature"].values):
+        shape = re.escape(str(bad.shape))
+        with pytest.raises(ValueError, match=rf"static field 'lsm' has shape {shape}.*"
+                           r"'2m_temperature': \(5, 8\)"):
+            ib.build_loader(src, m, "train", batch_size=4, static={"lsm": bad})
+    with ib.build_loader(src, m, "train", batch_size=4, static={"lsm": lsm},
+                         patch_size=(5, 4)) as ld:
+        b = next(iter(ld))
+    assert b["static/lsm"].shape == b["2m_temperature"].shape == (8, 5, 4)
+    np.testing.assert_array_equal(b["static/lsm"][1].numpy(), lsm[:, 4:])
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(static=["land_sea_mask"]), TypeError, r"sample.static must map names to arrays.*"
+     r"got a list: \['land_sea_mask'\]"),
+    (dict(static={"s": np.array(["a", "b"])}), TypeError, r"sample.static\['s'\] must be "
+     r"a numeric array"),
+    (dict(patch_size=(2.5, 4)), ValueError, r"patch_size must be positive integers.*2.5"),
+    (dict(patch_size=(2, 2), patch_stride=(1,)), ValueError, "one entry per patched dim"),
+    (dict(patch_size=(1, 2, 2, 2)), ValueError, r"cuts the last 4 dims of each sample, but "
+     r"these samples have fewer: .*'2m_temperature': \(5, 8\)"),
+])
+def test_static_and_patch_options_are_checked_by_name(arco, kw, err, match):
+    path, _ = arco
+    src = ib.open_source(path)
+    with pytest.raises(err, match=match):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4, **kw)

@@ -56,6 +56,27 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
     return {v: np.asarray(group[v][:]) for v in variables}
 
 
+def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...]],
+                 patch_dims: int = 0) -> None:
+    """Refuse, at build time, a static field that does not lie on the data's grid: its shape
+    must be the last dims of some variable's sample shape (``samples``: name -> shape), and
+    with patches, cover the patched dims. A field transposed, from another grid, or with
+    the sample axis would otherwise be broadcast next to the data as it is."""
+    for name, value in fields.items():
+        shape = tuple(np.shape(value))
+        fits = [v for v, s in samples.items()
+                if len(shape) <= len(s) and s[len(s) - len(shape):] == shape]
+        if not fits:
+            raise ValueError(
+                f"static field {name!r} has shape {shape}, which is not the grid of the data: "
+                f"a static field's shape must be the last dims of a sample, and the samples "
+                f"are {dict(samples)}. Transpose it to the data's axis order, or open the "
+                "field of this grid (open_static of the data's own store)")
+        if patch_dims and len(shape) < patch_dims:
+            raise ValueError(f"static field {name!r} has shape {shape}: patches cut the last "
+                             f"{patch_dims} dims of every field, and it has {len(shape)}")
+
+
 class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``"static/<name>"`` to each batch: the field broadcast to ``(batch, *shape)``
     as an expanded view (no copy per batch). The fields live on ``device`` (moved once), so
