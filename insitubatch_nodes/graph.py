@@ -328,7 +328,7 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
     if sm.stats is not None or sm.dtype is not None:
         node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
                              source.variables, dtype=sm.dtype, layout=layout,
-                             schemes=sm.normalize)
+                             schemes=sm.normalize, selection=source.selection)
         between.append(node)
     if sm.static:
         check_static(sm.static, {v.name: v.sample_shape for v in source.variables},

@@ -259,6 +259,10 @@ def test_stored_statistics_and_normalization_schemes(tmp_path):
                                          r"statistics per label"):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=whole,
                         normalize={"msl": "none"})
+    # a label the selection leaves out is not served: its scheme is refused, not ignored
+    with pytest.raises(KeyError, match=r"scheme given for 'z_850', which is not served"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=stats,
+                        normalize={"z_850": "max"})
     with pytest.raises(ValueError, match="not an anemoi dataset"):
         ib.dataset_stats(ib.open_source(write_wb2_store(
             tmp_path / "wb2.zarr", WB2Spec.small(n_times=2), progress=False)))
@@ -395,3 +399,30 @@ def test_static_and_patch_options_are_checked_by_name(arco, kw, err, match):
     src = ib.open_source(path)
     with pytest.raises(err, match=match):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4, **kw)
+
+
+def test_statistics_that_do_not_fit_the_variables_are_refused_by_name(tmp_path):
+    """A scheme for a variable the statistics lack was silently not applied; statistics
+    kept over another level count, or over a dim the variable lacks (another store's),
+    failed deep in torch. Each is refused at build time naming the variable."""
+    from insitubatch_nodes.stats import Stats, VariableStats
+
+    path = write_wb2_store(tmp_path / "wb2.zarr", WB2Spec.small(n_times=4), progress=False)
+    src = ib.open_source(path, variables=["temperature", "2m_temperature"])
+    m = ib.split_by_chunk(src, (1.0,))
+    only_t = Stats("train", (ib.compute_stats(src, m, progress=False)["temperature"],))
+    with pytest.raises(ValueError, match=r"schemes are given for \['2m_temperature'\], but "
+                       r"the statistics have no entry for '2m_temperature'"):
+        ib.build_loader(src, m, "train", stats=only_t, normalize={"2m_temperature": "max"})
+    # without a scheme named for it, a variable without statistics is served as stored
+    ib.build_loader(src, m, "train", stats=only_t).close()
+    five = tuple(np.full(5, v, float) for v in (0.0, 1.0, 0.0, 1.0))
+    n_levels = src.variables[0].shape[1]
+    for name, kept, match in [
+            ("temperature", ("level",), rf"'temperature' kept over \['level'\] have shape "
+             rf"\(5,\), but the variable's \['level'\] has \({n_levels},\)"),
+            ("2m_temperature", ("level",), r"statistics of '2m_temperature' are kept over "
+             r"'level', which is not a dim of its samples")]:
+        bad = Stats("train", (VariableStats(name, kept, *five, 1),))
+        with pytest.raises(ValueError, match=match):
+            ib.build_loader(src, m, "train", stats=bad)

@@ -15,12 +15,15 @@ from .transform import TransformNode
 
 
 def check_schemes(schemes: Mapping[str, str] | None,
-                  variables: tuple[VariableGeometry, ...]) -> dict[str, str]:
+                  variables: tuple[VariableGeometry, ...],
+                  selection: tuple[str, ...] | None = None) -> dict[str, str]:
     """``{name or "default": scheme}`` checked: known schemes, names that are variables
-    or labels (an anemoi dataset's ``2t``)."""
+    or served labels (an anemoi dataset's ``2t``, among ``selection`` if it picks some)."""
     if not schemes:
         return {}
-    known = {v.name for v in variables} | {lb for v in variables for lb in v.labels or ()}
+    known = {v.name for v in variables} | (
+        set(selection) if selection is not None
+        else {lb for v in variables for lb in v.labels or ()})
     for name, scheme in schemes.items():
         if scheme not in SCHEMES:
             raise ValueError(f"normalization scheme {scheme!r} for {name!r} is not one of "
@@ -61,7 +64,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]], stats: Stats,
                  variables: tuple[VariableGeometry, ...], dtype: torch.dtype | None = None,
                  eps: float = 1e-12, layout: BatchLayout | None = None,
-                 schemes: Mapping[str, str] | None = None) -> None:
+                 schemes: Mapping[str, str] | None = None,
+                 selection: tuple[str, ...] | None = None) -> None:
         super().__init__(source)
         # Variables the gather stacked into "channels" (or, split up, into their own key):
         # normalised there, slice by slice.
@@ -74,7 +78,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         self.dtype = dtype
         self.keeps_batch_memory = dtype is None  # float32 is standardised in place
         self._names = {var.name for var in variables}
-        self.schemes = check_schemes(schemes, variables)
+        self.schemes = check_schemes(schemes, variables, selection)
         # float64 parameters; the per-(device, dtype) copies batches use are made once.
         self._exact: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._params: dict[tuple[str, torch.device, torch.dtype],
@@ -82,13 +86,30 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         for var in variables:
             try:
                 st = stats[var.name]
-            except KeyError:
+            except KeyError as e:
+                named = sorted(n for n in (var.name, *(var.labels or ()))
+                               if self.schemes.get(n, "none") != "none")
+                if named:  # served raw although a scheme was asked for it
+                    raise ValueError(f"normalization schemes are given for {named}, but the "
+                                     f"statistics have no entry for {var.name!r}: {e.args[0]}"
+                                     ) from None
                 continue
             dims = var.dimension_names or ()
             shape = [1] * (len(var.shape) - 1)
             for d in st.kept_dims:  # a kept dim keeps its length (several may be kept)
+                if d not in dims[1:]:
+                    raise ValueError(f"statistics of {var.name!r} are kept over {d!r}, which "
+                                     f"is not a dim of its samples {list(dims[1:])} (statistics "
+                                     "of another store?); compute them on this one")
                 i = list(dims).index(d)
                 shape[i - 1] = var.shape[i]
+            want = tuple(shape[list(dims).index(d) - 1] for d in st.kept_dims)
+            got = tuple(np.shape(st.mean))
+            if got != want:
+                raise ValueError(f"statistics of {var.name!r} kept over {list(st.kept_dims)} "
+                                 f"have shape {got}, but the variable's {list(st.kept_dims)} "
+                                 f"has {want} (statistics of another store?); compute them "
+                                 "on this one")
             per_label = (var.labels is not None and st.kept_dims == (dims[1],)
                          and np.size(st.mean) == len(var.labels))
             names = var.labels if per_label and var.labels is not None else None
