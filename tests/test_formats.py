@@ -169,6 +169,9 @@ def test_anemoi_names_that_do_not_exist_are_listed(tmp_path):
     src = ib.open_source(path)
     with pytest.raises(KeyError, match=r"unknown channel 'msl2'.*named channels: .*'msl'"):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", channels=["msl2"])
+    with pytest.raises(ValueError, match=r"channel \('2t', 0\): '2t' is a label of 'data'.*"
+                       r"takes no level"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", channels=[("2t", 0)])
     sub = ib.open_source(path, variables=["2t"])
     with pytest.raises(ValueError, match="choose the variables in one of the two"):
         ib.build_loader(sub, ib.split_by_chunk(sub, (1.0,)), "train", channels=["msl"])

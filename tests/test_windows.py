@@ -322,6 +322,19 @@ def test_a_level_pick_needs_level_y_x_samples(tmp_path):
         ib.build_loader(src, m, "train", channels=[("q", 850)])
 
 
+def test_stacking_samples_without_two_grid_dims_is_refused_at_build_time(tmp_path):
+    """(time, cell) variables: channels stack on the axis before (y, x); the first batch
+    used to fail inside the gather with numpy's message."""
+    g = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    for name in ("a", "b"):
+        g.create_array(name, shape=(16, 7), chunks=(1, 7), dtype="float32",
+                       dimension_names=("time", "cell"))
+    src = ib.open_source(tmp_path / "g.zarr")
+    with pytest.raises(ValueError, match=r"stacking 'a' into channels needs samples shaped "
+                       r"\(y, x\) or \(level, y, x\); its samples are \(7,\)"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", channels=["a", "b"])
+
+
 def test_patches_cover_each_sample_patch_pair_once(weather):
     src, data = weather
     m = ib.split_by_chunk(src, (1.0,))

@@ -31,6 +31,10 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
             out.append(Channel(var.name, k, name))
             shapes.add(var.sample_shape[1:][-2:])
             continue
+        if level is not None and name in labelled:
+            raise ValueError(f"channel {item!r}: {name!r} is a label of "
+                             f"{labelled[name][0].name!r} (one channel already), so it takes "
+                             f"no level; give it alone: {name!r}")
         if name not in source.names and labelled:
             raise KeyError(f"unknown channel {name!r}; variables: {list(source.names)}, "
                            f"named channels: {list(labelled)}")
@@ -50,6 +54,11 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                 out += [Channel(name, k, f"{name}@{v}") for k, v in enumerate(values)]
                 shapes.add(var.sample_shape[1:])
                 continue
+            if len(var.sample_shape) != 2:  # channels stack on the axis before (y, x)
+                raise ValueError(f"stacking {name!r} into channels needs samples shaped "
+                                 f"(y, x) or (level, y, x); its samples are "
+                                 f"{var.sample_shape} (dims {var.dimension_names}); serve "
+                                 "it on its own (leave it out of channels=)")
             out.append(Channel(name, label=name))
             shapes.add(var.sample_shape[-2:])
             continue
