@@ -333,7 +333,7 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
     if sm.static:
         check_static(sm.static, {v.name: v.sample_shape for v in source.variables},
                      len(sm.patch_size) if sm.patch_size is not None else 0)
-        node = StaticFieldsNode(node, sm.static, device=device)
+        node = StaticFieldsNode(node, sm.static, device=device, dtype=sm.dtype)
         between.append(node)
     if channels and layout is None:
         node = StackChannelsNode(node, channels, key=resolved.channels_key)

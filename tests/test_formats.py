@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import xarray as xr
 
 import insitubatch_nodes as ib
@@ -429,3 +430,14 @@ def test_statistics_that_do_not_fit_the_variables_are_refused_by_name(tmp_path):
         bad = Stats("train", (VariableStats(name, kept, *five, 1),))
         with pytest.raises(ValueError, match=match):
             ib.build_loader(src, m, "train", stats=bad)
+
+
+def test_static_fields_take_the_loaders_dtype(arco):
+    path, _ = arco
+    src = ib.open_source(path)
+    lsm = ib.open_static(src)["land_sea_mask"]
+    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
+                         static={"lsm": lsm}, dtype=torch.bfloat16) as ld:
+        b = next(iter(ld))
+    assert b["static/lsm"].dtype == b["2m_temperature"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(b["static/lsm"][0].float().numpy(), lsm)  # 0/1: exact

@@ -200,3 +200,15 @@ def test_an_obstore_client_error_is_not_retried_and_names_the_chunk(monkeypatch)
     assert "400 Bad Request" in text and "<?xml" not in text  # no response body
     assert isinstance(info.value.__cause__, oe.GenericError)
     assert calls == ["x/c/3/0"]  # one attempt
+
+
+@pytest.mark.parametrize("message,kept", [
+    ("HTTP 403: <?xml version='1.0'?><Error><Code>AccessDenied</Code>", "HTTP 403"),
+    ("Forbidden <Error xmlns='http://s3'><Code>x</Code></Error>", "Forbidden"),
+    ("gateway: <!DOCTYPE html><html>secret", "gateway"),
+    ("chunk dtype <f4 does not match >f8", "chunk dtype <f4 does not match >f8"),
+])
+def test_a_message_loses_its_response_body_but_not_its_dtypes(message, kept):
+    from insitubatch_nodes.io.reader import _summary
+
+    assert _summary(ValueError(message)) == kept

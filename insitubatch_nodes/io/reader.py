@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -419,9 +420,14 @@ class StripeReader:
                               self.source_url, self.geom.name, key, attempts)
 
 
+# Where a response body starts (``<?xml``, ``<!DOCTYPE``, ``<Error>``); not ``'<f4'``.
+_MARKUP = re.compile(r"<(?:\?xml|!DOCTYPE|/?[A-Za-z][\w:.-]*(?:\s+[\w:.-]+=[^>]*)?>)",
+                     re.IGNORECASE)
+
+
 def _summary(exc: BaseException) -> str:
     """The first line of an error, before any response body (which can echo request
     details), URLs without user info or query strings, at most 300 characters."""
     text = (str(exc).strip().splitlines() or [""])[0]
-    text = text.split("<", 1)[0].rstrip(" :")
+    text = _MARKUP.split(text, 1)[0].rstrip(" :")
     return redact_urls(text)[:300]

@@ -79,16 +79,21 @@ def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...
 
 class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``"static/<name>"`` to each batch: the field broadcast to ``(batch, *shape)``
-    as an expanded view (no copy per batch). The fields live on ``device`` (moved once), so
-    a CUDA loader does not copy B expanded copies of them to the GPU every batch. Stateless."""
+    as an expanded view (no copy per batch), cast to ``dtype`` if given (not normalised).
+    The fields live on ``device`` (moved once), so a CUDA loader does not copy B expanded
+    copies of them to the GPU every batch. Stateless."""
 
     keeps_batch_memory = True  # only adds keys
 
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]],
                  fields: Mapping[str, np.ndarray | torch.Tensor],
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(source)
-        self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)).to(device or "cpu")
+        # ``dtype``: the loader's cast (``dtype=torch.bfloat16``), so the fields concatenate
+        # with the data as they come; made once, not per batch.
+        self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)).to(device or "cpu",
+                                                                      dtype=dtype)
                        for k, v in fields.items()}
 
 
