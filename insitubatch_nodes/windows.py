@@ -69,27 +69,28 @@ class SampleWindow:
 
 def chunks_touching(missing: Sequence[int], grid: SampleGrid,
                     steps: SampleWindow | None = None) -> np.ndarray:
-    """The chunk ids holding a sample (an anchor, with ``steps``) whose time steps include a
-    ``missing`` one, ascending: leaving them out of a split keeps every served sample off
-    the missing steps, as anemoi excludes every anchor whose window touches a missing date.
-    Whole chunks go: a chunk is the unit of a split (anemoi stores hold one date each)."""
+    """The chunk ids holding a sample (an anchor, with ``steps``) whose time steps (the ones
+    it reads) include a ``missing`` one, ascending: leaving them out of a split keeps every
+    served sample off the missing steps. Whole chunks go: a chunk is the unit of a split
+    (anemoi stores hold one date each)."""
     if len(missing) == 0:
         return np.empty(0, dtype=np.int64)
-    before = 0 if steps is None else steps.before
-    after = 0 if steps is None else steps.after
+    offsets = np.zeros(1, np.int64) if steps is None else steps.offsets
     m = np.asarray(missing, dtype=np.int64)
-    # anchor a touches m when a - before <= m <= a + after
-    lo = np.clip(m - after, 0, grid.n_samples - 1) // grid.chunk_size
-    hi = np.clip(m + before, 0, grid.n_samples - 1) // grid.chunk_size
-    return np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, hi, strict=True)]))
+    # anchor a reads m when a + o == m for one of its offsets o (the steps it reads, not
+    # every step of its span: with a stride or sparse leads most of the span is not read)
+    anchors = (m[:, None] - offsets[None, :]).ravel()
+    anchors = anchors[(anchors >= 0) & (anchors < grid.n_samples)]
+    return np.unique(anchors // grid.chunk_size)
 
 
 def chunks_reaching(chunk_ids: np.ndarray, others: np.ndarray, grid: SampleGrid,
                     steps: SampleWindow) -> np.ndarray:
-    """Those of ``chunk_ids`` (one split's) holding an anchor whose time steps reach a chunk
-    of ``others`` (the other splits'), ascending: a window read across a split boundary
-    puts one split's steps into another's inputs or targets. Chunks of no split (a gap)
-    may be read. Whole chunks go, as for missing steps."""
+    """Those of ``chunk_ids`` (one split's) holding an anchor whose time steps (those it
+    reads: its offsets, not its whole span) reach a chunk of ``others`` (the other
+    splits'), ascending: a window read across a split boundary puts one split's steps into
+    another's inputs or targets. Chunks of no split (a gap) may be read. Whole chunks go, as
+    for missing steps."""
     ids = np.asarray(chunk_ids, dtype=np.int64)
     if ids.size == 0 or len(others) == 0 or steps.span == 1:
         return np.empty(0, dtype=np.int64)
@@ -99,10 +100,12 @@ def chunks_reaching(chunk_ids: np.ndarray, others: np.ndarray, grid: SampleGrid,
     taken = np.cumsum(taken)  # taken[k]: chunks of other splits before chunk k
     first = np.maximum(ids * grid.chunk_size, grid.first)  # the chunk's anchors
     last = np.minimum((ids + 1) * grid.chunk_size, grid.end) - 1
-    lo = np.clip(first - steps.before, 0, grid.n_samples - 1) // grid.chunk_size
-    hi = np.clip(last + steps.after, 0, grid.n_samples - 1) // grid.chunk_size
-    hit = (last >= first) & (taken[hi + 1] - taken[lo] > 0)
-    return ids[hit]
+    hit = np.zeros(ids.size, dtype=bool)
+    for o in steps.offsets.tolist():  # the steps read at offset o: first+o .. last+o
+        lo = np.clip(first + o, 0, grid.n_samples - 1) // grid.chunk_size
+        hi = np.clip(last + o, 0, grid.n_samples - 1) // grid.chunk_size
+        hit |= taken[hi + 1] - taken[lo] > 0
+    return ids[hit & (last >= first)]
 
 
 HALO_SHARE = 0.25  # at most this much extra reading for the halos of a run, by default

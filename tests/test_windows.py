@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
@@ -451,3 +453,35 @@ def test_a_state_from_another_run_length_is_refused(tmp_path):
                             run_chunks=4)
     with pytest.raises(ValueError, match=r"run_chunks: saved 8, this loader 4"):
         other.load_state_dict(state)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(8, 60), chunk=st.integers(1, 5), history=st.integers(1, 4),
+       leads=st.lists(st.integers(1, 6), max_size=3, unique=True), stride=st.integers(1, 3),
+       data=st.data())
+def test_windows_leave_out_exactly_the_chunks_whose_read_steps_touch(n, chunk, history, leads,
+                                                                     stride, data):
+    """A chunk is left out iff one of its anchors *reads* a missing step (or a step of
+    another split): its offsets, not its whole span (a stride or sparse leads skip most)."""
+    from insitubatch_nodes.geometry import SampleGrid
+    from insitubatch_nodes.windows import chunks_reaching, chunks_touching
+
+    w = SampleWindow(history, tuple(leads), stride)
+    if w.span > n:
+        return
+    grid = w.grid(SampleGrid(n_samples=n, chunk_size=chunk))
+    n_chunks = -(-n // chunk)
+    anchors = np.arange(grid.first, grid.end)
+    reads = {c: {int(a + o) for a in anchors[anchors // chunk == c] for o in w.offsets}
+             for c in range(n_chunks)}
+    missing = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=4)))
+    out = set(chunks_touching(missing, grid, w).tolist())
+    for c in range(n_chunks):
+        if reads[c]:  # chunks without a valid anchor may go either way: they serve nothing
+            assert (c in out) == bool(reads[c] & set(missing)), c
+    others = sorted(data.draw(st.sets(st.integers(0, n_chunks - 1), max_size=3)))
+    mine = np.array([c for c in range(n_chunks) if c not in others], dtype=np.int64)
+    got = set(chunks_reaching(mine, np.array(others, np.int64), grid, w).tolist())
+    for c in mine.tolist():
+        want = bool({s // chunk for s in reads[c]} & set(others))
+        assert (c in got) == want, c
