@@ -128,9 +128,20 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     manifest.check_source(source, config.checkpoint.allow_snapshot_change)
     steps = config.sample.time_steps
     grid = source.grid if steps is None else steps.grid(source.grid)
+    if steps is not None and grid.end <= grid.first:
+        raise ValueError(f"the time window {steps} spans {steps.span} steps, more than the "
+                         f"{source.grid.n_samples} steps of {source.url}: no sample has "
+                         "all its steps; shorten history, leads or stride")
     chunk_ids = manifest.chunk_ids(split)
     excluded = chunks_touching(source.missing, source.grid, steps)
+    anchorless = np.empty(0, dtype=np.int64)
     if steps is not None:
+        # Chunks at the ends of the axis may hold no anchor (every step's window would run
+        # off the axis): they serve nothing, so dealt to a rank they would leave it empty.
+        starts = np.asarray(chunk_ids, dtype=np.int64) * grid.chunk_size
+        anchorless = np.asarray(chunk_ids, dtype=np.int64)[
+            (starts + grid.chunk_size <= grid.first) | (starts >= grid.end)]
+        excluded = np.union1d(excluded, anchorless)
         others = [manifest.chunk_ids(n) for n in manifest.names if n != split]
         others_ids = np.concatenate(others) if others else np.empty(0, dtype=np.int64)
         across = chunks_reaching(chunk_ids, others_ids, grid, steps)
@@ -143,6 +154,12 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         had = len(chunk_ids)
         chunk_ids = np.setdiff1d(chunk_ids, excluded)
         if had and len(chunk_ids) == 0:
+            if anchorless.size == had:
+                raise ValueError(
+                    f"split {split!r} holds no sample of the time window {steps}: its "
+                    f"chunks {anchorless[:8].tolist()} lie outside the steps "
+                    f"{grid.first}..{grid.end - 1} whose window fits the axis; give it "
+                    "more of the axis or shorten the window")
             raise ValueError(
                 f"every chunk of split {split!r} ({had}) is left out: its samples touch the "
                 f"store's missing steps {list(source.missing)[:8]} or, with time steps "

@@ -80,7 +80,8 @@ def chunks_touching(missing: Sequence[int], grid: SampleGrid,
     # anchor a reads m when a + o == m for one of its offsets o (the steps it reads, not
     # every step of its span: with a stride or sparse leads most of the span is not read)
     anchors = (m[:, None] - offsets[None, :]).ravel()
-    anchors = anchors[(anchors >= 0) & (anchors < grid.n_samples)]
+    valid = grid if steps is None else steps.grid(grid)  # anchors whose window fits
+    anchors = anchors[(anchors >= valid.first) & (anchors < valid.end)]
     return np.unique(anchors // grid.chunk_size)
 
 

@@ -485,3 +485,45 @@ def test_windows_leave_out_exactly_the_chunks_whose_read_steps_touch(n, chunk, h
     for c in mine.tolist():
         want = bool({s // chunk for s in reads[c]} & set(others))
         assert (c in got) == want, c
+
+
+def _steps_store(path, n, chunk=1):
+    write_store(path, [Var("x", (n, 3), (chunk, 3))])
+    return ib.open_source(path)
+
+
+@pytest.mark.parametrize("uneven", ["pad", "drop"])
+def test_chunks_without_an_anchor_are_not_dealt_to_ranks(tmp_path, uneven):
+    """17 one-step chunks, inputs (t-1, t), target t+1: chunks 0 and 16 hold no anchor.
+    Dealt as blocks, the last (chunk 16 alone) left its rank empty: 'drop' then served
+    nothing on every rank, 'pad' repeated a whole share. Left out, ranks share the 15."""
+    src = _steps_store(tmp_path / "s.zarr", 17)
+    m = ib.split_by_chunk(src, (1.0,))
+    w = SampleWindow(2, (1,))
+    per = []
+    for rank in range(2):
+        with ib.build_loader(src, m, "train", batch_size=4, window=w, rank=rank,
+                             world_size=2, uneven=uneven, seed=0) as ld:
+            per.append([i for b in ld for i in b["sample_index"].tolist()])
+    got = per[0] + per[1]
+    assert len(per[0]) == len(per[1]) > 0
+    assert set(got) <= set(range(1, 16))
+    if uneven == "drop":
+        assert len(set(got)) == len(got) >= 15 - 8
+    else:
+        assert set(got) == set(range(1, 16)) and len(got) - 15 < 8  # under a block repeated
+    with pytest.raises(ValueError, match=r"world_size=3 exceeds the 2 blocks"):
+        ib.build_loader(src, m, "train", window=w, rank=0, world_size=3)
+
+
+def test_a_window_or_split_without_samples_is_refused_by_name(tmp_path):
+    src = _steps_store(tmp_path / "s.zarr", 40, chunk=4)
+    with pytest.raises(ValueError, match=r"spans 45 steps, more than the 40 steps"):
+        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train",
+                        window=SampleWindow(30, (15,)))
+    m = ib.split_by_chunk(src, (0.9, 0.1))  # val: the last chunk, steps 36..39
+    with pytest.raises(ValueError, match=r"split 'val' holds no sample of the time window "
+                       r".*chunks \[9\] lie outside the steps 0..35"):
+        ib.build_loader(src, m, "val", window=SampleWindow(1, (4,)))
+    with pytest.raises(ValueError, match=r"split 'val' holds no sample"):
+        ib.SampleDataset(src, m, "val", window=SampleWindow(1, (4,)))
