@@ -30,6 +30,12 @@ RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # their recorded progress is checked and the rest is found, are rebuilt with it (a merged
 # state loaded under another policy was refused as "edited").
 MERGED_FREE: tuple[str, ...] = RANK_FIELDS
+# Recorded since a later version: a state without it loads, the field unknown.
+OPTIONAL_FIELDS: tuple[str, ...] = ("in_place",)
+_FROM_GATHER = ("the state was saved by a loader that gathered batches (in_place=False), "
+                "so its resume point need not be a batch boundary of this loader, which "
+                "decodes straight into batches planned from the epoch's start: build it with "
+                "in_place=False to resume this state")
 
 _HOW = {
     "manifest": "load it into a loader built with the split manifest it was saved with "
@@ -92,10 +98,13 @@ class StateFingerprint:
     drop_last: bool
     rank: int | None = None
     world_size: int | None = None
+    # Whether the saving loader decoded into batches planned from the epoch's start; None in
+    # states saved before this field was recorded (then not compared).
+    in_place: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if not (k in RANK_FIELDS and v is None)}
+                if not ((k in RANK_FIELDS or k in OPTIONAL_FIELDS) and v is None)}
 
     @classmethod
     def from_json(cls, obj: object, *, merged: bool) -> StateFingerprint:
@@ -105,7 +114,7 @@ class StateFingerprint:
             raise ValueError(f"loader state field 'fingerprint' must be a dict, got {obj!r}")
         want = {f.name: f for f in dataclasses.fields(cls)
                 if not (merged and f.name in RANK_FIELDS)}
-        missing = sorted(set(want) - set(obj))
+        missing = sorted(set(want) - set(obj) - set(OPTIONAL_FIELDS))
         extra = sorted(set(obj) - set(want))
         if missing or extra:
             kind = "a merged" if merged else "a rank's"
@@ -117,6 +126,8 @@ class StateFingerprint:
                 "load a state saved by state_dict() or merge_rank_states")
         values = {}
         for name in want:
+            if name not in obj:  # an optional field an older state lacks
+                continue
             v = obj[name]
             kind = _FIELD_KINDS[name]
             ok = (isinstance(v, bool) if kind is bool else
@@ -145,6 +156,8 @@ class StateFingerprint:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if merged and f.name in MERGED_FREE:
                 continue
+            if f.name in OPTIONAL_FIELDS and (a is None or b is None):
+                continue
             if a != b:
                 out.append((f.name, a, b))
         return out
@@ -164,8 +177,12 @@ def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
     no other change ever does."""
     how = {**_HOW, "batch_size": _IN_PLACE_BATCH} if in_place else _HOW
     sound = set(SOUND_CHANGES) - ({"batch_size"} if in_place else set())
+    # A state saved in place resumes on the gather path (any draw count is a resume point
+    # there); the other way round only at the batch boundaries planned in place.
+    how["in_place"] = _FROM_GATHER
     diffs = [d for d in saved.differences(current)
-             if not (allow_state_change and d[0] in sound)]
+             if not (allow_state_change and d[0] in sound)
+             and not (d[0] == "in_place" and not current.in_place)]
     if not diffs:
         return
     lines = [f"{name}: saved {a!r}, this loader {b!r} ({how[name]})" for name, a, b in diffs]

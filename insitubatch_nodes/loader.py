@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 import warnings
 from collections import deque
@@ -62,6 +63,10 @@ class _ExactIterator(LoaderIterator):
     delivered (kept at each one: ~3 us), so asking again serves the failed batch, and a
     ``state_dict()`` taken after the error resumes at it; a lasting failure raises again."""
 
+    def __init__(self, loader: Loader) -> None:
+        self._busy = threading.Lock()
+        super().__init__(loader)
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         # torchdata's has_next() keeps the state it saw before looking ahead; a restored
@@ -83,33 +88,53 @@ class _ExactIterator(LoaderIterator):
                            f"{self._num_yielded} of this epoch failed too: {e!r}")
 
     def next(self):  # noqa: D102
+        # One consumer at a time: two threads drawing from one graph break exactly-once
+        # silently (draws taken twice, windows let go early). Refused, not serialised.
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this loader is already being iterated by another thread: a "
+                               "loader serves one consumer (build one loader per consumer, "
+                               "or hand batches on through a queue)")
+        try:
+            return self._next_item()
+        finally:
+            self._busy.release()
+
+    def _next_item(self):
         if self._cached_item is not None:
             item = self._cached_item
             self._cached_item = None
             self._cached_state_dict = None
         else:
             meter = self.loader._meter
-            t0 = time.perf_counter()
+            before = self._delivered
+            t0 = t1 = time.perf_counter()
             try:
                 item = next(self.root)
+                t1 = time.perf_counter()
+                # Everything up to the return is undone on an error (an interrupt landing
+                # here included): the batch is not delivered until it is returned.
+                state = self.root.state_dict()
+                self._num_yielded += 1
+                self._delivered = state
+                if meter.next_log is not None:
+                    maybe_log(self.loader.nodes(), meter, self.loader.resident_bound, t1)
+                # Recorded when the item is pulled: a cached item (pulled by has_next) was
+                # recorded then, with the same count and state.
+                ring = self.loader._recent_states
+                if ring is not None:
+                    ring.append((self._num_yielded,
+                                 self.loader.snapshot(state, self._num_yielded)))
             except StopIteration:
-                meter.epoch_end = time.perf_counter()
+                t1 = meter.epoch_end = time.perf_counter()
                 raise
             except BaseException as e:
+                if self._delivered is not before:  # counted, then failed before the return
+                    self._num_yielded -= 1
+                    self._delivered = before
                 self._go_back(e)
                 raise
             finally:
-                t1 = time.perf_counter()
                 meter.waited(t1 - t0)
-            self._num_yielded += 1
-            self._delivered = state = self.root.state_dict()
-            if meter.next_log is not None:
-                maybe_log(self.loader.nodes(), meter, self.loader.resident_bound, t1)
-            # Recorded when the item is pulled: a cached item (pulled by has_next) was
-            # recorded then, with the same count and state.
-            ring = self.loader._recent_states
-            if ring is not None:
-                ring.append((self._num_yielded, self.loader.snapshot(state, self._num_yielded)))
         return item
 
 
@@ -180,7 +205,16 @@ class InSituLoader(Loader):
             self._meter.start_epoch(time.perf_counter(), (gather.stats.batches,
                                                           gather.stats.samples)
                                     if gather is not None else (0, 0))
-        it = super().__iter__()
+        pending = self._next_iter_state_dict
+        try:
+            it = super().__iter__()
+        except BaseException:
+            # torchdata looks one batch ahead after applying a loaded state and has
+            # forgotten the state by then: a read failing there would make the next iter()
+            # start a new epoch, skipping the rest of the resumed one. Keep it pending.
+            if pending is not None and self._next_iter_state_dict is None:
+                self._next_iter_state_dict = pending
+            raise
         self._meter.epoch_end = None  # a restored, finished epoch rolled on to the next one
         return it
 
@@ -206,6 +240,12 @@ class InSituLoader(Loader):
 
     # -- states -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        pending = self._next_iter_state_dict
+        if pending is not None:
+            # Loaded and not applied yet (no iter() since): that is where this loader
+            # stands, not wherever its graph was before the load.
+            return json.loads(json.dumps(self.snapshot(pending[LoaderIterator.ROOT_KEY],
+                                                       pending[LoaderIterator.NUM_YIELDED_KEY])))
         if self._it is None:
             self._it = _ExactIterator(self)
         state = super().state_dict()
@@ -549,4 +589,4 @@ def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> S
         excluded=(hashlib.sha256(json.dumps(list(resolved.excluded)).encode()).hexdigest()[:16]
                   if resolved.excluded else ""),
         batch_size=s.batch_size, drop_last=s.drop_last,
-        rank=resolved.rank, world_size=resolved.world_size)
+        rank=resolved.rank, world_size=resolved.world_size, in_place=resolved.in_place)

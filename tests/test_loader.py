@@ -225,6 +225,141 @@ def test_an_error_after_a_stage_took_its_batch_loses_nothing(store_dir, stage, c
     same(epoch(resumed), want[2:])
 
 
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_an_interrupt_after_the_graph_made_a_batch_loses_nothing(store_dir, chunk):
+    """Ctrl-C landing after the graph produced a batch but before the loader returned it
+    (while it records the state after it): the batch is served by the next call, and a
+    checkpoint taken after the interrupt resumes at it."""
+    src, _ = make(store_dir, [Var("x", (60, 3), (chunk, 3), compressors=BLOSC)])
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=5, block_chunks=3, seed=2)
+    want = epoch(ib.build_loader(src, m, "train", **kw))
+    loader = ib.build_loader(src, m, "train", **kw)
+    it = iter(loader)
+    got = [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(2)]
+    root, calls = loader.root, itertools.count(1)
+    real = root.state_dict
+
+    def interrupted():
+        if next(calls) == 1:
+            raise KeyboardInterrupt
+        return real()
+
+    root.state_dict = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    del root.state_dict
+    state = loader.state_dict()
+    assert state["num_yielded"] == 2
+    got += [{k: v.numpy().copy() for k, v in b.items()} for b in it]
+    same(got, want)
+    resumed = ib.build_loader(src, m, "train", **kw)
+    resumed.load_state_dict(state)
+    same(epoch(resumed), want[2:])
+
+
+def test_state_dict_between_load_and_iter_is_the_loaded_state(medium):
+    """A checkpoint taken after load_state_dict and before the first batch (a preemption
+    handler, a callback on resume) records where the loader will go on, not epoch 0."""
+    src, _, m = medium
+    a = ib.build_loader(src, m, "train", batch_size=16)
+    it = iter(a)
+    for _ in range(4):
+        next(it)
+    state = a.state_dict()
+    for used in (False, True):
+        b = ib.build_loader(src, m, "train", batch_size=16)
+        if used:
+            epoch(b, limit=2)
+        b.load_state_dict(state)
+        again = b.state_dict()
+        assert again["num_yielded"] == 4 and again["root"] == state["root"]
+        c = ib.build_loader(src, m, "train", batch_size=16)
+        c.load_state_dict(again)
+        same(epoch(c), epoch(b))
+
+
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_a_read_error_on_the_first_batch_after_a_resume_keeps_the_resume(tmp_path, chunk):
+    """torchdata looks one batch ahead in iter() after applying a loaded state: a read
+    failing there escaped iter(), and the next iter() started a new epoch, skipping the
+    rest of the resumed one. Asked again, the loader resumes there again."""
+    path = tmp_path / "s.zarr"
+    write_store(path, [Var("x", (64, 3), (chunk, 3), compressors=BLOSC)])
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=4, block_chunks=2, seed=3)
+    want = epoch(ib.build_loader(src, m, "train", **kw))
+    a = ib.build_loader(src, m, "train", **kw)
+    epoch(a, limit=5)
+    state = a.state_dict()
+    row = int(want[5]["sample_index"][0])  # a chunk the first batch after the resume reads
+    key = path / "x" / "c" / str(row // chunk) / "0"
+    good = key.read_bytes()
+    key.write_bytes(b"damaged")
+    b = ib.build_loader(src, m, "train", **kw)
+    b.load_state_dict(state)
+    with pytest.raises(ib.CorruptChunkError):
+        for _ in b:
+            pass
+    key.write_bytes(good)
+    same(epoch(b), want[5:])
+
+
+def test_a_gathered_state_is_refused_by_an_in_place_loader_mid_epoch(store_dir):
+    """Batches decoded in place are planned from the epoch's start: a resume point saved by
+    a gathering loader need not be one of their boundaries. Refused by name; resumable with
+    in_place=False (and a state saved in place resumes on the gather path)."""
+    src, _ = make(store_dir, [Var("x", (60, 3), (1, 3), compressors=BLOSC)])
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=7, block_chunks=3, seed=1)
+    want = epoch(ib.build_loader(src, m, "train", **kw))
+    gathered = ib.build_loader(src, m, "train", in_place=False, **kw)
+    epoch(gathered, limit=2)
+    state = gathered.state_dict()
+    assert state["fingerprint"]["in_place"] is False
+    with pytest.raises(ValueError, match=r"in_place: saved False, this loader True .*build it "
+                       r"with in_place=False"):
+        ib.build_loader(src, m, "train", **kw).load_state_dict(state)
+    back = ib.build_loader(src, m, "train", in_place=False, **kw)
+    back.load_state_dict(state)
+    same(epoch(back), want[2:])
+    placed = ib.build_loader(src, m, "train", **kw)
+    epoch(placed, limit=2)
+    onto = ib.build_loader(src, m, "train", in_place=False, **kw)
+    onto.load_state_dict(placed.state_dict())
+    same(epoch(onto), want[2:])
+    old = placed.state_dict()
+    del old["fingerprint"]["in_place"]  # a state saved before the field: loads as before
+    ib.build_loader(src, m, "train", **kw).load_state_dict(old)
+
+
+def test_one_loader_refuses_a_second_consumer_thread(medium):
+    src, _, m = medium
+    loader = ib.build_loader(src, m, "train", batch_size=16)
+    it = iter(loader)
+    gather = loader.node(ib.GatherNode)
+    inside, go_on = threading.Event(), threading.Event()
+    real = gather.next
+
+    def slow():
+        inside.set()
+        go_on.wait(10)
+        return real()
+
+    gather.next = slow
+    first = threading.Thread(target=lambda: next(it))
+    first.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match="already being iterated by another thread"):
+        next(it)
+    go_on.set()
+    first.join()
+    gather.next = real
+    assert len(list(it)) == -(-m.n_samples_in("train") // 16) - 1
+    loader.close()
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(k=st.integers(0, 12), ep=st.integers(0, 1), batch=st.integers(1, 24),
        block=st.integers(1, 6))
