@@ -569,7 +569,11 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     cfg = (config if config is not None else LoaderConfig()).replace(**options)
     resolved = resolve(source, manifest, split, cfg)
     graph = build_graph(source, manifest, split, resolved)
-    return InSituLoader(graph.root, keep_states=cfg.checkpoint.keep_states,
+    # With unequal shares a rank restored with its share done must sit out the rest of that
+    # epoch, not start the next while the other ranks finish theirs (torchdata restarts a
+    # restored iterator that is exhausted): its next iter() is the empty rest of the epoch.
+    restart = not (cfg.sampling.uneven == "none" and resolved.world_size > 1)
+    return InSituLoader(graph.root, restart, keep_states=cfg.checkpoint.keep_states,
                         log_every_s=cfg.checkpoint.log_every_s, resolved=resolved,
                         ledger=graph.ledger, snapshot_id=source.snapshot_id,
                         fingerprint=fingerprint_of(manifest, split, resolved))

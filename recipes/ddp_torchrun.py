@@ -91,10 +91,6 @@ def main() -> None:
     loader = ib.build_loader(source, manifest, "train", batch_size=args.batch_size,
                              block_chunks=args.block_chunks, seed=args.seed,
                              uneven=args.uneven)
-    if args.uneven == "none":
-        # A rank restored with its share done must sit out the rest of that epoch, not start
-        # the next one while the others finish (torchdata's default restarts it).
-        loader.restart_on_stop_iteration = False
     height, width = source.variables[0].shape[1:]
     model = DistributedDataParallel(nn.Sequential(
         nn.AvgPool2d(4), nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 1, 3, padding=1)))

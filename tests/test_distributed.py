@@ -38,6 +38,36 @@ def rank_epochs(src, m, world, n_epochs=1, **kw):
     return out
 
 
+def test_uneven_none_ranks_restored_past_their_share_stay_in_the_epoch(uneven_source):
+    """uneven='none': checkpoint when rank 1 has served its whole share and rank 0 not yet.
+    Restored, rank 1 must serve the (empty) rest of that epoch, not start the next one while
+    rank 0 finishes: every later epoch is the split once over the ranks."""
+    src, m = uneven_source
+    kw = dict(batch_size=4, uneven="none", seed=5, world_size=2)
+    loaders = [ib.build_loader(src, m, "train", rank=r, **kw) for r in range(2)]
+    iters = [iter(ld) for ld in loaders]
+    counts = [sum(1 for _ in ib.build_loader(src, m, "train", rank=r, **kw)) for r in range(2)]
+    short = int(np.argmin(counts))
+    steps = min(counts)
+    for _ in range(steps):  # the short rank has served everything; the other has not
+        for it in iters:
+            next(it)
+    assert counts[1 - short] > steps
+    states = [ld.state_dict() for ld in loaders]
+    for ld in loaders:
+        ld.close()
+    resumed = [ib.build_loader(src, m, "train", rank=r, **kw) for r in range(2)]
+    for r, ld in enumerate(resumed):
+        ld.load_state_dict(states[r])
+    rest = [[i for b in ld for i in b["sample_index"].tolist()] for ld in resumed]
+    assert rest[short] == [] and len(rest[1 - short]) > 0
+    for _ in range(2):
+        both = sorted(i for ld in resumed for b in ld for i in b["sample_index"].tolist())
+        assert both == list(range(99))
+    for ld in resumed:
+        ld.close()
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("batch", [5, 8])
 def test_ranks_partition_each_epoch(uneven_source, world, batch):
