@@ -64,6 +64,10 @@ class SamplingConfig:
         if self.uneven not in UNEVEN_POLICIES:
             raise ValueError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
                              f"got {self.uneven!r}")
+        _positive_int("sampling", "seed", self.seed, minimum=0)
+        if not isinstance(self.drop_last, (bool, np.bool_)):
+            raise ValueError(f"sampling.drop_last must be True or False, got "
+                             f"{self.drop_last!r}")
         # rank/world_size are checked together with the process group (permute.resolve_rank)
 
 

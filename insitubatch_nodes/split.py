@@ -313,6 +313,10 @@ def split_by_chunk(
         raise ValueError(f"names {names} and fractions {fractions} differ in length")
     if len(set(names)) != len(names):
         raise ValueError(f"split names must be distinct: {names}")
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"split names must be non-empty strings, got {names}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     if any(f < 0 or not np.isfinite(f) for f in fractions):
         raise ValueError(f"fractions must be finite and >= 0, got {fractions}")
     if abs(sum(fractions) - 1.0) > 1e-6:
@@ -390,6 +394,15 @@ def split_by_coordinate(
     def label(i: int) -> str:
         return str(coord[min(max(i, 0), n - 1)])
 
+    if np.issubdtype(coord.dtype, np.number) or np.issubdtype(coord.dtype, np.datetime64):
+        steps = np.diff(coord)
+        bad = np.flatnonzero(~(steps > steps.dtype.type(0)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"split_by_coordinate needs {source.sample_dim!r} increasing, but it goes "
+                f"from {coord[i]} (step {i}) to {coord[i + 1]} (step {i + 1}); periods of a "
+                "coordinate out of order select no range of steps: use split_by_chunk")
     bounds = {}
     for name, rng in periods.items():
         if not isinstance(rng, (tuple, list)) or len(rng) != 2:

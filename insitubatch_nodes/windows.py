@@ -24,13 +24,25 @@ class SampleWindow:
     stride: int = 1
 
     def __post_init__(self) -> None:
-        lead = (self.lead,) if isinstance(self.lead, int) else tuple(self.lead)
+        def whole(x: object) -> bool:  # a step count: an int, not a float or a bool
+            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+        for name in ("history", "stride"):
+            value = getattr(self, name)
+            if not whole(value) or value < 1:
+                raise ValueError(f"SampleWindow {name} must be an integer >= 1 (steps), got "
+                                 f"{value!r}")
+            object.__setattr__(self, name, int(value))
+        lead = self.lead
+        if whole(lead):
+            lead = (lead,)
+        if isinstance(lead, (str, bytes)) or not isinstance(lead, Sequence | np.ndarray):
+            raise ValueError(f"SampleWindow lead must be a step count or a sequence of them "
+                             f"(e.g. (1, 6)), got {lead!r}")
+        lead = tuple(lead)
+        if (not all(whole(x) and x >= 1 for x in lead)) or len(set(lead)) != len(lead):
+            raise ValueError(f"SampleWindow leads must be distinct integers >= 1, got {lead!r}")
         object.__setattr__(self, "lead", tuple(int(x) for x in lead))
-        if self.history < 1 or self.stride < 1:
-            raise ValueError(f"history and stride must be >= 1, got history={self.history}, "
-                             f"stride={self.stride}")
-        if any(x < 1 for x in self.lead) or len(set(self.lead)) != len(self.lead):
-            raise ValueError(f"leads must be distinct integers >= 1, got {self.lead}")
 
     @property
     def input_offsets(self) -> np.ndarray:

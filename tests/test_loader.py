@@ -511,6 +511,9 @@ def test_memory_budget_is_checked(medium):
     ({"batch_size": 0}, "batch_size"),
     ({"block_chunks": 0}, "block_chunks"),
     ({"max_inflight": 0}, "max_inflight"),
+    ({"seed": -1}, r"sampling.seed must be an integer >= 0, got -1"),
+    ({"seed": 1.5}, r"sampling.seed must be an integer >= 0, got 1.5"),
+    ({"drop_last": "yes"}, r"sampling.drop_last must be True or False, got 'yes'"),
 ])
 def test_bad_arguments(medium, kw, match):
     src, _, m = medium

@@ -75,6 +75,32 @@ def test_bad_fractions_are_named(source, fractions, match):
         ib.split_by_chunk(source, fractions)
 
 
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(fractions=(0.5, 0.5), names=("train", "")), "non-empty strings"),
+    (dict(seed=-1, mode="random"), r"seed must be an integer >= 0, got -1"),
+    (dict(seed=1.5), r"seed must be an integer >= 0, got 1.5"),
+])
+def test_splits_that_would_be_empty_or_misnamed_are_refused_at_once(source, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ib.split_by_chunk(source, **{"fractions": (1.0,), **kw})
+
+
+def test_a_coordinate_out_of_order_is_refused_by_coordinate_splits(tmp_path):
+    """searchsorted on a newest-first time axis selected the wrong steps silently."""
+    import zarr
+
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    g.create_array("x", shape=(16, 2), chunks=(4, 2), dtype="f4",
+                   dimension_names=("time", "a"))[:] = 0
+    t = g.create_array("time", shape=(16,), dtype="int64", dimension_names=("time",),
+                       attributes={"units": "days since 2000-01-01", "calendar": "standard"})
+    t[:] = np.arange(16)[::-1]
+    src = ib.open_source(tmp_path / "s.zarr", sample_dim="time")
+    with pytest.raises(ValueError, match=r"needs 'time' increasing, but it goes from "
+                       r"2000-01-16.* \(step 0\) to 2000-01-15"):
+        ib.split_by_coordinate(src, {"train": (None, "2000-01-05")})
+
+
 def test_unknown_split_lists_splits(source):
     m = ib.split_by_chunk(source)
     with pytest.raises(KeyError, match=r"'nope'.*\['train', 'val', 'test'\]"):

@@ -527,3 +527,18 @@ def test_a_window_or_split_without_samples_is_refused_by_name(tmp_path):
         ib.build_loader(src, m, "val", window=SampleWindow(1, (4,)))
     with pytest.raises(ValueError, match=r"split 'val' holds no sample"):
         ib.SampleDataset(src, m, "val", window=SampleWindow(1, (4,)))
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(history=2.5), r"history must be an integer >= 1 \(steps\), got 2.5"),
+    (dict(history=True), r"history must be an integer >= 1 \(steps\), got True"),
+    (dict(stride="2"), r"stride must be an integer >= 1 \(steps\), got '2'"),
+    (dict(lead=(1.7,)), r"leads must be distinct integers >= 1, got \(1.7,\)"),
+    (dict(lead=(2, 2)), r"leads must be distinct integers >= 1, got \(2, 2\)"),
+    (dict(lead=None), r"lead must be a step count or a sequence of them"),
+])
+def test_a_window_takes_whole_steps_only(kw, match):
+    """history=2.5 made inputs (t-1, t, t+1): the target step among the inputs."""
+    with pytest.raises(ValueError, match=match):
+        SampleWindow(**kw)
+    assert SampleWindow(lead=3).lead == (3,) and SampleWindow(lead=[1, 6]).lead == (1, 6)
