@@ -64,6 +64,8 @@ class SamplingConfig:
         if self.uneven not in UNEVEN_POLICIES:
             raise ValueError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
                              f"got {self.uneven!r}")
+        if isinstance(self.seed, np.integer):  # states are JSON: keep a Python int
+            object.__setattr__(self, "seed", int(self.seed))
         _positive_int("sampling", "seed", self.seed, minimum=0)
         if not isinstance(self.drop_last, (bool, np.bool_)):
             raise ValueError(f"sampling.drop_last must be True or False, got "

@@ -57,10 +57,12 @@ _HOW = {
     "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
     "run_chunks": "time windows deal runs of run_chunks adjacent chunks: build the loader with "
                   "the saved run_chunks (and window=)",
-    "excluded": "the chunks left out for the store's missing dates, or because their time "
-                "windows reach another split, differ (the store's missing_dates, window= or "
-                "the split changed): resume on the store, split and window the state was "
-                "saved with",
+    "excluded": "the chunks left out for the store's missing dates, because their time "
+                "windows reach another split or because they hold no anchor of the window, "
+                "differ (the store's missing_dates, window= or the split changed, or the state "
+                "was saved by a version of insitubatch_nodes before 2026-11-25, which left out "
+                "chunks by the window's span rather than the steps it reads): resume on the "
+                "store, split and window the state was saved with, or start the epoch afresh",
     "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "

@@ -90,14 +90,17 @@ class _ExactIterator(LoaderIterator):
     def next(self):  # noqa: D102
         # One consumer at a time: two threads drawing from one graph break exactly-once
         # silently (draws taken twice, windows let go early). Refused, not serialised.
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this loader is already being iterated by another thread: a "
-                               "loader serves one consumer (build one loader per consumer, "
-                               "or hand batches on through a queue)")
+        busy = False
         try:
+            busy = self._busy.acquire(blocking=False)
+            if not busy:
+                raise RuntimeError("this loader is already being iterated by another thread: "
+                                   "a loader serves one consumer (build one loader per "
+                                   "consumer, or hand batches on through a queue)")
             return self._next_item()
         finally:
-            self._busy.release()
+            if busy:
+                self._busy.release()
 
     def _next_item(self):
         if self._cached_item is not None:

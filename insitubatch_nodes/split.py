@@ -317,6 +317,7 @@ def split_by_chunk(
         raise ValueError(f"split names must be non-empty strings, got {names}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    seed = int(seed)  # the manifest is JSON
     if any(f < 0 or not np.isfinite(f) for f in fractions):
         raise ValueError(f"fractions must be finite and >= 0, got {fractions}")
     if abs(sum(fractions) - 1.0) > 1e-6:
@@ -395,8 +396,7 @@ def split_by_coordinate(
         return str(coord[min(max(i, 0), n - 1)])
 
     if np.issubdtype(coord.dtype, np.number) or np.issubdtype(coord.dtype, np.datetime64):
-        steps = np.diff(coord)
-        bad = np.flatnonzero(~(steps > steps.dtype.type(0)))
+        bad = np.flatnonzero(~(coord[1:] > coord[:-1]))  # not diff: unsigned ints wrap
         if bad.size:
             i = int(bad[0])
             raise ValueError(

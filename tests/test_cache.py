@@ -402,3 +402,23 @@ def test_store_objects_are_cached_apart_and_memory_stores_not_at_all(tmp_path):
                          cache=cache) as loader:
         check_exact(epoch(loader), data)
         assert loader.stats().cache_hit_ratio is None
+
+
+def test_store_objects_known_only_by_their_repr_are_not_cached(tmp_path):
+    """An icechunk session's store names itself ``<IcechunkStore object at 0x...>``: an
+    address another store gets once this one is freed, with no snapshot. Its chunks are
+    read without the cache (open_icechunk names repository and snapshot, and caches)."""
+    import icechunk
+
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    for i in range(3):
+        repo = icechunk.Repository.create(icechunk.in_memory_storage())
+        session = repo.writable_session("main")
+        data = write_store(session.store, VARS, seed=i)
+        src = ib.open_source(session.store)
+        assert " object at 0x" in src.url
+        with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                             cache=cache) as loader:
+            check_exact(epoch(loader), data)
+            assert loader.stats().cache_hit_ratio is None
+    assert cache.entries() == 0

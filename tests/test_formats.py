@@ -433,11 +433,17 @@ def test_statistics_that_do_not_fit_the_variables_are_refused_by_name(tmp_path):
 
 
 def test_static_fields_take_the_loaders_dtype(arco):
+    """Float fields are cast with the data; a class index keeps its integers (bfloat16
+    holds integers exactly only up to 256); a (1, y, x) field is a (y, x) one."""
     path, _ = arco
     src = ib.open_source(path)
     lsm = ib.open_static(src)["land_sea_mask"]
+    classes = np.arange(40, dtype=np.int32).reshape(5, 8) * 100
     with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
-                         static={"lsm": lsm}, dtype=torch.bfloat16) as ld:
+                         static={"lsm": lsm[None], "soil": classes},
+                         dtype=torch.bfloat16) as ld:
         b = next(iter(ld))
     assert b["static/lsm"].dtype == b["2m_temperature"].dtype == torch.bfloat16
-    np.testing.assert_array_equal(b["static/lsm"][0].float().numpy(), lsm)  # 0/1: exact
+    np.testing.assert_array_equal(b["static/lsm"][0, 0].float().numpy(), lsm)  # 0/1: exact
+    assert b["static/soil"].dtype == torch.int32
+    np.testing.assert_array_equal(b["static/soil"][0].numpy(), classes)

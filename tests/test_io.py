@@ -210,6 +210,18 @@ def test_a_damaged_shard_is_named_by_its_own_key(tmp_path, chunks):
     assert info.value.key == "a/c/1/0/0"
 
 
+def test_a_zstd_chunk_of_several_frames_decodes():
+    """Concatenated frames are valid zstd (streaming and multithreaded writers make them):
+    the first frame's size is not the chunk's, and that is no damage."""
+    from insitubatch_nodes.io.decode import ChunkDecoder
+
+    x = np.arange(1000, dtype="f4")
+    two = numcodecs.Zstd().encode(x[:300]) + numcodecs.Zstd().encode(x[300:])
+    out = np.empty_like(x)
+    ChunkDecoder((numcodecs.Zstd(),), False, "zstd").decode_into(two, out)
+    np.testing.assert_array_equal(out, x)
+
+
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 65535, 65791, 65792, 70000])
 @pytest.mark.parametrize("level", [1, 19])
 def test_zstd_frame_header_states_the_decoded_size(n, level):

@@ -139,11 +139,13 @@ def _fills_exactly(codec: numcodecs.abc.Codec, data: object, nbytes: int) -> boo
     """Whether ``codec.decode(data, out=...)`` of ``nbytes`` is known to write exactly
     ``nbytes``. numcodecs' Zstd, LZ4 and GZip only check that ``out`` is large enough: a
     short chunk (metadata rewritten without its chunks) would leave the rest of ``out``
-    holding an older chunk. Zstd and LZ4 state the size in a header, checked here (a wrong
-    one raises); GZip does not (the libdeflate path checks it): decode and copy instead."""
+    holding an older chunk. LZ4 states the size in a prefix, checked here (a wrong one
+    raises); a zstd frame states its own, so a chunk whose first frame does not state the
+    chunk's size (none stated, several frames, or short) is decoded and copied with the size
+    checked, as GZip is (its libdeflate path checks the size itself)."""
     if isinstance(codec, numcodecs.Zstd):
         got = _zstd_content_size(data)
-        if got is None:
+        if got != nbytes:  # no size stated, or several frames (the first states its own)
             return False
     elif isinstance(codec, numcodecs.LZ4):
         head = bytes(memoryview(data).cast("B")[:4])  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gzip
+import logging
 import os
 import time
 from abc import ABC, abstractmethod
@@ -38,6 +39,9 @@ Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
 Loop = asyncio.AbstractEventLoop
 _READ = ThreadBuffer()  # ``LocalFiles.get_scratch``: one chunk file's bytes per thread
+
+
+log = logging.getLogger("insitubatch_nodes")
 
 
 class Stripes(Protocol):
@@ -386,13 +390,23 @@ def store_place(store: Any) -> str:
     return place
 
 
+def stable_name(url: str) -> bool:
+    """Whether a store's name says which store it is across objects and processes: a URL,
+    not a memory store's ``memory://<id>`` or an object's repr (``<IcechunkStore object at
+    0x...>``, ``<FsspecStore(...)>``, which names neither endpoint nor snapshot)."""
+    return not (url.startswith(("memory://", "<")) or " object at 0x" in url)
+
+
 def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     """``path`` with its store reads through ``cache``; local files are never cached (their
     chunks are on local disk already). zarr's own ``getitem`` reads (chains we do not
     decode, sharding among them) go through a ``CachingStore``."""
-    if isinstance(path, (CachedGets, CachedGetitem)) or scope.url.startswith("memory://"):
+    if isinstance(path, (CachedGets, CachedGetitem)) or not stable_name(scope.url):
         # A memory store's chunks are in memory already, and its name (``memory://<id>``)
-        # is no place: another store may have the same id later or in another process.
+        # is no place: another store may have the same id later or in another process; so
+        # is a store object known only by its repr (``<... object at 0x...>``).
+        log.info("insitubatch: chunks of %s are not cached: it has no name that stays its "
+                 "own (open it by URL to cache it)", scope.url)
         return path
     gets = path.gets if isinstance(path, ZarrGetitem) else path
     if isinstance(gets, ObjectStoreGets):  # the same bucket name on another server

@@ -64,6 +64,8 @@ def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...
     the sample axis would otherwise be broadcast next to the data as it is."""
     for name, value in fields.items():
         shape = tuple(np.shape(value))
+        while len(shape) > 1 and shape[0] == 1:  # a (1, y, x) field is a (y, x) one
+            shape = shape[1:]
         fits = [v for v, s in samples.items()
                 if len(shape) <= len(s) and s[len(s) - len(shape):] == shape]
         if not fits:
@@ -79,7 +81,8 @@ def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...
 
 class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``"static/<name>"`` to each batch: the field broadcast to ``(batch, *shape)``
-    as an expanded view (no copy per batch), cast to ``dtype`` if given (not normalised).
+    as an expanded view (no copy per batch), float fields cast to ``dtype`` if given (not
+    normalised).
     The fields live on ``device`` (moved once), so a CUDA loader does not copy B expanded
     copies of them to the GPU every batch. Stateless."""
 
@@ -92,9 +95,12 @@ class StaticFieldsNode(TransformNode[dict[str, torch.Tensor]]):
         super().__init__(source)
         # ``dtype``: the loader's cast (``dtype=torch.bfloat16``), so the fields concatenate
         # with the data as they come; made once, not per batch.
-        self.fields = {k: torch.as_tensor(np.ascontiguousarray(v)).to(device or "cpu",
-                                                                      dtype=dtype)
-                       for k, v in fields.items()}
+        self.fields = {}
+        for k, v in fields.items():
+            t = torch.as_tensor(np.ascontiguousarray(v))
+            # float fields only: a class index or a boolean mask keeps its type
+            cast = dtype if dtype is not None and t.is_floating_point() else None
+            self.fields[k] = t.to(device or "cpu", dtype=cast)
 
 
     def next(self) -> dict[str, torch.Tensor]:
