@@ -623,6 +623,35 @@ def test_in_place_batches_go_to_the_gpu_from_the_pinned_arena(one_step, event_cl
     assert not stager._held
 
 
+def test_in_place_pinned_batches_resume_exactly(one_step):
+    """The pinned arena and held batches change nothing of resume: a graph restored from
+    the state after k batches serves the rest of the epoch as the uninterrupted one."""
+    src, m, _ = one_step
+    full = run_graph(fake_cuda_graph(src, m, FakeOps(eager=False), 3), epochs=1)
+    for k in (1, 4, 8):
+        node = fake_cuda_graph(src, m, FakeOps(eager=False), 3)
+        node.reset(None)
+        head = [next(node) for _ in range(k)]
+        state = node.state_dict()
+        node.synchronize()
+        head = [{key: v.numpy().copy() for key, v in b.items()} for b in head]
+        again = fake_cuda_graph(src, m, FakeOps(eager=False), 3)
+        again.reset(state)
+        rest = []
+        while True:
+            try:
+                rest.append(next(again))
+            except StopIteration:
+                break
+        again.synchronize()
+        rest = [{key: v.numpy().copy() for key, v in b.items()} for b in rest]
+        assert len(head) + len(rest) == len(full)
+        for g, w in zip(head + rest, full, strict=True):
+            for key in w:
+                np.testing.assert_array_equal(g[key], w[key], err_msg=key)
+        assert again._stager.bytes_in_place > 0
+
+
 def test_in_place_stays_pageable_when_a_stage_makes_new_tensors(one_step):
     """A cast makes new tensors: the arena is not pinned (those would be pinned for
     nothing) and the cast batches are copied into the ring."""
