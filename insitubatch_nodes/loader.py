@@ -41,6 +41,7 @@ from .nodes import (
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
+    SplitNode,
     TransformNode,
 )
 from .nodes.chunk_permute import parse_history
@@ -174,10 +175,16 @@ class InSituLoader(Loader):
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
                                             resolved.config.checkpoint.allow_snapshot_change)
-        self.fingerprint: StateFingerprint | None = fingerprint
+        # A hand-built graph of the standard stages is checked as build_loader's are: the
+        # fingerprint is read off its nodes (a seed or batch size changed between save and
+        # resume would otherwise repeat and skip samples silently).
+        self._fingerprint_from_nodes = fingerprint is None
+        self.fingerprint: StateFingerprint | None = (
+            fingerprint if fingerprint is not None else fingerprint_of_nodes(self.nodes()))
         self.allow_state_change: bool = (resolved is not None and
                                          resolved.config.checkpoint.allow_state_change)
-        self._in_place = resolved is not None and resolved.in_place
+        self._in_place = (resolved.in_place if resolved is not None else
+                          bool(self.fingerprint is not None and self.fingerprint.in_place))
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
@@ -291,9 +298,11 @@ class InSituLoader(Loader):
         states of formats 1 and 2 have none and load with a warning."""
         raw = state.pop(FINGERPRINT_KEY, None)
         if self.fingerprint is None:
-            return  # a hand-built graph: nothing to compare with
+            return  # a graph without the standard stages: nothing to compare with
         if raw is None:
-            if fmt >= 3:
+            # A hand-built graph's states carried no fingerprint before it was read off the
+            # nodes: those load with the warning below.
+            if fmt >= 3 and not self._fingerprint_from_nodes:
                 raise ValueError(
                     f"loader state has no field {FINGERPRINT_KEY!r}, which every format-"
                     f"{fmt} state saved by build_loader has: load a state saved by "
@@ -582,6 +591,31 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
                         fingerprint=fingerprint_of(manifest, split, resolved))
 
 
+def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
+    """``fingerprint_of`` read off a graph's own stages (a hand-built graph): ``None``
+    unless it has a ``SplitNode``, a ``ChunkPermuteNode`` and a ``ShuffleBufferNode``."""
+    split = first_node(nodes, SplitNode)
+    permute = first_node(nodes, ChunkPermuteNode)
+    shuffle = first_node(nodes, ShuffleBufferNode)
+    if split is None or permute is None or shuffle is None:
+        return None
+    fetch = first_node(nodes, AsyncFetchNode)
+    grid = permute.grid
+    return StateFingerprint(
+        manifest=split.manifest.content_hash, split=split.split, seed=permute.seed,
+        n_samples=grid.n_samples, chunk_size=grid.chunk_size, first=grid.first, end=grid.end,
+        block_chunks=permute.block_chunks, uneven=permute.uneven,
+        contiguous=permute.contiguous, run_chunks=permute.run_chunks or 0,
+        excluded=_excluded_hash(split.exclude), batch_size=shuffle.batch_size,
+        drop_last=shuffle.drop_last, rank=permute.rank, world_size=permute.world_size,
+        in_place=fetch is not None and fetch.arena is not None)
+
+
+def _excluded_hash(excluded: tuple[int, ...]) -> str:
+    return (hashlib.sha256(json.dumps(list(excluded)).encode()).hexdigest()[:16]
+            if excluded else "")
+
+
 def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> StateFingerprint:
     """What this loader's states record: everything that decides which samples its
     counters point at (``fingerprint.StateFingerprint``)."""
@@ -593,7 +627,6 @@ def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> S
         block_chunks=resolved.block_chunks, uneven=s.uneven,
         contiguous=resolved.config.sample.time_steps is not None,
         run_chunks=resolved.run_chunks or 0,
-        excluded=(hashlib.sha256(json.dumps(list(resolved.excluded)).encode()).hexdigest()[:16]
-                  if resolved.excluded else ""),
+        excluded=_excluded_hash(tuple(resolved.excluded)),
         batch_size=s.batch_size, drop_last=s.drop_last,
         rank=resolved.rank, world_size=resolved.world_size, in_place=resolved.in_place)

@@ -407,7 +407,12 @@ def split_by_coordinate(
     for name, rng in periods.items():
         if not isinstance(rng, (tuple, list)) or len(rng) != 2:
             raise ValueError(f"period of split {name!r} must be (start, end), got {rng!r}")
-        i0, i1 = _as_bound(rng[0], coord, False), _as_bound(rng[1], coord, True)
+        try:
+            i0, i1 = _as_bound(rng[0], coord, False), _as_bound(rng[1], coord, True)
+        except (ValueError, TypeError) as e:
+            kind = "a date" if np.issubdtype(coord.dtype, np.datetime64) else "a number"
+            raise ValueError(f"split {name!r}: period {rng!r} has an end that is not {kind} "
+                             f"of {source.sample_dim!r} (or None, open): {e}") from None
         if i1 <= i0:
             raise ValueError(f"split {name!r}: period {rng!r} selects no steps of "
                              f"{source.sample_dim!r} (which runs {label(0)} .. {label(n - 1)})")

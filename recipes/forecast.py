@@ -80,10 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variables", nargs="+", default=None,
                    help="variables to stack as channels (default: the demo's four; every "
                         "variable of a WeatherBench2 or anemoi store)")
-    p.add_argument("--train", nargs=2, default=None, metavar=("FROM", "TO"))
+    p.add_argument("--train", nargs=2, default=None, metavar=("FROM", "TO"),
+                   help="dates; 'None' leaves that end open (give --val too)")
     p.add_argument("--val", nargs=2, default=None, metavar=("FROM", "TO"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if (args.train is None) != (args.val is None):
+        p.error("give both --train and --val (or neither, for the default 80/20 split by "
+                "date)")
     if args.make_store:
         make_demo_store(args.store, DemoSpec.for_size(300))
 
@@ -96,7 +100,11 @@ def main(argv: list[str] | None = None) -> None:
         names = list(source.variables[0].labels or ())
     else:
         names = [n for n in VARIABLES if n in source.names] or list(source.names)
-    periods = ({"train": tuple(args.train), "val": tuple(args.val)} if args.train and args.val
+    def period(dates: list[str]) -> tuple[str | None, str | None]:
+        a, b = (None if d.lower() in ("none", "") else d for d in dates)
+        return a, b
+
+    periods = ({"train": period(args.train), "val": period(args.val)} if args.train
                else default_periods(source))
     split = ib.split_by_coordinate(source, periods, window=window)
     stats = (ib.dataset_stats(source) if source.format == "anemoi"

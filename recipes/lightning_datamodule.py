@@ -1,7 +1,7 @@
 """Recipe: a LightningDataModule over the loader, with the loader state in Lightning checkpoints.
 
     python recipes/lightning_datamodule.py --store demo-data/era5.zarr --max-steps 6
-    python recipes/lightning_datamodule.py --store demo-data/era5.zarr --max-steps 12 --resume
+    python recipes/lightning_datamodule.py --store demo-data/era5.zarr --max-steps 20 --resume
 
 Lightning fetches one batch ahead of the step it checkpoints, so the loader's *current*
 state is one batch too far at save time (Lightning would save that and skip a batch on
@@ -9,7 +9,10 @@ resume). The data module therefore keeps the last few states (``keep_states``) a
 one that matches the batches the trainer actually completed; Lightning stores it in its
 checkpoint and hands it back on ``fit(ckpt_path=...)``, and the resumed run continues
 mid-epoch with exactly the batches the interrupted one would have seen. Under DDP
-(``--devices N --strategy ddp``) the loader takes its rank from the trainer.
+(``--devices N --strategy ddp``) the loader takes its rank from the trainer, and the
+checkpoint holds every rank's state (Lightning saves rank 0's data module state only): each
+rank resumes its own on as many devices, and on another number they are merged
+(``merge_rank_states``: the rest of the epoch re-dealt evenly).
 """
 
 from __future__ import annotations
@@ -30,14 +33,21 @@ class _Epochs:
 
     ``__iter__`` is a generator: Lightning calls ``iter()`` once just to check that the
     object is iterable, and an eager ``iter(loader)`` there would spend an epoch (or a
-    loaded state) on that check.
+    loaded state) on that check. It counts what it handed out this epoch, and whether the
+    epoch ran out: Lightning takes one batch more than it has trained on unless it did.
     """
 
     def __init__(self, loader: ib.InSituLoader) -> None:
         self.loader = loader
+        self.handed = 0
+        self.exhausted = False
 
     def __iter__(self):
-        yield from self.loader
+        self.handed, self.exhausted = 0, False
+        for batch in self.loader:
+            self.handed += 1
+            yield batch
+        self.exhausted = True
 
 
 class ZarrDataModule(L.LightningDataModule):
@@ -59,26 +69,50 @@ class ZarrDataModule(L.LightningDataModule):
             block_chunks=self.block_chunks, seed=self.seed,
             rank=self.trainer.global_rank, world_size=self.trainer.world_size, keep_states=4)
         if self._pending is not None:
-            self.loader.load_state_dict(self._pending)
+            self.loader.load_state_dict(self._own(self._pending))
             self._pending = None
 
     def train_dataloader(self) -> _Epochs:
         # Hidden from Lightning's own (one-batch-late) loader checkpointing; see state_dict.
-        return _Epochs(self.loader)
+        self._epochs = _Epochs(self.loader)
+        return self._epochs
 
     def state_dict(self) -> dict:
+        """The loader's state after the batches the trainer completed: one before the
+        loader's own, unless the epoch ran out (Lightning fetches one ahead to see the
+        end). Counted here, not from Lightning's progress counters: after a resume at an
+        epoch's end those keep counting the old epoch while the loader starts a new one.
+        Under DDP every rank's state goes into the checkpoint: Lightning saves rank 0's
+        data module state only, and each rank must resume its own share."""
         if self.loader is None:
             return {}
-        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
-        return {"loader": self.loader.state_dict_at(done)}
+        now = self.loader.state_dict()
+        epochs = getattr(self, "_epochs", None)
+        ahead = epochs is not None and epochs.handed > 0 and not epochs.exhausted
+        mine = self.loader.state_dict_at(now["num_yielded"] - 1) if ahead else now
+        if self.trainer.world_size == 1:
+            return {"loader": mine}
+        states: list = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(states, mine)  # every rank saves (a collective)
+        return {"loader_ranks": states}
+
+    def _own(self, state: dict) -> dict:
+        """This rank's state: its own on the same number of ranks (the exact resume), the
+        ranks' states merged on another (an elastic resume: the rest re-dealt evenly)."""
+        if "loader_ranks" not in state:
+            return state["loader"]
+        states = state["loader_ranks"]
+        if len(states) == self.trainer.world_size:
+            return states[self.trainer.global_rank]
+        return ib.merge_rank_states(states)
 
     def load_state_dict(self, state: dict) -> None:
-        if "loader" not in state:
+        if "loader" not in state and "loader_ranks" not in state:
             return
         if self.loader is not None:
-            self.loader.load_state_dict(state["loader"])
+            self.loader.load_state_dict(self._own(state))
         else:
-            self._pending = state["loader"]  # applied once setup() has built the loader
+            self._pending = state  # applied once setup() has built the loader
 
     def teardown(self, stage: str) -> None:
         if self.loader is not None:

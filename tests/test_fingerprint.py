@@ -443,3 +443,57 @@ def test_another_batch_size_in_place_is_refused_mid_epoch(tmp_path):
     rest = rest_of_epoch(src, m, state, block_chunks=4, batch_size=5, in_place=False,
                          allow_state_change=True)
     assert sorted(seen + rest) == list(range(60))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(window=ib.SampleWindow(2, (1,))), dict(rank=1, world_size=2, uneven="drop"),
+    dict(drop_last=True, batch_size=5)])
+def test_a_graphs_nodes_give_the_fingerprint_build_loader_records(store, tmp_path, kw):
+    """``InSituLoader`` over a hand-built graph reads the fingerprint off its stages; for
+    build_loader's own graph that is the fingerprint the build computed."""
+    from insitubatch_nodes.loader import fingerprint_of_nodes
+
+    src, m = store
+    with ib.build_loader(src, m, "train", **{**KW, **kw}) as ld:
+        assert fingerprint_of_nodes(ld.nodes()) == ld.fingerprint
+    path = tmp_path / "c1.zarr"
+    write_store(path, [Var("x", (40, 3), (1, 3))])
+    one = ib.open_source(path)
+    m1 = ib.split_by_chunk(one, (1.0,))
+    with ib.build_loader(one, m1, "train", batch_size=4) as ld:
+        assert ld.fingerprint.in_place
+        assert fingerprint_of_nodes(ld.nodes()) == ld.fingerprint
+
+
+def _hand_built(src, m, seed):
+    from insitubatch_nodes.nodes import (AsyncFetchNode, ChunkPermuteNode, GatherNode,
+                                         ReadPlanNode, ShuffleBufferNode, SplitNode)
+
+    node = SplitNode(m, "train")
+    node = ChunkPermuteNode(node, src.grid, seed=seed, block_chunks=2)
+    node = ReadPlanNode(node, src.variables)
+    node = AsyncFetchNode(node, src)
+    node = ShuffleBufferNode(node, src.variables, batch_size=8)
+    return ib.InSituLoader(GatherNode(node, src.variables))
+
+
+def test_a_hand_built_graph_refuses_a_state_saved_with_another_seed(store):
+    """A hand-built graph had no fingerprint: resuming with another seed repeated and
+    skipped samples silently (recipes/train_resume.py --resume --seed 1)."""
+    src, m = store
+    a = _hand_built(src, m, seed=0)
+    it = iter(a)
+    head = [i for _ in range(3) for i in next(it)["sample_index"].tolist()]
+    state = a.state_dict()
+    assert state["fingerprint"]["seed"] == 0
+    with pytest.raises(ValueError, match=r"seed: saved 0, this loader 1"):
+        _hand_built(src, m, seed=1).load_state_dict(state)
+    b = _hand_built(src, m, seed=0)
+    b.load_state_dict(state)
+    rest = [i for batch in b for i in batch["sample_index"].tolist()]
+    assert sorted(head + rest) == split_samples(m, "train")
+    old = copy.deepcopy(state)
+    del old["fingerprint"]  # saved by a hand-built graph before fingerprints: a warning
+    with pytest.warns(UserWarning, match="records no fingerprint"):
+        _hand_built(src, m, seed=0).load_state_dict(old)
+    a.close(), b.close()

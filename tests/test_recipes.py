@@ -41,6 +41,22 @@ def test_forecast_recipe(tmp_path):
     assert losses[1] < losses[0]  # it learns
 
 
+def test_forecast_recipe_periods_from_the_command_line(tmp_path):
+    """--train without --val was ignored (the default split used silently); 'None' for an
+    open end was a raw datetime traceback."""
+    store = make_demo_store(tmp_path / "f.zarr", DemoSpec(n_times=300, n_lat=8, n_lon=16,
+                                                          time_chunk=12), progress=False)
+    script = [sys.executable, str(ROOT / "recipes" / "forecast.py"), "--store", str(store),
+              "--epochs", "1"]
+    alone = subprocess.run(script + ["--train", "2000-01-01", "2000-02-01"],
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 2 and "give both --train and --val" in alone.stderr
+    opened = subprocess.run(script + ["--train", "None", "2000-02-15", "--val", "2000-02-25",
+                                      "None"], capture_output=True, text=True, timeout=300)
+    assert opened.returncode == 0, opened.stderr
+    assert "'train': ['None', '2000-02-15']" in opened.stdout
+
+
 @pytest.mark.parametrize("layout", ["wb2", "anemoi"])
 def test_forecast_recipe_on_the_archives_people_train_on(tmp_path, layout):
     from insitubatch_nodes.synthetic import WB2Spec, write_anemoi_store, write_wb2_store
