@@ -466,8 +466,14 @@ def test_a_graphs_nodes_give_the_fingerprint_build_loader_records(store, tmp_pat
 
 
 def _hand_built(src, m, seed):
-    from insitubatch_nodes.nodes import (AsyncFetchNode, ChunkPermuteNode, GatherNode,
-                                         ReadPlanNode, ShuffleBufferNode, SplitNode)
+    from insitubatch_nodes.nodes import (
+        AsyncFetchNode,
+        ChunkPermuteNode,
+        GatherNode,
+        ReadPlanNode,
+        ShuffleBufferNode,
+        SplitNode,
+    )
 
     node = SplitNode(m, "train")
     node = ChunkPermuteNode(node, src.grid, seed=seed, block_chunks=2)
