@@ -242,35 +242,37 @@ def test_torchrun_recipe_elastic_resume_late_in_the_epoch(demo_store, tmp_path, 
             assert len({tuple(len(x["samples"]) for x in r) for r in epoch}) == 1
 
 
+def _lightning(demo_store, tmp_path, *args: str, devices: int = 1) -> None:
+    """Run the Lightning recipe once; ``--record`` folders and checkpoints in ``tmp_path``."""
+    extra = ["--devices", str(devices), "--strategy", "ddp"] if devices > 1 else []
+    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "lightning_datamodule.py"),
+                          "--store", str(demo_store), *extra, *args],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _stop_resume_and_compare(demo_store, tmp_path, stop: int, end: int,
+                             devices: int = 1) -> None:
+    """Stopped at ``stop`` and resumed to ``end``: the steps an uninterrupted run takes."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for name, steps, resume in (("a", stop, False), ("a", end, True), ("b", end, False)):
+        _lightning(demo_store, tmp_path, "--checkpoint", str(tmp_path / f"{name}.ckpt"),
+                   "--max-steps", str(steps), "--record", str(tmp_path / name),
+                   *(["--resume"] if resume else []), devices=devices)
+    assert _records(tmp_path / "a", devices) == _records(tmp_path / "b", devices)
+
+
 @pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
 def test_lightning_recipe_resume_is_exact(demo_store, tmp_path):
     pytest.importorskip("lightning")
-    script = str(ROOT / "recipes" / "lightning_datamodule.py")
-
-    def run(*args):
-        res = subprocess.run([sys.executable, script, "--store", str(demo_store), *args],
-                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-
-    run("--checkpoint", str(tmp_path / "a.ckpt"), "--max-steps", "5", "--record",
-        str(tmp_path / "a"))
-    run("--checkpoint", str(tmp_path / "a.ckpt"), "--max-steps", "16", "--resume", "--record",
-        str(tmp_path / "a"))
-    run("--checkpoint", str(tmp_path / "b.ckpt"), "--max-steps", "16", "--record",
-        str(tmp_path / "b"))
-    assert _records(tmp_path / "a", 1) == _records(tmp_path / "b", 1)
+    _stop_resume_and_compare(demo_store, tmp_path / "mid", 5, 16)
     # Stopped exactly at an epoch's end: Lightning's own counters go on counting the old
     # epoch while the loader starts the next; the recipe counts itself (it crashed here).
     source = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
     manifest = ib.split_by_chunk(source, fractions=(0.9, 0.1, 0.0), seed=0)
     with ib.build_loader(source, manifest, "train", batch_size=16, block_chunks=8) as ld:
         n = sum(1 for _ in ld)
-    run("--checkpoint", str(tmp_path / "c.ckpt"), "--max-steps", str(n), "--record",
-        str(tmp_path / "c"))
-    run("--checkpoint", str(tmp_path / "c.ckpt"), "--max-steps", str(n + 5), "--resume",
-        "--record", str(tmp_path / "c"))
-    got = _records(tmp_path / "c", 1)[0]
-    assert got == _records(tmp_path / "b", 1)[0][:n + 5] if n + 5 <= 16 else len(got) == n + 5
+    _stop_resume_and_compare(demo_store, tmp_path / "end", n, n + 5)
 
 
 @pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
@@ -278,18 +280,4 @@ def test_lightning_recipe_resumes_each_ddp_rank_exactly(demo_store, tmp_path):
     """Lightning saves rank 0's data module state only: the recipe gathers every rank's
     into the checkpoint, so each rank resumes its own share (rank 1 refused rank 0's)."""
     pytest.importorskip("lightning")
-    script = str(ROOT / "recipes" / "lightning_datamodule.py")
-
-    def run(*args):
-        res = subprocess.run([sys.executable, script, "--store", str(demo_store), "--devices",
-                              "2", "--strategy", "ddp", *args],
-                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-
-    run("--checkpoint", str(tmp_path / "a.ckpt"), "--max-steps", "5", "--record",
-        str(tmp_path / "a"))
-    run("--checkpoint", str(tmp_path / "a.ckpt"), "--max-steps", "12", "--resume", "--record",
-        str(tmp_path / "a"))
-    run("--checkpoint", str(tmp_path / "b.ckpt"), "--max-steps", "12", "--record",
-        str(tmp_path / "b"))
-    assert _records(tmp_path / "a", 2) == _records(tmp_path / "b", 2)
+    _stop_resume_and_compare(demo_store, tmp_path, 5, 12, devices=2)
