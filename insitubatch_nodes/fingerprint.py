@@ -32,10 +32,6 @@ RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 MERGED_FREE: tuple[str, ...] = RANK_FIELDS
 # Recorded since a later version: a state without it loads, the field unknown.
 OPTIONAL_FIELDS: tuple[str, ...] = ("in_place",)
-_FROM_GATHER = ("the state was saved by a loader that gathered batches (in_place=False), "
-                "so its resume point need not be a batch boundary of this loader, which "
-                "decodes straight into batches planned from the epoch's start: build it with "
-                "in_place=False to resume this state")
 
 _HOW = {
     "manifest": "load it into a loader built with the split manifest it was saved with "
@@ -67,6 +63,10 @@ _HOW = {
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
                   "states) on every rank",
+    "in_place": "the state was saved by a loader that gathered batches (in_place=False), so "
+                "its resume point need not be a batch boundary of this loader, which decodes "
+                "straight into batches planned from the epoch's start: build it with "
+                "in_place=False to resume this state",
     "batch_size": "continuing is sound (the rest of the epoch is served exactly once in "
                   "batches of the new size; num_yielded keeps counting batches): build the "
                   "loader with allow_state_change=True, or with the saved value",
@@ -181,7 +181,6 @@ def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
     sound = set(SOUND_CHANGES) - ({"batch_size"} if in_place else set())
     # A state saved in place resumes on the gather path (any draw count is a resume point
     # there); the other way round only at the batch boundaries planned in place.
-    how["in_place"] = _FROM_GATHER
     diffs = [d for d in saved.differences(current)
              if not (allow_state_change and d[0] in sound)
              and not (d[0] == "in_place" and not current.in_place)]

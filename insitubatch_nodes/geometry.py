@@ -115,9 +115,13 @@ class SampleGrid:
         offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
         return np.arange(int(lens.sum()), dtype=np.int64) + offsets
 
-    def n_samples_of(self, chunk_ids: np.ndarray) -> int:
+    def n_samples_each(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """Valid samples (anchors, with time windows) in each of the given chunks."""
         starts, stops = self._bounds(np.asarray(chunk_ids, dtype=np.int64))
-        return int((stops - starts).sum())
+        return stops - starts
+
+    def n_samples_of(self, chunk_ids: np.ndarray) -> int:
+        return int(self.n_samples_each(chunk_ids).sum())
 
 
 def common_chunk_size(sample_chunks: list[int]) -> int:

@@ -138,9 +138,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     if steps is not None:
         # Chunks at the ends of the axis may hold no anchor (every step's window would run
         # off the axis): they serve nothing, so dealt to a rank they would leave it empty.
-        starts = np.asarray(chunk_ids, dtype=np.int64) * grid.chunk_size
-        anchorless = np.asarray(chunk_ids, dtype=np.int64)[
-            (starts + grid.chunk_size <= grid.first) | (starts >= grid.end)]
+        ids = np.asarray(chunk_ids, dtype=np.int64)
+        anchorless = ids[grid.n_samples_each(ids) == 0]
         excluded = np.union1d(excluded, anchorless)
         others = [manifest.chunk_ids(n) for n in manifest.names if n != split]
         others_ids = np.concatenate(others) if others else np.empty(0, dtype=np.int64)

@@ -183,8 +183,7 @@ class InSituLoader(Loader):
             fingerprint if fingerprint is not None else fingerprint_of_nodes(self.nodes()))
         self.allow_state_change: bool = (resolved is not None and
                                          resolved.config.checkpoint.allow_state_change)
-        self._in_place = (resolved.in_place if resolved is not None else
-                          bool(self.fingerprint is not None and self.fingerprint.in_place))
+        self._in_place = bool(self.fingerprint is not None and self.fingerprint.in_place)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
@@ -588,12 +587,14 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     return InSituLoader(graph.root, restart, keep_states=cfg.checkpoint.keep_states,
                         log_every_s=cfg.checkpoint.log_every_s, resolved=resolved,
                         ledger=graph.ledger, snapshot_id=source.snapshot_id,
-                        fingerprint=fingerprint_of(manifest, split, resolved))
+                        fingerprint=fingerprint_of_nodes(list(graph.stages.values())))
 
 
 def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
-    """``fingerprint_of`` read off a graph's own stages (a hand-built graph): ``None``
-    unless it has a ``SplitNode``, a ``ChunkPermuteNode`` and a ``ShuffleBufferNode``."""
+    """What a loader's states record, read off its graph's stages (build_loader's or a
+    hand-built one): everything that decides which samples its counters point at
+    (``fingerprint.StateFingerprint``). ``None`` unless the graph has a ``SplitNode``, a
+    ``ChunkPermuteNode`` and a ``ShuffleBufferNode``."""
     split = first_node(nodes, SplitNode)
     permute = first_node(nodes, ChunkPermuteNode)
     shuffle = first_node(nodes, ShuffleBufferNode)
@@ -615,18 +616,3 @@ def _excluded_hash(excluded: tuple[int, ...]) -> str:
     return (hashlib.sha256(json.dumps(list(excluded)).encode()).hexdigest()[:16]
             if excluded else "")
 
-
-def fingerprint_of(manifest: SplitManifest, split: str, resolved: Resolved) -> StateFingerprint:
-    """What this loader's states record: everything that decides which samples its
-    counters point at (``fingerprint.StateFingerprint``)."""
-    s = resolved.config.sampling
-    return StateFingerprint(
-        manifest=manifest.content_hash, split=split, seed=s.seed,
-        n_samples=resolved.grid.n_samples, chunk_size=resolved.grid.chunk_size,
-        first=resolved.grid.first, end=resolved.grid.end,
-        block_chunks=resolved.block_chunks, uneven=s.uneven,
-        contiguous=resolved.config.sample.time_steps is not None,
-        run_chunks=resolved.run_chunks or 0,
-        excluded=_excluded_hash(tuple(resolved.excluded)),
-        batch_size=s.batch_size, drop_last=s.drop_last,
-        rank=resolved.rank, world_size=resolved.world_size, in_place=resolved.in_place)

@@ -401,7 +401,9 @@ def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     """``path`` with its store reads through ``cache``; local files are never cached (their
     chunks are on local disk already). zarr's own ``getitem`` reads (chains we do not
     decode, sharding among them) go through a ``CachingStore``."""
-    if isinstance(path, (CachedGets, CachedGetitem)) or not stable_name(scope.url):
+    if isinstance(path, (CachedGets, CachedGetitem)):
+        return path
+    if not stable_name(scope.url):
         # A memory store's chunks are in memory already, and its name (``memory://<id>``)
         # is no place: another store may have the same id later or in another process; so
         # is a store object known only by its repr (``<... object at 0x...>``).
