@@ -45,6 +45,7 @@ from torchdata.nodes import BaseNode
 import insitubatch_nodes as ib
 from insitubatch_nodes.bench.common import print_machine
 from insitubatch_nodes.io.device_decode import gpu_decode_available
+from insitubatch_nodes.staging import StagingSeam
 from insitubatch_nodes.synthetic import VARIABLES, DemoSpec, write_store
 
 H2D_TARGET = 0.8
@@ -79,17 +80,30 @@ class _Cycle(BaseNode):
 
 class _InSlot(_Cycle):
     """Yields ``n`` batches made in the ring slot ``PinOrCudaNode`` leased, as ``GatherNode``
-    does (``staging`` is set by PinOrCudaNode); the rows are not rewritten, so only the
+    does (through the ``StagingSeam`` both share); the rows are not rewritten, so only the
     pinned path itself is timed."""
 
-    def __init__(self, like: dict[str, torch.Tensor], n: int) -> None:
+    def __init__(self, like: dict[str, torch.Tensor], n: int, seam: StagingSeam) -> None:
         super().__init__([like], n)
-        self.staging: Any = None
+        self.seam = seam
 
     def _item(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(self.staging.staging_array(k, tuple(v.shape),
-                                                               v.numpy().dtype))
-                for k, v in batch.items()}
+        out = {}
+        for k, v in batch.items():
+            slot = self.seam.array(k, tuple(v.shape), v.numpy().dtype)
+            if slot is None:
+                raise RuntimeError(f"bench_gpu: no ring slot for {k!r}: the seam is not "
+                                   "attached to a PinOrCudaNode on a CUDA device")
+            out[k] = torch.from_numpy(slot)
+        return out
+
+
+def in_slot_ring(like: dict[str, torch.Tensor], n: int, device: torch.device,
+                 ring_size: int, ops: Any = None) -> ib.PinOrCudaNode:
+    """``PinOrCudaNode`` over batches made in its own ring slots (``ops``: tests' fake)."""
+    seam = StagingSeam()
+    return ib.PinOrCudaNode(_InSlot(like, n, seam), device=device, ring_size=ring_size,
+                            ops=ops, staging=seam)
 
 
 def make_batches(batch_mb: float, count: int) -> list[dict[str, torch.Tensor]]:
@@ -136,11 +150,11 @@ def bench_h2d(args: argparse.Namespace) -> dict[str, Any]:
             dst.copy_(src, non_blocking=True)
 
     def ring_path() -> None:
-        node = ib.PinOrCudaNode(_InSlot(batches[0], n), device=dev, ring_size=args.ring_size)
+        node = in_slot_ring(batches[0], n, dev, args.ring_size)
         node.reset(None)
         for _ in node:
             pass
-        assert node._stager.bytes_copied == 0
+        assert node.bytes_copied == 0 and node.bytes_in_place == n * nb, "not in the slot"
 
     def ring_pageable() -> None:
         node = ib.PinOrCudaNode(_Cycle(batches, n), device=dev, ring_size=args.ring_size)

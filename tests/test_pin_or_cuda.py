@@ -731,6 +731,22 @@ def test_stager_with_a_lying_event_corrupts_so_the_fake_has_teeth():
     assert not torch.equal(outs[0]["x"], ref[0]["x"])  # batch 0 got batch 2's data
 
 
+def test_bench_gpu_ring_path_makes_batches_in_the_ring_slot():
+    """benchmarks/bench_gpu.py times the in-slot path with a batch maker sharing a
+    ``StagingSeam`` with the node; on a fake GPU, every byte is sent from the slot."""
+    from benchmarks.bench_gpu import in_slot_ring
+
+    like = batch(6, 1)
+    node = in_slot_ring(like, 7, FakeOps.device, 2, ops=FakeOps(eager=False))
+    node.reset(None)
+    got = list(node)
+    node.synchronize()
+    nb = sum(v.numel() * v.element_size() for v in like.values())
+    assert len(got) == 7 and node.bytes_copied == 0 and node.bytes_in_place == 7 * nb
+    assert all(g[k].shape == like[k].shape and g[k].dtype == like[k].dtype
+               for g in got for k in like)
+
+
 def test_stager_fast_gpu_never_waits_and_reuses_pinned_memory():
     batches = [batch(8, s) for s in range(10)]
     ref = [clone(b) for b in batches]

@@ -277,6 +277,17 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
         """The pinned ring (``None`` on the CPU path or before the first CUDA batch)."""
         return self._stager.ring if self._stager is not None else None
 
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes this node memcpy'd into its pinned ring on the host (0 on the CPU path)."""
+        return self._stager.bytes_copied if self._stager is not None else 0
+
+    @property
+    def bytes_in_place(self) -> int:
+        """Bytes sent to the device straight from where upstream made them (a ring slot the
+        gather wrote, or pinned arena memory chunks were decoded into): no host copy."""
+        return self._stager.bytes_in_place if self._stager is not None else 0
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(None if initial_state is None
