@@ -86,7 +86,9 @@ class FetchConfig:
     (one sample per chunk, CPU decode, no time steps):
     ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.
     ``cache`` (a ``ChunkCache``) keeps the stored chunks of object stores and icechunk on
-    local disk, so later epochs read them from there.
+    local disk, so later epochs read them from there. ``prefetch_next_epoch`` fetches the
+    next epoch's first windows while this one's last batches are drawn (its first batch
+    then need not wait for a whole window); off, each ``iter()`` starts an empty pipeline.
     """
 
     max_inflight: int = 32
@@ -97,9 +99,13 @@ class FetchConfig:
     decode: str | FrameDecoder = "cpu"
     in_place: bool | None = None
     cache: ChunkCache | None = None
+    prefetch_next_epoch: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
+        if not isinstance(self.prefetch_next_epoch, bool):
+            raise TypeError(f"fetch.prefetch_next_epoch must be True or False, got "
+                            f"{self.prefetch_next_epoch!r}")
         if self.cache is not None and not isinstance(self.cache, ChunkCache):
             raise TypeError(f"fetch.cache must be an ib.ChunkCache(directory, max_bytes=...), "
                             f"got {self.cache!r}")

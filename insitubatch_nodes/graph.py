@@ -418,7 +418,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                            prefetch_windows=resolved.prefetch_windows,
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
-                           first=first)
+                           first=first, prefetch_next_epoch=f.prefetch_next_epoch)
     if f.cache is not None:
         for reader in fetch.readers:
             reader.use_cache(f.cache, source.snapshot_id)

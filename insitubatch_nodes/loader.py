@@ -33,7 +33,7 @@ from .distributed import (
 from .fingerprint import StateFingerprint, check_fingerprint
 from .graph import Resolved, build_graph, default_prefetch_windows, resolve, resolve_decode
 from .memory import MemoryLedger
-from .metrics import collect_stats, first_node, maybe_log
+from .metrics import collect_stats, current_epoch, first_node, maybe_log
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -381,7 +381,8 @@ class InSituLoader(Loader):
     @property
     def epoch(self) -> int:
         """The epoch the current (or, before ``iter``, the next) pass belongs to."""
-        return self.node(ChunkPermuteNode).epoch
+        self.node(ChunkPermuteNode)  # a clear error for a graph without one
+        return current_epoch(self.nodes())
 
     def shutdown(self) -> None:
         """Stop the graph's background threads now (instead of at garbage collection).
@@ -565,7 +566,7 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     - sampling: ``batch_size``, ``block_chunks`` (chunks per shuffle window), ``seed``,
       ``drop_last``, ``rank``/``world_size`` (default: the ``torch.distributed`` group),
       ``uneven`` (equal steps per rank: ``"pad"``, ``"drop"`` or ``"none"``);
-    - fetch: ``max_inflight``, ``prefetch_windows`` (2),
+    - fetch: ``max_inflight``, ``prefetch_windows`` (2), ``prefetch_next_epoch`` (True),
       ``decode_threads``, ``memory_budget`` (refused with the largest ``block_chunks`` that
       fits), ``retry``, ``decode`` (``"gpu"`` with ``device="cuda"``: nvCOMP per window);
     - sample: ``window=SampleWindow(history, lead, stride)`` (time steps: ``name`` inputs and

@@ -37,6 +37,16 @@ def first_node(nodes: Sequence[BaseNode], kind: type) -> Any:
     return None
 
 
+def current_epoch(nodes: Sequence[BaseNode]) -> int:
+    """The epoch being delivered: ``ChunkPermuteNode``'s, less the epoch the fetch may have
+    started early (``AsyncFetchNode(prefetch_next_epoch=True)``); 0 without those stages."""
+    permute = first_node(nodes, ChunkPermuteNode)
+    if permute is None:
+        return 0
+    fetch = first_node(nodes, AsyncFetchNode)
+    return permute.epoch - (fetch.epochs_ahead if fetch is not None else 0)
+
+
 def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | None,
                   now: float | None = None) -> LoaderStats:
     """Read the counters of a graph's ``nodes`` (root first) and of the loader's ``meter``
@@ -46,7 +56,6 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
     fetch = first_node(nodes, AsyncFetchNode)
     shuffle = first_node(nodes, ShuffleBufferNode)
     gather = first_node(nodes, GatherNode)
-    permute = first_node(nodes, ChunkPermuteNode)
 
     g_batches = gather.stats.batches if gather else 0
     g_samples = gather.stats.samples if gather else 0
@@ -72,7 +81,7 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
     g_up = gather.stats.upstream_s if gather else 0.0
     rt = fs.read if fs else ReadTimes()
     return LoaderStats(
-        epoch=permute.epoch if permute else 0,
+        epoch=current_epoch(nodes),
         epoch_batches=g_batches - meter.gather_mark[0],
         epoch_samples=g_samples - meter.gather_mark[1],
         epoch_wall_s=wall,

@@ -25,6 +25,9 @@ from tests.stores import BLOSC, Var, stores_on_s3, write_store
 VARS = [Var("x", (96, 4, 4), (4, 4, 4), compressors=BLOSC),
         Var("y", (96, 3), (8, 3), dtype="int16")]
 N = 96
+# Hits and misses are counted per epoch here: the next epoch's first windows are not read
+# while an epoch ends (the counts would include them).
+ONE_EPOCH = {"prefetch_next_epoch": False}
 # zarr's own getitem reads this one (sharding): byte ranges through a CachingStore
 SHARDED = [Var("s", (96, 6), (4, 6), shards=(16, 6), compressors=BLOSC)]
 
@@ -72,7 +75,7 @@ def filled(server, data, tmp_path, **kw):
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = open_s3(server)
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache, **kw)
+                             cache=cache, **ONE_EPOCH, **kw)
     check_exact(epoch(loader), data)
     cache.flush()
     return cache, loader
@@ -83,7 +86,8 @@ def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = open_s3(server)
     m = ib.split_by_chunk(src, (1.0,))
-    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, cache=cache)
+    loader = ib.build_loader(src, m, "train", batch_size=8, block_chunks=4, cache=cache,
+                             **ONE_EPOCH)
     assert loader.node(ib.AsyncFetchNode).readers[0].mode == "cached"
     check_exact(epoch(loader), data)
     cache.flush()  # entries are written in the background
@@ -144,7 +148,7 @@ def test_zarrs_own_reads_are_cached_after_they_decode(s3, tmp_path):
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = ib.open_source("s3://data/sharded.zarr", storage_options=server.options())
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache)
+                             cache=cache, **ONE_EPOCH)
     assert loader.node(ib.AsyncFetchNode).readers[0].mode == "cached-zarr"
     check_exact(epoch(loader), data)
     cache.flush()
@@ -178,7 +182,7 @@ def test_frames_for_device_decode_are_cached(s3, tmp_path):
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = open_s3(server)
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             decode=HostFrameDecoder(), cache=cache)
+                             decode=HostFrameDecoder(), cache=cache, **ONE_EPOCH)
     check_exact(epoch(loader), data)
     cache.flush()
     first = loader.stats()
@@ -194,7 +198,7 @@ def test_local_stores_are_never_cached(tmp_path):
     cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
     src = ib.open_source(str(tmp_path / "local.zarr"))
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache)
+                             cache=cache, **ONE_EPOCH)
     check_exact(epoch(loader), data)
     assert {r.mode for r in loader.node(ib.AsyncFetchNode).readers} == {"local"}
     assert cache.entries() == 0 and loader.stats().cache_hit_ratio is None
@@ -231,7 +235,8 @@ import insitubatch_nodes as ib
 opts, cache_dir, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 src = ib.open_source("s3://data/era5.zarr", storage_options=opts)
 loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                         block_chunks=2, cache=ib.ChunkCache(cache_dir, max_bytes="1GB"))
+                         block_chunks=2, cache=ib.ChunkCache(cache_dir, max_bytes="1GB"),
+                         prefetch_next_epoch=False)
 seen = []
 for _ in range(2):
     seen.append([int(i) for b in loader for i in b["sample_index"]])
@@ -295,7 +300,7 @@ def test_a_moved_icechunk_branch_misses(tmp_path):
 
     def run(src, data):
         loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=5,
-                                 cache=cache)
+                                 cache=cache, **ONE_EPOCH)
         check_exact(epoch(loader), data, n=24)
         cache.flush()
         st = loader.stats()
@@ -335,7 +340,7 @@ def test_the_option_is_checked(tmp_path):
     with pytest.raises(ValueError, match="cannot read a byte size from 'lots'"):
         ib.ChunkCache(tmp_path, max_bytes="lots")
     cache = ib.ChunkCache(tmp_path, max_bytes="2MB")
-    assert ib.LoaderConfig.of(cache=cache).fetch.cache is cache
+    assert ib.LoaderConfig.of(cache=cache, **ONE_EPOCH).fetch.cache is cache
     import pickle
 
     again = pickle.loads(pickle.dumps(cache))  # workers get their own lock file handle
@@ -392,14 +397,14 @@ def test_store_objects_are_cached_apart_and_memory_stores_not_at_all(tmp_path):
         src = ib.open_source(store)
         assert str(path) in src.url
         with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache) as loader:
+                             cache=cache, **ONE_EPOCH) as loader:
             check_exact(epoch(loader), data)
             assert loader.stats().cache_misses > 0 and loader.stats().cache_hits == 0
     memory = zarr.storage.MemoryStore()
     data = write_store(memory, VARS)
     src = ib.open_source(memory)
     with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                         cache=cache) as loader:
+                         cache=cache, **ONE_EPOCH) as loader:
         check_exact(epoch(loader), data)
         assert loader.stats().cache_hit_ratio is None
 
@@ -418,7 +423,7 @@ def test_store_objects_known_only_by_their_repr_are_not_cached(tmp_path):
         src = ib.open_source(session.store)
         assert " object at 0x" in src.url
         with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             cache=cache) as loader:
+                             cache=cache, **ONE_EPOCH) as loader:
             check_exact(epoch(loader), data)
             assert loader.stats().cache_hit_ratio is None
     assert cache.entries() == 0

@@ -150,7 +150,8 @@ def test_one_batched_decode_per_codec_per_window(store_factory):
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
     dec = HostFrameDecoder()
-    loader = ib.build_loader(src, m, "train", batch_size=5, block_chunks=2, decode=dec)
+    loader = ib.build_loader(src, m, "train", batch_size=5, block_chunks=2, decode=dec,
+                             prefetch_next_epoch=False)  # one epoch's decodes
     epoch(loader)
     windows = 6 // 2  # 6 grid chunks of 8 samples, 2 per window
     assert sorted(dec.calls) == sorted([("zstd", 4)] * windows + [("gzip", 2)] * windows)
@@ -242,7 +243,8 @@ def test_bitshuffled_blocks_not_a_multiple_of_8_stay_as_stored(store_factory):
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
     dec = HostFrameDecoder()
-    loader = ib.build_loader(src, m, "train", batch_size=6, decode=dec)
+    loader = ib.build_loader(src, m, "train", batch_size=6, decode=dec,
+                             prefetch_next_epoch=False)  # one epoch's decodes
     same(epoch(loader), epoch(ib.build_loader(src, m, "train", batch_size=6)))
     assert ran_on_device(loader) and dec.calls == [("zstd", 6)]  # all 6 chunks, one batch
 
@@ -269,7 +271,8 @@ def test_misaligned_blosc_streams_are_decoded_on_the_host(store_factory):
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
     dec = HostFrameDecoder()
-    loader = ib.build_loader(src, m, "train", batch_size=6, decode=dec)
+    loader = ib.build_loader(src, m, "train", batch_size=6, decode=dec,
+                             prefetch_next_epoch=False)  # one epoch's decodes
     same(epoch(loader), epoch(ib.build_loader(src, m, "train", batch_size=6)))
     assert set(loader.node(ib.AsyncFetchNode).window_decoder.chains) == {0}  # device path
     assert ran_on_device(loader)

@@ -386,6 +386,38 @@ def test_resume_at_epoch_end_starts_next_epoch(medium):
     same(epoch(b), e1)
 
 
+@pytest.mark.parametrize("reload", [False, True])
+def test_the_next_epoch_fetched_early_changes_no_batch_state_or_epoch(medium, reload):
+    """While an epoch's last batches go out the fetch is already in the next one: batches,
+    every state (resumed from, on a fresh loader, or loaded into this one at the epoch's
+    end) and ``loader.epoch``/``stats().epoch`` are those of a loader that starts each
+    epoch empty."""
+    src, _, m = medium
+    kw = dict(batch_size=16, block_chunks=3)
+    plain = ib.build_loader(src, m, "train", prefetch_next_epoch=False, **kw)
+    want = [epoch(plain) for _ in range(3)]
+    with ib.build_loader(src, m, "train", **kw) as a:
+        got, states = [], []
+        for e in range(3):
+            batches = []
+            for b in a:
+                assert a.epoch == a.stats().epoch == e
+                batches.append(b)
+                states.append(a.state_dict())
+            assert a.epoch == e and a.node(ib.AsyncFetchNode).epochs_ahead == 1
+            got.append(batches)
+            if reload and e == 0:
+                a.load_state_dict(states[-1])  # the epoch's end: the next iter() is epoch 1
+        for g, w in zip(got, want, strict=True):
+            same(g, w)
+    n = len(want[0])
+    # saved at epoch 0's end (the next iter() is all of epoch 1), and 3 batches into epoch 1
+    for saved, rest in ((states[n - 1], want[1]), (states[n + 2], want[1][3:])):
+        b = ib.build_loader(src, m, "train", **kw)
+        b.load_state_dict(saved)
+        same(epoch(b), rest)
+
+
 def test_checkpoints_after_resuming_at_an_epoch_end_move_on(medium):
     """Restored at an epoch's end, the loader rolls over to the next epoch; the states it
     gives from then on are its own (torchdata kept the restored one and answered with it in

@@ -47,8 +47,10 @@ def _var_bytes(batch) -> int:
 def test_bytes_stripes_chunks_add_up(source, batch_size, block_chunks):
     manifest = ib.split_by_chunk(source, fractions=(0.7, 0.3), seed=1)
     plans = _planned(source, manifest, "train", block_chunks=block_chunks)
+    # (one epoch's reads: the next epoch's first windows are not fetched as it ends)
     with ib.build_loader(source, manifest, "train", batch_size=batch_size,
-                         block_chunks=block_chunks, max_inflight=3) as loader:
+                         block_chunks=block_chunks, max_inflight=3,
+                         prefetch_next_epoch=False) as loader:
         delivered, samples, batches = 0, 0, 0
         for b in loader:
             delivered += _var_bytes(b)
@@ -112,7 +114,7 @@ def test_fast_consumer_starves_more_than_slow(source):
 
 def test_stats_after_resume_count_only_this_run(source):
     manifest = ib.split_by_chunk(source, fractions=(1.0,), seed=0)
-    kw = dict(batch_size=8, block_chunks=3, seed=4)
+    kw = dict(batch_size=8, block_chunks=3, seed=4, prefetch_next_epoch=False)  # one epoch
     with ib.build_loader(source, manifest, "train", **kw) as loader:
         it = iter(loader)
         for _ in range(5):

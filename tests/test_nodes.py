@@ -322,6 +322,77 @@ def test_the_graph_hands_one_first_batch_to_the_fetch_and_the_shuffle_buffer(set
         shuffle.shutdown()
 
 
+def fetch_epochs(src, m, n, ahead=True, between=None):
+    """``n`` epochs of windows from a fetch over the standard plans (``between(fetch, e)``
+    runs after epoch ``e`` ends); returns them and the state at each epoch's end."""
+    fetch = ib.AsyncFetchNode(build(src, m, "plan"), src, prefetch_windows=2,
+                              prefetch_next_epoch=ahead)
+    out, ends = [], []
+    try:
+        for e in range(n):
+            fetch.reset(None)
+            out.append([key(w) for w in fetch])
+            ends.append(json.loads(json.dumps(fetch.state_dict())))
+            if between is not None:
+                between(fetch, e)
+    finally:
+        fetch.shutdown()
+    return out, ends
+
+
+def test_the_next_epoch_is_fetched_before_it_starts(setup):
+    """Once an epoch's plans are all submitted, the fetch starts the next epoch's windows:
+    right after ``reset(None)`` they are already in flight or made. Windows and the states
+    at each epoch's end equal a fetch that starts every epoch empty."""
+    src, m = setup[0], setup[1]
+    want, want_ends = fetch_epochs(src, m, 3, ahead=False)
+    seen = []
+
+    def check(fetch, e):
+        assert fetch.epochs_ahead == 1  # the upstream is in epoch e + 1 already
+        seen.append(fetch.windows_pending()[0])
+
+    got, got_ends = fetch_epochs(src, m, 3, between=check)
+    assert got == want and got_ends == want_ends
+    assert seen == [3, 3, 3]  # prefetch_windows + 1: the usual depth, all the next epoch's
+
+
+@pytest.mark.parametrize("how", ["restore", "close", "plan fails"])
+def test_a_next_epoch_begun_early_is_dropped_cleanly(setup, how):
+    """A restore drops the windows fetched ahead; ``close()`` and a plan stage failing while
+    the next epoch is fetched early drop them too, and the epoch that follows is still the
+    next one (not one further: the upstream is put back at its start, not reset twice)."""
+    src, m = setup[0], setup[1]
+    want, want_ends = fetch_epochs(src, m, 3, ahead=False)
+    restored = []
+
+    def between(fetch, e):
+        if how == "restore" and e == 0:
+            # back to the end of epoch 0, then on: the same epoch 1
+            fetch.reset(want_ends[0])
+            restored.append([key(w) for w in fetch])  # nothing left of epoch 0
+        elif how == "close":
+            fetch.close()
+
+    if how == "plan fails":
+        # asks 1..n: epoch 0; n + 1: its end; n + 2: epoch 1 early; n + 3 fails
+        plans = FailingOnce(build(src, m, "plan"), at=len(want[0]) + 3)
+        fetch = ib.AsyncFetchNode(plans, src, prefetch_windows=2)
+        plans.fetch = fetch
+        got = []
+        try:
+            for _ in range(3):
+                fetch.reset(None)
+                got.append([key(w) for w in fetch])
+        finally:
+            fetch.shutdown()
+        assert plans.asked > len(want[0]) + 3  # it failed while epoch 0 was ending
+    else:
+        got, _ = fetch_epochs(src, m, 3, between=between)
+        assert restored == ([[]] if how == "restore" else [])
+    assert got == want
+
+
 def test_close_stops_threads(setup):
     src, m, _ = setup
     fetch = build(src, m, "fetch")

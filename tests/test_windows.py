@@ -69,7 +69,8 @@ def test_each_chunk_read_once_plus_window_halos(weather):
     win = SampleWindow(2, (1, 3))
     m = ib.split_by_chunk(src, (1.0,))
     block = 4
-    loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=block, window=win)
+    loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=block, window=win,
+                             prefetch_next_epoch=False)  # two epochs' reads, no more
     for _ in range(2):
         epoch(loader)
         st = loader.stats()

@@ -73,6 +73,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     decode are fetched compressed and decoded per window on the device (``WindowDecoder``,
     on one device thread); the others stay on the CPU path, with one log line each saying
     why. Plans, order and state do not change, so neither do resume and exactly-once.
+
+    With ``prefetch_next_epoch`` (the default; not with in-place decoding, whose batches
+    belong to one epoch), once this epoch's plans are all submitted the node resets its
+    upstream for the next epoch early and submits that epoch's first windows in the free
+    prefetch slots, so the next ``iter()`` starts on fetched windows instead of an empty
+    pipeline (an epoch's first batch waited for a whole window). They are handed out only
+    after the ``reset(None)`` that starts that epoch; any other reset drops them and puts
+    the upstream where ``reset(None)`` would have. Turn it off for an upstream whose
+    ``reset(None)`` reads something the training loop sets between epochs.
     """
 
     SOURCE_KEY = "source"  # upstream state as of the last window delivered
@@ -84,7 +93,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
                  device_decode: FrameDecoder | None = None,
-                 arena: BatchArena | None = None, first: FirstBatch | None = None) -> None:
+                 arena: BatchArena | None = None, first: FirstBatch | None = None,
+                 prefetch_next_epoch: bool = True) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -103,6 +113,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         # The draws the first batch reaches, from the shuffle buffer (graph.py wires it);
         # a fresh one says 0, and the first window goes alone.
         self.first = first if first is not None else FirstBatch()
+        # In-place windows write into the arena's batches of this epoch: not ahead of it.
+        self.prefetch_next_epoch = bool(prefetch_next_epoch) and arena is None
         self.stats = FetchStats()
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, dataset.url)
@@ -130,6 +142,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._running: list[Future | DirectWindow] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
+        # The next epoch, started early (``prefetch_next_epoch``): its windows, the upstream
+        # state at its start (set once the upstream was reset for it), whether its plans ran
+        # out, and whether its windows were dropped (then the upstream is reset to the start).
+        self._ahead: deque[tuple[Future | DirectWindow, dict, ReadPlan | None]] = deque()
+        self._ahead_start: dict | None = None
+        self._ahead_exhausted = False
+        self._ahead_failed = False
         self._started = False  # next() ran since the last reset (the first windows went in)
         self._holding = False  # the first batch's windows are not all out: none go ahead
         self._error: BaseException | None = None
@@ -191,6 +210,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._sem = None
 
     def _cancel_all(self) -> None:
+        self._cancel_epoch()
+        self._drop_ahead()
+
+    def _cancel_epoch(self) -> None:
+        """Cancel this epoch's windows (queued, and in-place ones still decoding)."""
         while self._fifo:
             fut, _, _ = self._fifo.popleft()
             fut.cancel()
@@ -198,19 +222,50 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             fut.cancel()
         self._running = []
 
+    def _drop_ahead(self) -> None:
+        """Cancel the next epoch's windows; ``_ahead_start`` stays, so the reset that starts
+        that epoch puts the upstream back at its start instead of a second ``reset(None)``
+        (which would skip an epoch)."""
+        while self._ahead:
+            fut, _, _ = self._ahead.popleft()
+            fut.cancel()
+        if self._ahead_start is not None:
+            self._ahead_failed = True
+
+    @property
+    def epochs_ahead(self) -> int:
+        """1 when the upstream was already reset for the next epoch
+        (``prefetch_next_epoch``), else 0: the upstream's epoch less the one delivered."""
+        return 0 if self._ahead_start is None else 1
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._check_process()
-        self._cancel_all()
+        self._cancel_epoch()
         if self.arena is not None:
             self.arena.clear()
         self._error = None
         self._exhausted = False
         self._started = False
         self._holding = False
-        self.source.reset(None if initial_state is None
-                          else require(initial_state, self.SOURCE_KEY, self))
-        self._delivered = copy_state(self.source.state_dict())
+        start, adopt = self._ahead_start, initial_state is None and not self._ahead_failed
+        if not (adopt and start is not None):
+            self._drop_ahead()
+        if initial_state is not None:
+            self.source.reset(require(initial_state, self.SOURCE_KEY, self))
+        elif start is None:
+            self.source.reset(None)
+        elif adopt:
+            # The next epoch, begun early: its windows are this epoch's first ones.
+            self._fifo, self._ahead = self._ahead, deque()
+            self._exhausted = self._ahead_exhausted
+            self._started = True
+        else:
+            self.source.reset(start)  # where reset(None) put it: not a second reset(None)
+        self._ahead_start = None  # (kept until the upstream reset above succeeded)
+        self._ahead_exhausted = self._ahead_failed = False
+        self._delivered = copy_state(start if adopt and start is not None
+                                     else self.source.state_dict())
 
     # -- fetching ---------------------------------------------------------------------
     async def _read(self, v: int, idxs: list[int],
@@ -548,23 +603,55 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 self._exhausted = True
                 break
             pulled += plan.n_samples
-            snap = copy_state(self.source.state_dict())
-            if plan.slots is not None and self.arena is not None:
-                job = self._prepare_in_place(plan)
-                fut = (self._submit_in_place_direct(job, lt) if self._direct else
-                       asyncio.run_coroutine_threadsafe(self._fetch_in_place(job), lt.loop))
-                # Delivered at once: the shuffle buffer waits per batch (BatchArena.take),
-                # so a batch goes out as soon as its rows are in, not its whole window.
-                self._fifo.append((fut, snap, plan))
-            elif self._direct:
-                self._fifo.append((self._submit_direct(plan, lt), snap, None))
-            elif (self.window_decoder is None and all(r.reads_cache for r in self.readers)
-                  and self._all_cached(plan)):
-                # read whole from the local chunk cache: straight to the pool as well
-                self._fifo.append((self._submit_cached(plan, lt), snap, None))
-            else:
-                fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
-                self._fifo.append((fut, snap, None))
+            self._fifo.append(self._submit(plan, copy_state(self.source.state_dict()), lt))
+        if (self._exhausted and draws is None and self.prefetch_next_epoch
+                and self._error is None):
+            self._top_up_ahead(depth, lt)
+
+    def _submit(self, plan: ReadPlan, snap: dict, lt: LoopThread,
+                ) -> tuple[Future | DirectWindow, dict, ReadPlan | None]:
+        """Start fetching ``plan``'s window: its queue entry (window, upstream state after
+        it, and the plan when decoded in place)."""
+        if plan.slots is not None and self.arena is not None:
+            job = self._prepare_in_place(plan)
+            fut = (self._submit_in_place_direct(job, lt) if self._direct else
+                   asyncio.run_coroutine_threadsafe(self._fetch_in_place(job), lt.loop))
+            # Delivered at once: the shuffle buffer waits per batch (BatchArena.take),
+            # so a batch goes out as soon as its rows are in, not its whole window.
+            return fut, snap, plan
+        if self._direct:
+            return self._submit_direct(plan, lt), snap, None
+        if (self.window_decoder is None and all(r.reads_cache for r in self.readers)
+                and self._all_cached(plan)):
+            # read whole from the local chunk cache: straight to the pool as well
+            return self._submit_cached(plan, lt), snap, None
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_window(plan), lt.loop)
+        return fut, snap, None
+
+    def _top_up_ahead(self, depth: int, lt: LoopThread) -> None:
+        """This epoch's plans are all submitted: fill the free slots with the next epoch's
+        first windows (resetting the upstream for it once). A failure here is not this
+        epoch's: the windows are dropped and the epoch starts as it would have."""
+        if self._ahead_failed:
+            return
+        try:
+            if self._ahead_start is None:
+                self.source.reset(None)
+                self._ahead_start = copy_state(self.source.state_dict())
+            while (not self._ahead_exhausted
+                   and len(self._fifo) + len(self._ahead) < depth):
+                try:
+                    plan = next(self.source)
+                except StopIteration:
+                    self._ahead_exhausted = True
+                    break
+                self._ahead.append(self._submit(plan, copy_state(self.source.state_dict()),
+                                                lt))
+        except Exception as e:
+            log.debug("insitubatch: fetching the next epoch early failed (%r); it starts "
+                      "when asked", e)
+            self._drop_ahead()
+            self._ahead_failed = True
 
     def next(self) -> DecodedWindow:
         t_in = time.perf_counter()
@@ -630,7 +717,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched)."""
         try:
-            futs = [f for f, _, _ in list(self._fifo)] + list(self._running)
+            futs = ([f for f, _, _ in list(self._fifo)] + list(self._running)
+                    + [f for f, _, _ in list(self._ahead)])
         except RuntimeError:  # mutated while copied from another thread: report nothing
             return 0, 0
         return len(futs), sum(f.done() for f in futs)
