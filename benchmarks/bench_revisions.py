@@ -32,7 +32,11 @@ import numpy as np  # noqa: E402
 
 import insitubatch_nodes as ib  # noqa: E402
 from benchmarks.metrics_overhead import imported_revisions, paired_epochs  # noqa: E402
-from insitubatch_nodes.bench.common import bench_manifest, print_machine  # noqa: E402
+from insitubatch_nodes.bench.common import (  # noqa: E402
+    bench_manifest,
+    one_epoch_at_a_time,
+    print_machine,
+)
 from insitubatch_nodes.bench.core import (  # noqa: E402
     SPLIT,
     CoreConfig,
@@ -55,7 +59,8 @@ def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int,
     loaders: dict[str, Any] = {}
     try:  # a version that does not build still stops the other's threads
         for n in NAMES:
-            loaders[n] = mods[n].build_loader(srcs[n], mans[n], SPLIT, **kw)
+            loaders[n] = mods[n].build_loader(srcs[n], mans[n], SPLIT, **kw,
+                                              **one_epoch_at_a_time(mods[n]))
         modules = {n: type(loaders[n]).__module__ for n in NAMES}
         times, _, _ = paired_epochs(loaders, rounds, NAMES)
     finally:

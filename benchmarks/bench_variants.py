@@ -42,6 +42,7 @@ from insitubatch_nodes.bench.common import (  # noqa: E402
     OtherLoad,
     bench_manifest,
     consume,
+    one_epoch_at_a_time,
     print_machine,
     rotated,
 )
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         with OtherLoad() as other:
             for name, kw in variants.items():
                 loaders[name] = ib.build_loader(source, manifest, SPLIT, **{
-                    **cfg.loader_kwargs(), "block_chunks": block, **kw})
+                    **cfg.loader_kwargs(), "block_chunks": block, **one_epoch_at_a_time(),
+                    **kw})
             names = list(loaders)
             for _ in range(2):  # warm-up: threads, first touch of buffers and code
                 for fl in floors:

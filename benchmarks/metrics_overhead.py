@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.bench.common import rotated
+from insitubatch_nodes.bench.common import one_epoch_at_a_time, rotated
 
 
 def extract_package(repo: Path, rev: str | None, dest: Path, name: str) -> None:
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 src = ib.open_source(store)
                 m = ib.split_by_chunk(src, fractions=(1.0,), seed=0)
                 loaders[name] = ib.build_loader(src, m, "train", batch_size=args.batch_size,
-                                                block_chunks=args.block_chunks)
+                                                block_chunks=args.block_chunks,
+                                                **one_epoch_at_a_time(ib))
             times, cpu, n = paired_epochs(loaders, args.rounds, ("baseline", "current"))
             for loader in loaders.values():
                 loader.close()

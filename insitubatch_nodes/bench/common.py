@@ -223,6 +223,21 @@ class LoaderSettings:
         return kw
 
 
+def one_epoch_at_a_time(package: Any = None) -> dict[str, Any]:
+    """``build_loader`` keywords for a loader whose epochs are timed one at a time, in turn
+    with other paths: its next epoch is not fetched ahead (that work would run in the others'
+    time, and not in its own). Empty for an older version without the option (``package``:
+    ``benchmarks/bench_revisions``), which never fetched ahead."""
+    import dataclasses
+
+    import insitubatch_nodes
+
+    ib = package if package is not None else insitubatch_nodes
+    fetch = getattr(ib, "FetchConfig", None)
+    known = {f.name for f in dataclasses.fields(fetch)} if fetch is not None else set()
+    return {"prefetch_next_epoch": False} if "prefetch_next_epoch" in known else {}
+
+
 def bench_manifest(source: Any, fraction: float, seed: int, package: Any = None) -> Any:
     """The split every benchmark measures: the first ``fraction`` of the chunks as "train"
     (made by ``package``, another version of this one, for ``benchmarks/bench_revisions``)."""

@@ -43,6 +43,7 @@ from .common import (
     consume,
     fmt,
     local_path,
+    one_epoch_at_a_time,
     print_machine,
     rotated,
     usage,
@@ -314,7 +315,8 @@ class LoaderEpochs:
     def __init__(self, source: ib.Source, manifest: ib.SplitManifest, cfg: CoreConfig,
                  label: str = "insitubatch loader", **overrides: Any) -> None:
         self.loader = ib.build_loader(source, manifest, SPLIT,
-                                      **{**cfg.loader_kwargs(), **overrides})
+                                      **{**cfg.loader_kwargs(), **one_epoch_at_a_time(),
+                                         **overrides})
         self.label, self.cfg = label, cfg
         self.sample_nbytes = source.sample_nbytes
         self.n_batches = -(-manifest.n_samples_in(SPLIT) // cfg.batch_size)
