@@ -113,6 +113,23 @@ def bench_device(reader: StripeReader, frames: list[bytes], decoder: Any, block:
     return len(frames) * reader.chunk_nbytes / best / 1e9
 
 
+def profile_device(reader: StripeReader, frames: list[bytes], decoder: Any, block: int,
+                   top: int) -> str:
+    """cProfile of ``bench_device``'s passes (warm): where the host time of the device path
+    goes, by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    bench_device(reader, frames, decoder, block, 2)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def bench_loader(path: Path, decode: str, block: int, batch: int) -> float:
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
@@ -141,6 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also time one loader epoch per decode (default: on CUDA)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: time the GPU code path with the numcodecs stand-in")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print the N functions taking most cumulative time in the "
+                        "device path, per codec (cProfile)")
     p.add_argument("--dir", type=Path, default=Path("bench-out/gpu-decode"))
     p.add_argument("--out", type=Path, default=Path("bench-out/gpu-decode.json"))
     return p.parse_args(argv)
@@ -191,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['cpu_gb_per_s']:8.2f} {dev if dev is not None else float('nan'):9.2f}"
               f"   {row['ratio_compressed']:.2f}"
               + ("" if dev is not None else "   (no device decoder: CPU fallback)"))
+        if args.profile and dev is not None:
+            print(profile_device(reader, frames, decoder, args.block_chunks, args.profile))
         if "loader_gpu_decode_samples_per_s" in row:
             print(f"         loader epoch: decode=cpu "
                   f"{row['loader_cpu_decode_samples_per_s']:,.0f} samples/s, decode=gpu "
