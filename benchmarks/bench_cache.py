@@ -39,7 +39,7 @@ import psutil
 
 import insitubatch_nodes as ib
 from benchmarks.bench_remote import BUCKET, KEY, VAR, ProxyProcess, moto_serving, stage_store
-from insitubatch_nodes.bench.common import OtherLoad, machine_info
+from insitubatch_nodes.bench.common import OtherLoad, machine_info, one_epoch_at_a_time
 
 OURS: list[psutil.Process] = []  # this process, moto, the proxy
 OTHER_LOAD = 0.3  # cores kept busy by other processes above which an epoch is disturbed
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache = ib.ChunkCache(cache_dir, max_bytes=4 * stored + (1 << 30))
     proxy = None
-    opts = dict(batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed)
+    # each epoch timed (and its hits counted) on its own: no next epoch fetched ahead
+    opts = dict(batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed,
+                **one_epoch_at_a_time())
     remote_opts = dict(opts, max_inflight=args.max_inflight, prefetch_windows=args.prefetch)
     runs: dict[str, list[dict[str, Any]]] = {"local": [], "remote": [], "cold": [], "warm": []}
     with moto_serving(staged, work) as (server, logs):

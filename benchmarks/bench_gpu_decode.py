@@ -41,7 +41,7 @@ import zarr.codecs as zc
 
 import insitubatch_nodes as ib
 from insitubatch_nodes import synthetic
-from insitubatch_nodes.bench.common import print_machine
+from insitubatch_nodes.bench.common import one_epoch_at_a_time, print_machine
 from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import DeviceChain, device_chain_for
 from insitubatch_nodes.io.device_decode import NvcompFrameDecoder, StripeFrames, WindowDecoder
@@ -134,7 +134,7 @@ def bench_loader(path: Path, decode: str, block: int, batch: int) -> float:
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
     with ib.build_loader(src, m, "train", batch_size=batch, block_chunks=block,
-                         device="cuda", decode=decode) as loader:
+                         device="cuda", decode=decode, **one_epoch_at_a_time()) as loader:
         for _ in loader:  # warm-up epoch: page cache, allocator, codecs
             pass
         torch.cuda.synchronize()

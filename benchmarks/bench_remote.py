@@ -43,7 +43,7 @@ import numpy as np
 import psutil
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.bench.common import OtherLoad, machine_info
+from insitubatch_nodes.bench.common import OtherLoad, machine_info, one_epoch_at_a_time
 from insitubatch_nodes.synthetic import DemoSpec, write_store
 from insitubatch_nodes.testing.s3server import serving
 
@@ -185,7 +185,8 @@ def run_epoch(source: ib.Source, manifest: ib.SplitManifest, args: argparse.Name
               procs: dict[str, psutil.Process | None]) -> dict[str, Any]:
     loader = ib.build_loader(source, manifest, "train", batch_size=args.batch_size,
                              block_chunks=args.block_chunks, seed=args.seed,
-                             max_inflight=max_inflight, prefetch_windows=prefetch_windows)
+                             max_inflight=max_inflight, prefetch_windows=prefetch_windows,
+                             **one_epoch_at_a_time())
     with loader:
         cpu0 = {k: _cpu(p) for k, p in procs.items()}
         busy0 = OtherLoad.busy()

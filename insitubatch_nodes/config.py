@@ -103,9 +103,9 @@ class FetchConfig:
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
-        if not isinstance(self.prefetch_next_epoch, bool):
-            raise TypeError(f"fetch.prefetch_next_epoch must be True or False, got "
-                            f"{self.prefetch_next_epoch!r}")
+        if not isinstance(self.prefetch_next_epoch, (bool, np.bool_)):
+            raise ValueError(f"fetch.prefetch_next_epoch must be True or False, got "
+                             f"{self.prefetch_next_epoch!r}")
         if self.cache is not None and not isinstance(self.cache, ChunkCache):
             raise TypeError(f"fetch.cache must be an ib.ChunkCache(directory, max_bytes=...), "
                             f"got {self.cache!r}")

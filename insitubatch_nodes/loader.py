@@ -380,7 +380,8 @@ class InSituLoader(Loader):
 
     @property
     def epoch(self) -> int:
-        """The epoch the current (or, before ``iter``, the next) pass belongs to."""
+        """The epoch being served: the current pass's; between passes the one just finished
+        (the next ``iter()`` starts the next); before the first ``iter()``, the first."""
         self.node(ChunkPermuteNode)  # a clear error for a graph without one
         return current_epoch(self.nodes())
 
