@@ -418,6 +418,49 @@ def test_the_next_epoch_fetched_early_changes_no_batch_state_or_epoch(medium, re
         same(epoch(b), rest)
 
 
+@pytest.mark.parametrize("chunk", [8, 1])  # 1: decoded in place
+@pytest.mark.parametrize("ahead", [True, False])
+def test_going_on_after_close_serves_the_rest_of_the_epoch_once(store_dir, chunk, ahead):
+    """``close()`` mid-epoch drops the windows in flight; an iterator taken before goes on
+    with the next batch (fetched again), and the epoch is still every sample once (before,
+    the dropped windows were lost, or in place the batches failed as "a bug")."""
+    src, _ = make(store_dir, [Var("x", (160, 3), (chunk, 3), compressors=BLOSC)])
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=16, block_chunks=3, prefetch_next_epoch=ahead)
+    want = epoch(ib.build_loader(src, m, "train", **kw))
+    loader = ib.build_loader(src, m, "train", **kw)
+    it = iter(loader)
+    got = [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(3)]
+    loader.close()
+    got += [{k: v.numpy().copy() for k, v in b.items()} for b in it]
+    same(got, want)
+    loader.shutdown()
+
+
+@pytest.mark.parametrize("between", ["iter", "close"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_an_epoch_nothing_was_drawn_from_is_not_skipped(medium, between, ahead):
+    """``iter()`` again (or ``close()`` and ``iter()``, as a ``with loader:`` loop that
+    stops on ``loader.epoch`` does) before a batch of the new epoch was drawn restarts that
+    epoch, not the next: with the next epoch fetched early, its plans were already pulled,
+    and every other epoch was skipped."""
+    src, _, m = medium
+    kw = dict(batch_size=16, block_chunks=3, prefetch_next_epoch=ahead)
+    want = [epoch(ld) for ld in [ib.build_loader(src, m, "train", **kw)] for _ in range(3)]
+    loader = ib.build_loader(src, m, "train", **kw)
+    got, epochs = [], []
+    for _ in range(3):
+        iter(loader)
+        if between == "close":
+            loader.close()
+        epochs.append(loader.epoch)
+        got.append(epoch(loader))
+    assert epochs == [0, 1, 2]
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+    loader.shutdown()
+
+
 def test_checkpoints_after_resuming_at_an_epoch_end_move_on(medium):
     """Restored at an epoch's end, the loader rolls over to the next epoch; the states it
     gives from then on are its own (torchdata kept the restored one and answered with it in

@@ -393,6 +393,23 @@ def test_a_next_epoch_begun_early_is_dropped_cleanly(setup, how):
     assert got == want
 
 
+def test_reset_twice_with_nothing_drawn_restarts_the_epoch_it_adopted(setup):
+    """A second ``reset(None)`` before anything of an epoch begun early was drawn starts
+    that epoch again (the upstream moves on only once asked), not the one after."""
+    src, m = setup[0], setup[1]
+    want, _ = fetch_epochs(src, m, 3, ahead=False)
+    fetch = ib.AsyncFetchNode(build(src, m, "plan"), src, prefetch_windows=2)
+    got = []
+    try:
+        for _ in range(3):
+            fetch.reset(None)
+            fetch.reset(None)  # e.g. iter() twice
+            got.append([key(w) for w in fetch])
+    finally:
+        fetch.shutdown()
+    assert got == want
+
+
 def test_close_stops_threads(setup):
     src, m, _ = setup
     fetch = build(src, m, "fetch")

@@ -149,6 +149,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._ahead_start: dict | None = None
         self._ahead_exhausted = False
         self._ahead_failed = False
+        self._going_ahead = False  # the upstream is being (or was) reset for the next epoch
+        # This epoch began with reset(None), and whether next() was called since: a second
+        # reset(None) before it was starts the same epoch again (``reset``).
+        self._began_fresh = False
+        self._asked = False
         self._started = False  # next() ran since the last reset (the first windows went in)
         self._holding = False  # the first batch's windows are not all out: none go ahead
         self._error: BaseException | None = None
@@ -236,11 +241,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def epochs_ahead(self) -> int:
         """1 when the upstream was already reset for the next epoch
         (``prefetch_next_epoch``), else 0: the upstream's epoch less the one delivered."""
-        return 0 if self._ahead_start is None else 1
+        return 1 if self._ahead_start is not None or self._going_ahead else 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._check_process()
+        # Nothing of an epoch begun by reset(None) asked for yet: the upstream would start it
+        # again (it moves on only once asked), whatever this node fetched ahead since.
+        again = (initial_state is None and self.prefetch_next_epoch and self._began_fresh
+                 and not self._asked and self._delivered is not None)
         self._cancel_epoch()
         if self.arena is not None:
             self.arena.clear()
@@ -248,22 +257,32 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._exhausted = False
         self._started = False
         self._holding = False
-        start, adopt = self._ahead_start, initial_state is None and not self._ahead_failed
+        start = self._ahead_start
+        adopt = initial_state is None and not again and not self._ahead_failed
         if not (adopt and start is not None):
             self._drop_ahead()
-        if initial_state is not None:
+        if again:
+            assert self._delivered is not None
+            self.source.reset(self._delivered)  # this epoch's start: nothing was delivered
+        elif initial_state is not None:
             self.source.reset(require(initial_state, self.SOURCE_KEY, self))
         elif start is None:
             self.source.reset(None)
         elif adopt:
-            # The next epoch, begun early: its windows are this epoch's first ones.
-            self._fifo, self._ahead = self._ahead, deque()
+            # The next epoch, begun early: its windows are this epoch's first ones (the
+            # queue is emptied before it is handed over: windows_pending reads both).
+            fifo = self._ahead
+            self._ahead = deque()
+            self._fifo = fifo
             self._exhausted = self._ahead_exhausted
             self._started = True
         else:
             self.source.reset(start)  # where reset(None) put it: not a second reset(None)
         self._ahead_start = None  # (kept until the upstream reset above succeeded)
+        self._going_ahead = False
         self._ahead_exhausted = self._ahead_failed = False
+        self._began_fresh = initial_state is None
+        self._asked = False
         self._delivered = copy_state(start if adopt and start is not None
                                      else self.source.state_dict())
 
@@ -636,6 +655,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             return
         try:
             if self._ahead_start is None:
+                self._going_ahead = True
                 self.source.reset(None)
                 self._ahead_start = copy_state(self.source.state_dict())
             while (not self._ahead_exhausted
@@ -662,6 +682,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
     def _next(self) -> DecodedWindow:
         self._check_process()
+        self._asked = True
         if self._error is not None:
             raise self._error
         if not self._started:
