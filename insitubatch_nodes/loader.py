@@ -67,7 +67,6 @@ class _ExactIterator(LoaderIterator):
     def __init__(self, loader: Loader) -> None:
         self._busy = threading.Lock()
         self._delivered: dict[str, Any] | None = None  # set by reset()
-        self._fresh = False  # the last reset started an epoch (not a restore)
         super().__init__(loader)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -76,26 +75,23 @@ class _ExactIterator(LoaderIterator):
         # epoch with nothing left rolls over to the next one by reset(None) without clearing
         # it, and every later state_dict() answered with that old state (a resume replayed).
         self._cached_state_dict = None
-        self._fresh = initial_state is None
         self._delivered = self.root.state_dict()
         ring = self.loader._recent_states
         if ring is not None:
             # States are keyed by batches delivered *this epoch*: never answer from another.
             ring.clear()
 
-    def rewind(self) -> None:
+    def rewind(self, restart: bool) -> None:
         """The graph as it was after the last batch delivered, its work in flight dropped
-        (``InSituLoader.close``): iterating on serves the next batch, fetched again. Skipped
-        while another thread is inside ``next()`` (its wait fails, and that rewinds)."""
+        (``InSituLoader.close``): iterating on serves the next batch, fetched again. With
+        ``restart`` (nothing of an epoch begun afresh was asked for) the epoch is started
+        again instead: a restored state counts as begun, and the next iter() would move on.
+        Skipped while another thread is inside ``next()`` (its wait fails, and that
+        rewinds)."""
         if self._delivered is None or not self._busy.acquire(blocking=False):
             return
         try:
-            if self._fresh and self._num_yielded == 0:
-                # Nothing of this epoch served: starting it again keeps it this epoch (a
-                # restored state counts as begun, and the next iter() would move on).
-                self.root.reset(None)
-            else:
-                self.root.reset(copy_state(self._delivered))
+            self.root.reset(None if restart else copy_state(self._delivered))
         finally:
             self._busy.release()
 
@@ -420,11 +416,11 @@ class InSituLoader(Loader):
         loader again starts it again, and going on with an iterator taken before serves
         the batch after the last one delivered (the windows in flight were dropped: the
         graph goes back to that state, as after an error). ``shutdown()`` is final."""
-        for node in self.nodes():
-            if isinstance(node, AsyncFetchNode):
-                node.close()
-        if isinstance(self._it, _ExactIterator):
-            self._it.rewind()
+        fetches = [n for n in self.nodes() if isinstance(n, AsyncFetchNode)]
+        for node in fetches:
+            node.close()
+        if fetches and isinstance(self._it, _ExactIterator):
+            self._it.rewind(restart=all(f.epoch_untouched for f in fetches))
 
     def __enter__(self) -> InSituLoader:
         return self

@@ -437,6 +437,32 @@ def test_going_on_after_close_serves_the_rest_of_the_epoch_once(store_dir, chunk
     loader.shutdown()
 
 
+@pytest.mark.parametrize("chunk", [8, 1])
+def test_close_after_a_failed_first_batch_goes_on_with_that_epoch(tmp_path, chunk):
+    """The epoch's first batch fails (a damaged chunk), then ``close()``: the graph went
+    back to the epoch's start after the error, and going on serves that epoch from its
+    first batch, once the chunk is repaired (close() must not restart the next epoch)."""
+    path = tmp_path / "s.zarr"
+    write_store(path, [Var("x", (64, 3), (chunk, 3), compressors=BLOSC)])
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=4, block_chunks=2, seed=3)
+    want = epoch(ib.build_loader(src, m, "train", **kw))
+    row = int(want[0]["sample_index"][0])  # a chunk the epoch's first batch reads
+    key = path / "x" / "c" / str(row // chunk) / "0"
+    good = key.read_bytes()
+    key.write_bytes(b"damaged")
+    loader = ib.build_loader(src, m, "train", **kw)
+    it = iter(loader)
+    with pytest.raises(ib.CorruptChunkError):
+        next(it)
+    loader.close()
+    key.write_bytes(good)
+    same([{k: v.numpy().copy() for k, v in b.items()} for b in it], want)
+    assert loader.epoch == 0
+    loader.shutdown()
+
+
 @pytest.mark.parametrize("between", ["iter", "close"])
 @pytest.mark.parametrize("ahead", [True, False])
 def test_an_epoch_nothing_was_drawn_from_is_not_skipped(medium, between, ahead):

@@ -238,6 +238,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self._ahead_failed = True
 
     @property
+    def epoch_untouched(self) -> bool:
+        """True while nothing of an epoch begun by ``reset(None)`` was asked for: another
+        ``reset(None)`` then starts that same epoch (the upstream moves on once asked)."""
+        return self._began_fresh and not self._asked
+
+    @property
     def epochs_ahead(self) -> int:
         """1 when the upstream was already reset for the next epoch
         (``prefetch_next_epoch``), else 0: the upstream's epoch less the one delivered."""
@@ -248,8 +254,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._check_process()
         # Nothing of an epoch begun by reset(None) asked for yet: the upstream would start it
         # again (it moves on only once asked), whatever this node fetched ahead since.
-        again = (initial_state is None and self.prefetch_next_epoch and self._began_fresh
-                 and not self._asked and self._delivered is not None)
+        again = (initial_state is None and self.prefetch_next_epoch and self.epoch_untouched
+                 and self._delivered is not None)
         self._cancel_epoch()
         if self.arena is not None:
             self.arena.clear()
