@@ -67,6 +67,7 @@ class _ExactIterator(LoaderIterator):
     def __init__(self, loader: Loader) -> None:
         self._busy = threading.Lock()
         self._delivered: dict[str, Any] | None = None  # set by reset()
+        self._ended = False  # the epoch raised StopIteration (nothing left to go on with)
         super().__init__(loader)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -75,6 +76,7 @@ class _ExactIterator(LoaderIterator):
         # epoch with nothing left rolls over to the next one by reset(None) without clearing
         # it, and every later state_dict() answered with that old state (a resume replayed).
         self._cached_state_dict = None
+        self._ended = False
         self._delivered = self.root.state_dict()
         ring = self.loader._recent_states
         if ring is not None:
@@ -86,9 +88,10 @@ class _ExactIterator(LoaderIterator):
         (``InSituLoader.close``): iterating on serves the next batch, fetched again. With
         ``restart`` (nothing of an epoch begun afresh was asked for) the epoch is started
         again instead: a restored state counts as begun, and the next iter() would move on.
-        Skipped while another thread is inside ``next()`` (its wait fails, and that
-        rewinds)."""
-        if self._delivered is None or not self._busy.acquire(blocking=False):
+        Skipped once the epoch ended (its state says so; with ``drop_last`` the state after
+        the last batch would point at the dropped rows) and while another thread is inside
+        ``next()`` (its wait fails, and that rewinds)."""
+        if self._delivered is None or self._ended or not self._busy.acquire(blocking=False):
             return
         try:
             self.root.reset(None if restart else copy_state(self._delivered))
@@ -146,6 +149,7 @@ class _ExactIterator(LoaderIterator):
                                  self.loader.snapshot(state, self._num_yielded)))
             except StopIteration:
                 t1 = meter.epoch_end = time.perf_counter()
+                self._ended = True
                 raise
             except BaseException as e:
                 if self._delivered is not before:  # counted, then failed before the return

@@ -437,6 +437,18 @@ def test_going_on_after_close_serves_the_rest_of_the_epoch_once(store_dir, chunk
     loader.shutdown()
 
 
+def test_close_at_an_epoch_end_keeps_the_epoch_end_state(medium):
+    """After the epoch ended, ``close()`` leaves the state as it was (with ``drop_last``
+    the state after the last batch would point at the dropped rows)."""
+    src, _, m = medium
+    loader = ib.build_loader(src, m, "train", batch_size=7, block_chunks=3, drop_last=True)
+    epoch(loader)
+    ended = loader.state_dict()
+    loader.close()
+    assert loader.state_dict() == ended
+    loader.shutdown()
+
+
 @pytest.mark.parametrize("chunk", [8, 1])
 def test_close_after_a_failed_first_batch_goes_on_with_that_epoch(tmp_path, chunk):
     """The epoch's first batch fails (a damaged chunk), then ``close()``: the graph went
