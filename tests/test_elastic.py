@@ -66,6 +66,8 @@ def test_resume_on_another_world_size_at_any_step(sources, shape, fractions, w_b
     before = [ib.build_loader(src, m, "train", rank=r, world_size=w_before, **kw)
               for r in range(w_before)]
     its = [iter(ld) for ld in before]
+    # (read before the epoch ends: the fetch then starts the next one early)
+    pad_before = _padding(before)
     steps = max(-(-s.target // batch) for s in
                 (ld.node(ib.ChunkPermuteNode).schedule for ld in before))
     k = round(stop * steps)  # every rank stops after the same step, as a DDP job does
@@ -75,7 +77,6 @@ def test_resume_on_another_world_size_at_any_step(sources, shape, fractions, w_b
             b = next(it, None)
             if b is not None:
                 seen += b["sample_index"].tolist()
-    pad_before = _padding(before)
     merged = ib.merge_rank_states([ld.state_dict() for ld in before])
     for ld in before:
         ld.close()
