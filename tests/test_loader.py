@@ -279,17 +279,22 @@ def test_state_dict_between_load_and_iter_is_the_loaded_state(medium):
         same(epoch(c), epoch(b))
 
 
-@pytest.mark.parametrize("chunk", [1, 8])
-def test_a_read_error_on_the_first_batch_after_a_resume_keeps_the_resume(tmp_path, chunk):
-    """torchdata looks one batch ahead in iter() after applying a loaded state: a read
-    failing there escaped iter(), and the next iter() started a new epoch, skipping the
-    rest of the resumed one. Asked again, the loader resumes there again."""
+def _small_store(tmp_path, chunk):
+    """A 64-sample store in ``chunk``-sample chunks, its loader options and its epoch."""
     path = tmp_path / "s.zarr"
     write_store(path, [Var("x", (64, 3), (chunk, 3), compressors=BLOSC)])
     src = ib.open_source(path)
     m = ib.split_by_chunk(src, (1.0,))
     kw = dict(batch_size=4, block_chunks=2, seed=3)
-    want = epoch(ib.build_loader(src, m, "train", **kw))
+    return path, src, m, kw, epoch(ib.build_loader(src, m, "train", **kw))
+
+
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_a_read_error_on_the_first_batch_after_a_resume_keeps_the_resume(tmp_path, chunk):
+    """torchdata looks one batch ahead in iter() after applying a loaded state: a read
+    failing there escaped iter(), and the next iter() started a new epoch, skipping the
+    rest of the resumed one. Asked again, the loader resumes there again."""
+    path, src, m, kw, want = _small_store(tmp_path, chunk)
     a = ib.build_loader(src, m, "train", **kw)
     epoch(a, limit=5)
     state = a.state_dict()
@@ -454,12 +459,7 @@ def test_close_after_a_failed_first_batch_goes_on_with_that_epoch(tmp_path, chun
     """The epoch's first batch fails (a damaged chunk), then ``close()``: the graph went
     back to the epoch's start after the error, and going on serves that epoch from its
     first batch, once the chunk is repaired (close() must not restart the next epoch)."""
-    path = tmp_path / "s.zarr"
-    write_store(path, [Var("x", (64, 3), (chunk, 3), compressors=BLOSC)])
-    src = ib.open_source(path)
-    m = ib.split_by_chunk(src, (1.0,))
-    kw = dict(batch_size=4, block_chunks=2, seed=3)
-    want = epoch(ib.build_loader(src, m, "train", **kw))
+    path, src, m, kw, want = _small_store(tmp_path, chunk)
     row = int(want[0]["sample_index"][0])  # a chunk the epoch's first batch reads
     key = path / "x" / "c" / str(row // chunk) / "0"
     good = key.read_bytes()
