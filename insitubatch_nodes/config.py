@@ -33,6 +33,11 @@ def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _flag(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Which samples, in what order, on which rank: batch size, shuffle window, seed, ranks.
@@ -67,9 +72,7 @@ class SamplingConfig:
         if isinstance(self.seed, np.integer):  # states are JSON: keep a Python int
             object.__setattr__(self, "seed", int(self.seed))
         _positive_int("sampling", "seed", self.seed, minimum=0)
-        if not isinstance(self.drop_last, (bool, np.bool_)):
-            raise ValueError(f"sampling.drop_last must be True or False, got "
-                             f"{self.drop_last!r}")
+        _flag("sampling", "drop_last", self.drop_last)
         # rank/world_size are checked together with the process group (permute.resolve_rank)
 
 
@@ -103,9 +106,7 @@ class FetchConfig:
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
-        if not isinstance(self.prefetch_next_epoch, (bool, np.bool_)):
-            raise ValueError(f"fetch.prefetch_next_epoch must be True or False, got "
-                             f"{self.prefetch_next_epoch!r}")
+        _flag("fetch", "prefetch_next_epoch", self.prefetch_next_epoch)
         if self.cache is not None and not isinstance(self.cache, ChunkCache):
             raise TypeError(f"fetch.cache must be an ib.ChunkCache(directory, max_bytes=...), "
                             f"got {self.cache!r}")

@@ -149,7 +149,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._ahead_start: dict | None = None
         self._ahead_exhausted = False
         self._ahead_failed = False
-        self._going_ahead = False  # the upstream is being (or was) reset for the next epoch
+        # the upstream is being (or was) reset for the next epoch (set before _ahead_start)
+        self._going_ahead = False
         # This epoch began with reset(None), and whether next() was called since: a second
         # reset(None) before it was starts the same epoch again (``reset``).
         self._began_fresh = False
@@ -247,7 +248,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def epochs_ahead(self) -> int:
         """1 when the upstream was already reset for the next epoch
         (``prefetch_next_epoch``), else 0: the upstream's epoch less the one delivered."""
-        return 1 if self._ahead_start is not None or self._going_ahead else 0
+        return 1 if self._going_ahead else 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
