@@ -28,11 +28,10 @@ from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..items import DecodedWindow
-from ..layout import row_view
 from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
-from .fetch_jobs import DirectWindow, InPlaceJob, batch_jobs, read_local_items
+from .fetch_jobs import DirectWindow, InPlaceJob, prepare_in_place, read_local_items
 from .state import copy_state, require, shutdown_source
 
 log = logging.getLogger("insitubatch_nodes")
@@ -406,50 +405,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return jobs
 
     def _prepare_in_place(self, plan: ReadPlan) -> InPlaceJob:
-        """Where every chunk of the window goes (on the consumer thread, before submitting,
-        so the batches exist before the shuffle buffer asks for them): each (sample, step) a
-        draw reads lands in (batch, row, step); a chunk feeding several slots (a neighbour's
-        history, padding for equal steps) is decoded once and copied into the others."""
-        assert self.arena is not None and plan.slots is not None
-        slots, arena = plan.slots, self.arena
-        dest: dict[int, list[tuple[int, int, int]]] = {}
-        steps = plan.offsets.tolist()
-        skip = arena.take_skip()  # restored mid-window: these draws were delivered before
-        for j, (s, b, r) in enumerate(zip(plan.draw_order.tolist(), slots.batch.tolist(),
-                                          slots.row.tolist(), strict=True)):
-            if b >= 0 and j >= skip:  # b = -1: a short last batch that drop_last drops
-                for k, off in enumerate(steps):
-                    dest.setdefault(s + off, []).append((b, r, k))
-        batches = {b: arena.rows(b, slots.rows_in(b)) for b in
-                   {d[0] for ds in dest.values() for d in ds}}
-        placements = [arena.layout.direct(v) for v in range(len(plan.reads))]
-
-        def at(v: int, b: int, r: int, k: int) -> np.ndarray:
-            pl = placements[v]
-            assert pl is not None
-            key, col = arena.slot(pl.key, k)
-            rows = batches[b][key][r : r + 1]
-            return row_view(rows if col is None else rows[:, col], pl)
-
-        # With one sample per chunk, stripe index == sample index for every variable.
-        reads = tuple(tuple(i for i in rs if i in dest) for rs in plan.reads)
-        wanted = [set(rs) for rs in reads]
-        # In batch order, so the first batches of the window are complete first.
-        order = sorted(dest, key=lambda i: dest[i][0])
-        items = [(v, i, dest[i][0][0], at(v, *dest[i][0])) for i in order
-                 for v in range(len(reads)) if i in wanted[v]]
-        copies = [(at(v, *d), at(v, *dest[i][0]), d[0], dest[i][0][0]) for i in order
-                  for v in range(len(reads)) if i in wanted[v] for d in dest[i][1:]]
-        held: dict[int, int] = {}
-        for _, _, _, src_b in copies:
-            held[src_b] = held.get(src_b, 0) + 1
-        for b, n in held.items():
-            arena.hold(b, n)
-        if all(r.groups_reads for r in self.readers):
-            jobs = batch_jobs(items, self.decode_threads)
-        else:
-            jobs = [[it] for it in items]
-        return InPlaceJob(plan, jobs, copies, sorted(batches), arena.generation)
+        """Where every chunk of the window goes (``fetch_jobs.prepare_in_place``), on the
+        consumer thread before submitting, so the batches exist before the shuffle buffer
+        asks for them."""
+        assert self.arena is not None
+        return prepare_in_place(plan, self.arena, self.decode_threads,
+                                all(r.groups_reads for r in self.readers))
 
     async def _fetch_in_place(self, job: InPlaceJob) -> DecodedWindow:
         """Run a prepared window: every chunk decoded straight into its batch row, each

@@ -16,6 +16,7 @@ import numpy as np
 from ..arena import BatchArena
 from ..io.reader import StripeReader
 from ..items import DecodedWindow
+from ..layout import row_view
 from ..plan import ReadPlan
 
 
@@ -105,6 +106,110 @@ class InPlaceJob:
             e.add_note(f"insitubatch: reading the window of chunks "
                        f"{list(self.plan.chunk_ids)[:8]} into batches {self.batches[:8]}")
         arena.fail(self.batches, e, self.generation)
+
+
+Item = tuple[int, int, int, np.ndarray]  # (variable, stripe, batch, out): one in-place read
+
+
+def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
+                     grouped: bool) -> InPlaceJob:
+    """Where every chunk of a one-sample-per-chunk window goes: each (sample, step) a draw
+    reads lands in (batch, row, step); a chunk feeding several slots (a neighbour's history,
+    padding for equal steps) is decoded once, into its first slot, and copied into the
+    others. Allocates the window's batches and holds the ones copies read from.
+
+    This runs on the consumer thread, holding the GIL the decode threads need between
+    chunks: index math in a few numpy calls, and the reads built by comprehensions over
+    plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
+    slots = plan.slots
+    assert slots is not None
+    keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
+    keep[: arena.take_skip()] = False  # restored mid-window: delivered before
+    steps = np.asarray(plan.offsets, dtype=np.int64)
+    n_steps = int(steps.size)
+    draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
+    # every slot a draw fills, in draw order (steps inner)
+    sample = (draws[:, None] + steps[None, :]).ravel()
+    batch = np.repeat(slots.batch[keep], n_steps)
+    row = np.repeat(slots.row[keep], n_steps)
+    step = np.tile(np.arange(n_steps, dtype=np.int64), draws.size)
+    samples_all = sample.tolist()
+    if len(set(samples_all)) == len(samples_all):  # each sample in one slot: no copies
+        first = np.arange(sample.size)
+        dup = first[:0]
+    else:  # decoded into its first slot (in draw order), copied into the others
+        first = np.unique(sample, return_index=True)[1]
+        other = np.ones(sample.size, dtype=bool)
+        other[first] = False
+        dup = np.flatnonzero(other)
+    # read in (batch, row, step) order of the slot decoded into: the window's first
+    # batches are complete first
+    src = first[np.argsort((batch[first] * slots.batch_size + row[first]) * n_steps
+                           + step[first])]
+    arrays = {b: arena.rows(b, slots.rows_in(b)) for b in sorted(set(batch.tolist()))}
+    n_vars = len(plan.reads)
+    # per variable and step: (batch key, step column, placement) of its slot
+    where = []
+    for v in range(n_vars):
+        pl = arena.layout.direct(v)
+        assert pl is not None, f"variable {v} is not decoded whole into the batch"
+        where.append([(*arena.slot(pl.key, k), pl) for k in range(n_steps)])
+
+    def views(v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[np.ndarray]:
+        """Variable ``v``'s part of each slot (batch, row, step)."""
+        if n_steps == 1 and where[v][0][1] is None and where[v][0][2].channel is None:
+            key = where[v][0][0]
+            return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
+        out = []
+        for b, r, k in zip(bs, rs, ks, strict=True):
+            key, col, pl = where[v][k]
+            rows = arrays[b][key][r : r + 1]
+            out.append(row_view(rows if col is None else rows[:, col], pl))
+        return out
+
+    def read_by(slot_samples: list[int]) -> list[list[bool]] | None:
+        """Per variable, whether its plan reads each sample (``None``: every variable
+        reads every one, as with one sample per chunk for all of them)."""
+        got: dict[int, list[bool] | None] = {}
+        masks = []
+        for rs in plan.reads:
+            if id(rs) not in got:  # variables of one chunking share their reads
+                have = set(rs)
+                got[id(rs)] = (None if have.issuperset(slot_samples)
+                               else [i in have for i in slot_samples])
+            masks.append(got[id(rs)])
+        return None if all(m is None for m in masks) else [
+            [True] * len(slot_samples) if m is None else m for m in masks]
+
+    bl, rl, kl = batch[src].tolist(), row[src].tolist(), step[src].tolist()
+    sl = sample[src].tolist()
+    per_var = [list(zip([v] * len(sl), sl, bl, views(v, bl, rl, kl), strict=True))
+               for v in range(n_vars)]
+    mask = read_by(sl)
+    if n_vars == 1 and mask is None:
+        items = per_var[0]
+    else:  # every variable of a sample together (one task reads them all)
+        items = [it for j, its in enumerate(zip(*per_var, strict=True))
+                 for v, it in enumerate(its) if mask is None or mask[v][j]]
+
+    copies: list[tuple[np.ndarray, np.ndarray, int, int]] = []
+    held: dict[int, int] = {}
+    if dup.size:
+        from_ = first[np.searchsorted(sample[first], sample[dup])]
+        dmask = read_by(sample[dup].tolist())
+        for v in range(n_vars):
+            pairs = zip(views(v, batch[dup].tolist(), row[dup].tolist(), step[dup].tolist()),
+                        views(v, batch[from_].tolist(), row[from_].tolist(),
+                              step[from_].tolist()),
+                        batch[dup].tolist(), batch[from_].tolist(), strict=True)
+            for j, (dst, src_view, b, sb) in enumerate(pairs):
+                if dmask is None or dmask[v][j]:
+                    copies.append((dst, src_view, b, sb))
+                    held[sb] = held.get(sb, 0) + 1
+    for b, n in held.items():
+        arena.hold(b, n)
+    jobs = batch_jobs(items, threads) if grouped else [[it] for it in items]
+    return InPlaceJob(plan, jobs, copies, list(arrays), arena.generation)
 
 
 def batch_jobs(items: list[tuple[int, int, int, np.ndarray]], threads: int,
