@@ -101,12 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-batch", type=int, default=0, metavar="ROUNDS",
                    help="also time first batches, fresh and resumed, this many rounds")
     p.add_argument("--batch-size", type=int, default=CoreConfig.batch_size)
+    p.add_argument("--block-chunks", default=str(CoreConfig.block_chunks),
+                   help="chunks per shuffle window of both loaders, or 'auto' for what the "
+                        f"current loader picks (default {CoreConfig.block_chunks}, as figures "
+                        "measured before this option were)")
     p.add_argument("--resume-after", type=int, default=CoreConfig.resume_after,
                    help="batches taken before the state a resumed first batch starts from")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error(f"--rounds {args.rounds}: a median needs at least 3")
+    if args.block_chunks != "auto" and not args.block_chunks.isdigit():
+        p.error(f"--block-chunks {args.block_chunks!r}: give a whole number of chunks or 'auto'")
+    block_chunks = None if args.block_chunks == "auto" else int(args.block_chunks)
     repo = Path(__file__).resolve().parents[1]
     for rev in (args.baseline_rev, args.current_rev):
         if rev is not None and subprocess.run(
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baseline {args.baseline_rev}, current {args.current_rev or 'working tree'}")
         for store in args.store:
             cfg = CoreConfig(url=store, batch_size=args.batch_size,
-                             resume_after=args.resume_after)
+                             resume_after=args.resume_after, block_chunks=block_chunks)
             results.append(compare(mods, store, args.rounds, args.first_batch, cfg))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

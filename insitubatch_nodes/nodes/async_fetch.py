@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,6 +50,31 @@ def _made(win: DecodedWindow) -> Future:
     done: Future = Future()
     done.set_result(win)
     return done
+
+
+class _DirectSlot:
+    """``AsyncFetchNode._direct_slot``: a plain class, not a generator context manager, and
+    no semaphore when none can run out. It runs around every pool task, between chunks,
+    where the decode threads hold the GIL: the generator and the semaphore's Python-level
+    condition cost ~2 % of one-step epochs (paired A/B, 2-vCPU VM)."""
+
+    __slots__ = ("stats", "slots")
+
+    def __init__(self, stats: FetchStats, slots: threading.BoundedSemaphore | None) -> None:
+        self.stats, self.slots = stats, slots
+
+    def __enter__(self) -> None:
+        if self.slots is None:
+            self.stats.slot_taken(0.0)
+            return
+        t0 = time.perf_counter()
+        self.slots.acquire()
+        self.stats.slot_taken(time.perf_counter() - t0)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stats.slot_released()
+        if self.slots is not None:
+            self.slots.release()
 
 
 def default_decode_threads() -> int:
@@ -159,7 +184,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
-        self._direct_slots = threading.BoundedSemaphore(self.max_inflight)
+        # Pool tasks run on the decode threads alone: with ``max_inflight`` at least as
+        # many, a slot is always free and the tasks are only counted (``_direct_slot``).
+        self._direct_slots = (threading.BoundedSemaphore(self.max_inflight)
+                              if self.max_inflight < self.decode_threads else None)
         # Local stores decoded on the host: windows go straight to the decode pool.
         self._direct = (self.window_decoder is None
                         and all(r.groups_reads for r in self.readers))
@@ -565,17 +593,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
         lt.run(fetch())
 
-    @contextlib.contextmanager
-    def _direct_slot(self) -> Iterator[None]:
+    def _direct_slot(self) -> _DirectSlot:
         """One of the ``max_inflight`` slots for a pool task submitted from the consumer
         thread (``_slot``'s counterpart off the event loop), counted in the stats."""
-        t0 = time.perf_counter()
-        with self._direct_slots:
-            self.stats.slot_taken(time.perf_counter() - t0)
-            try:
-                yield
-            finally:
-                self.stats.slot_released()
+        return _DirectSlot(self.stats, self._direct_slots)
 
     def _top_up(self, depth: int, draws: int | None = None) -> None:
         """Keep ``depth`` undelivered windows submitted (pulling plans from upstream); with
