@@ -430,7 +430,7 @@ def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window:
     draws = spec.final_draws() if draws is None else draws
     steps = np.zeros(1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
     plan = ReadPlan(epoch=spec.epoch, window=window,
-                    chunk_ids=tuple(int(c) for c in spec.chunk_ids), draw_order=draws,
+                    chunk_ids=tuple(np.asarray(spec.chunk_ids).tolist()), draw_order=draws,
                     reads=(), nbytes=0, offsets=steps)
     rows = plan.rows(draws)  # draw-major: the steps of draw k are rows[k * n_steps:]
     reads, last_use = [], []
