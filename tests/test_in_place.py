@@ -127,6 +127,19 @@ def test_equal_with_sample_options(weather, options):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (3, 3), (16, 4), (None, 1)])
+def test_default_decode_threads_in_place_are_the_cores(weather, monkeypatch, cores, threads):
+    """In place, no gather copy runs on the training thread: as many decode threads as
+    cores (at most 4), not the one more the gather path takes (tests/test_loader.py)."""
+    src, m = weather
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    with ib.build_loader(src, m, "train", batch_size=8) as ld:
+        assert is_in_place(ld) and ld.node(ib.AsyncFetchNode).decode_threads == threads
+        assert sorted(i for b in ld for i in b["sample_index"].tolist()) == list(range(80))
+    with ib.build_loader(src, m, "train", batch_size=8, in_place=False) as ld:
+        assert ld.node(ib.AsyncFetchNode).decode_threads == min(4, (cores or 1) + 1)
+
+
 def test_channels_that_split_a_chunk_are_not_in_place(weather):
     src, m = weather
     with ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"]) as ld:

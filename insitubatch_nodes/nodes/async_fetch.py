@@ -77,12 +77,14 @@ class _DirectSlot:
             self.slots.release()
 
 
-def default_decode_threads() -> int:
+def default_decode_threads(in_place: bool = False) -> int:
     """One more decode thread than cores, at most 4. A decode thread waits for the GIL
     around every chunk (open, read, close, decode each release and retake it) while the
-    training thread runs Python; a third thread on two cores keeps them busy meanwhile
-    (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk, the floor about 2%)."""
-    return min(4, (os.cpu_count() or 1) + 1)
+    training thread runs Python (the gather copy among it); a third thread on two cores
+    keeps them busy meanwhile (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk).
+    Decoding in place there is no gather on the training thread, and the extra thread only
+    adds switches: as many as cores (+1-2% on one-step stores)."""
+    return min(4, (os.cpu_count() or 1) + (0 if in_place else 1))
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
@@ -128,7 +130,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.dataset = dataset
         self.max_inflight = int(max_inflight)
         self.prefetch_windows = int(prefetch_windows)
-        self.decode_threads = int(decode_threads or default_decode_threads())
+        self.decode_threads = int(decode_threads or default_decode_threads(arena is not None))
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.pool = pool if pool is not None else BufferPool(self.ledger)
         self.retry = retry if retry is not None else RetryPolicy()
