@@ -212,23 +212,23 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
     return InPlaceJob(plan, jobs, copies, list(arrays), arena.generation)
 
 
-def batch_jobs(items: list[tuple[int, int, int, np.ndarray]], threads: int,
-                ) -> list[list[tuple[int, int, int, np.ndarray]]]:
+def batch_jobs(items: list[Item], threads: int) -> list[list[Item]]:
     """Pool tasks for a window's local reads: every variable of a few samples per task, so
     a window costs a few hand-offs whatever the number of variables; cut at batch edges
-    (``items`` come in batch order) and each batch split across the threads, so each
-    batch is complete as early as it can be."""
-    jobs: list[list[tuple[int, int, int, np.ndarray]]] = []
-    start = 0
-    while start < len(items):
-        b = items[start][2]
-        stop = start
-        while stop < len(items) and items[stop][2] == b:
-            stop += 1
+    (``items`` come in batch order), at most ~16 MB or 64 chunks a task.
+
+    The window's first batch is split across the threads, so it is complete as early as it
+    can be (the one a training loop waits for at an epoch's start or after a restore); the
+    others are one task each, every thread on its own batch: a task per thread per batch
+    cost ~3-5 % of one-step epochs in hand-offs (paired, 2-vCPU VM)."""
+    if not items:
+        return []
+    jobs: list[list[Item]] = []
+    bounds = [0] + [k for k in range(1, len(items)) if items[k][2] != items[k - 1][2]]
+    for n, (start, stop) in enumerate(zip(bounds, bounds[1:] + [len(items)], strict=True)):
         nbytes = sum(it[3].nbytes for it in items[start:stop])
-        # every thread on each batch (in turn), a task at most ~16 MB or 64 chunks
-        parts = min(stop - start, max(threads, -(-nbytes // (16 << 20)), -(-(stop - start) // 64)))
-        size = -(-(stop - start) // parts)
+        parts = max(threads if n == 0 else 1, -(-nbytes // (16 << 20)),
+                    -(-(stop - start) // 64))
+        size = -(-(stop - start) // min(stop - start, parts))
         jobs += [items[k : min(k + size, stop)] for k in range(start, stop, size)]
-        start = stop
     return jobs
