@@ -110,6 +110,8 @@ class SampleGrid:
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if chunk_ids.size == 0:
             return np.empty(0, dtype=np.int64)
+        if self.chunk_size == 1:  # the valid ids themselves (once per window, per epoch)
+            return chunk_ids[(chunk_ids >= self.first) & (chunk_ids < self.end)]
         starts, stops = self._bounds(chunk_ids)
         lens = stops - starts
         offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)

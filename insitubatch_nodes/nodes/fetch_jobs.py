@@ -118,9 +118,11 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
     padding for equal steps) is decoded once, into its first slot, and copied into the
     others. Allocates the window's batches and holds the ones copies read from.
 
-    This runs on the consumer thread, holding the GIL the decode threads need between
-    chunks: index math in a few numpy calls, and the reads built by comprehensions over
-    plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
+    In place, every variable holds one sample per chunk (``graph._not_in_place``), so every
+    variable reads every slot's sample. This runs on the consumer thread, holding the GIL
+    the decode threads need between chunks: index math in a few numpy calls, and the reads
+    built by comprehensions over plain lists (a per-slot loop of dicts and calls cost ~2.5 us
+    per sample there)."""
     slots = plan.slots
     assert slots is not None
     keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
@@ -167,45 +169,24 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
             out.append(row_view(rows if col is None else rows[:, col], pl))
         return out
 
-    def read_by(slot_samples: list[int]) -> list[list[bool]] | None:
-        """Per variable, whether its plan reads each sample (``None``: every variable
-        reads every one, as with one sample per chunk for all of them)."""
-        got: dict[int, list[bool] | None] = {}
-        masks = []
-        for rs in plan.reads:
-            if id(rs) not in got:  # variables of one chunking share their reads
-                have = set(rs)
-                got[id(rs)] = (None if have.issuperset(slot_samples)
-                               else [i in have for i in slot_samples])
-            masks.append(got[id(rs)])
-        return None if all(m is None for m in masks) else [
-            [True] * len(slot_samples) if m is None else m for m in masks]
-
     bl, rl, kl = batch[src].tolist(), row[src].tolist(), step[src].tolist()
     sl = sample[src].tolist()
     per_var = [list(zip([v] * len(sl), sl, bl, views(v, bl, rl, kl), strict=True))
                for v in range(n_vars)]
-    mask = read_by(sl)
-    if n_vars == 1 and mask is None:
-        items = per_var[0]
-    else:  # every variable of a sample together (one task reads them all)
-        items = [it for j, its in enumerate(zip(*per_var, strict=True))
-                 for v, it in enumerate(its) if mask is None or mask[v][j]]
+    # every variable of a sample together (one task reads them all)
+    items = per_var[0] if n_vars == 1 else [it for its in zip(*per_var, strict=True) for it in its]
 
     copies: list[tuple[np.ndarray, np.ndarray, int, int]] = []
     held: dict[int, int] = {}
     if dup.size:
         from_ = first[np.searchsorted(sample[first], sample[dup])]
-        dmask = read_by(sample[dup].tolist())
         for v in range(n_vars):
-            pairs = zip(views(v, batch[dup].tolist(), row[dup].tolist(), step[dup].tolist()),
-                        views(v, batch[from_].tolist(), row[from_].tolist(),
-                              step[from_].tolist()),
-                        batch[dup].tolist(), batch[from_].tolist(), strict=True)
-            for j, (dst, src_view, b, sb) in enumerate(pairs):
-                if dmask is None or dmask[v][j]:
-                    copies.append((dst, src_view, b, sb))
-                    held[sb] = held.get(sb, 0) + 1
+            copies += zip(views(v, batch[dup].tolist(), row[dup].tolist(), step[dup].tolist()),
+                          views(v, batch[from_].tolist(), row[from_].tolist(),
+                                step[from_].tolist()),
+                          batch[dup].tolist(), batch[from_].tolist(), strict=True)
+        for sb in batch[from_].tolist():
+            held[sb] = held.get(sb, 0) + n_vars
     for b, n in held.items():
         arena.hold(b, n)
     jobs = batch_jobs(items, threads) if grouped else [[it] for it in items]
