@@ -100,6 +100,51 @@ def test_permute_node_deals_rank_shares(setup):
     assert flat == m.chunk_ids("train").tolist()
 
 
+class _Ids(BaseNode):
+    """A hand-written upstream of chunk ids (not a SplitNode): iterated one by one."""
+
+    def __init__(self, ids):
+        super().__init__()
+        self.ids = [int(i) for i in ids]
+
+    def reset(self, initial_state=None):
+        super().reset(initial_state)
+        self.pos = 0 if initial_state is None else initial_state["pos"]
+
+    def next(self):
+        if self.pos >= len(self.ids):
+            raise StopIteration
+        self.pos += 1
+        return self.ids[self.pos - 1]
+
+    def get_state(self):
+        return {"pos": self.pos}
+
+
+def test_split_node_drains_what_next_would_yield_and_permute_takes_either(setup):
+    src, m, _ = setup
+    split = SplitNode(m, "train")
+    split.reset(None)
+    first = [next(split) for _ in range(3)]
+    rest = split.drain()
+    assert first + rest.tolist() == m.chunk_ids("train").tolist()
+    assert split.state_dict() == {SplitNode.POSITION_KEY: len(m.chunk_ids("train"))}
+    with pytest.raises(StopIteration):
+        next(split)
+    with pytest.raises(ValueError):
+        rest[0] = -1  # read-only: the split's ids are not the caller's to change
+    split.reset(None)
+    assert [next(split) for _ in range(3)] == first  # a new epoch starts from the top
+    windows = {}
+    for name, head in (("split", SplitNode(m, "train")), ("other", _Ids(m.chunk_ids("train")))):
+        node = ChunkPermuteNode(head, src.grid, seed=3, block_chunks=2)
+        windows[name] = []
+        for _ in range(2):  # two epochs: the ids are pulled again at each
+            node.reset(None)
+            windows[name].append([w.chunk_ids.tolist() for w in node])
+    assert windows["split"] == windows["other"] and windows["split"][0] != windows["split"][1]
+
+
 def test_shuffle_buffer_evicts_drained_stripes(setup):
     src, m, data = setup
     fetch = build(src, m, "fetch")

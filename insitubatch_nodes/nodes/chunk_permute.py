@@ -11,6 +11,7 @@ from torchdata.nodes import BaseNode
 from ..geometry import SampleGrid
 from ..items import ScheduledWindow
 from ..schedule import RankSchedule, Resumption, ScheduleContext, rank_schedule, rank_schedules
+from .split_node import SplitNode
 from .state import require_count, shutdown_source
 
 
@@ -56,7 +57,9 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
 
     def _context(self) -> ScheduleContext:
         self.source.reset(None)
-        ids = np.fromiter(self.source, dtype=np.int64)
+        # the standard head hands its ids over at once; any other upstream is iterated
+        ids = (self.source.drain() if isinstance(self.source, SplitNode)
+               else np.fromiter(self.source, dtype=np.int64))
         if self._ctx is None or not np.array_equal(self._ctx.chunk_ids, ids):
             self._ctx = ScheduleContext(ids, self.grid, self.seed, self.block_chunks, self.uneven,
                                         self.contiguous, self.run_chunks)

@@ -205,9 +205,11 @@ def batch_jobs(items: list[Item], threads: int) -> list[list[Item]]:
     if not items:
         return []
     jobs: list[list[Item]] = []
-    bounds = [0] + [k for k in range(1, len(items)) if items[k][2] != items[k - 1][2]]
+    batches = [it[2] for it in items]
+    sizes = [it[3].nbytes for it in items]
+    bounds = [0] + [k for k in range(1, len(items)) if batches[k] != batches[k - 1]]
     for n, (start, stop) in enumerate(zip(bounds, bounds[1:] + [len(items)], strict=True)):
-        nbytes = sum(it[3].nbytes for it in items[start:stop])
+        nbytes = sum(sizes[start:stop])
         parts = max(threads if n == 0 else 1, -(-nbytes // (16 << 20)),
                     -(-(stop - start) // 64))
         size = -(-(stop - start) // min(stop - start, parts))

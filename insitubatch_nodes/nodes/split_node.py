@@ -31,7 +31,9 @@ class SplitNode(BaseNode[int]):
         self.exclude = tuple(int(i) for i in exclude)
         if self.exclude:
             ids = np.setdiff1d(ids, np.asarray(self.exclude, dtype=np.int64))
-        self._ids = [int(i) for i in ids]
+        self._array = np.array(ids, dtype=np.int64)  # own copy: made read-only below
+        self._array.flags.writeable = False  # drain() hands out views of it
+        self._ids = self._array.tolist()
         self._pos = 0
 
     def __len__(self) -> int:
@@ -48,6 +50,15 @@ class SplitNode(BaseNode[int]):
             raise StopIteration
         self._pos += 1
         return self._ids[self._pos - 1]
+
+    def drain(self) -> np.ndarray:
+        """Every chunk id ``next()`` has left to yield, at once (read-only), the position
+        moved to the end as if each had been yielded. ``ChunkPermuteNode`` pulls an epoch's
+        ids so: a ``next()`` per chunk cost ~0.3 us each on the training thread at every
+        epoch start, 0.1 s at the 350k one-step chunks of an hourly ERA5 archive."""
+        ids = self._array[self._pos :]
+        self._pos = len(self._ids)
+        return ids
 
     def get_state(self) -> dict[str, Any]:
         return {self.POSITION_KEY: self._pos}
