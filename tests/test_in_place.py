@@ -292,3 +292,40 @@ def test_batches_go_out_before_their_whole_window_is_decoded(weather, monkeypatc
         pending, finished = fetch.windows_pending()
         assert first["t2m"].shape[0] == 2
         assert pending == 1 and finished == 0  # the window is still being read
+
+
+@pytest.mark.parametrize(("batch", "at_first", "at_second"), [
+    (4, 1, 3),  # the first window alone until its first batch went out; then two ahead
+    (12, 3, 4),  # 12 of the first window's 20 draws: two ahead at once; the second batch
+                 # runs into the next window, and one more goes ahead
+])
+def test_windows_ahead_are_planned_once_the_first_batch_went_out(weather, monkeypatch, batch,
+                                                                  at_first, at_second):
+    """In place the first window goes out undecoded: the windows ahead are planned (a few ms
+    on the training thread) once its first batch went out, when the next one is asked for,
+    not before it; then ``prefetch_windows`` ahead, as always. Unless the first window holds
+    less than a batch more than the first batch (12 of 20 draws): then at once, to keep the
+    decode threads busy meanwhile."""
+    src, m = weather
+    plans = []
+    real = ib.ReadPlanNode.next
+
+    def counting(self):
+        plan = real(self)
+        plans.append(plan.window)
+        return plan
+
+    monkeypatch.setattr(ib.ReadPlanNode, "next", counting)
+    with ib.build_loader(src, m, "train", batch_size=batch, block_chunks=20, seed=4,
+                         prefetch_windows=2) as ld:
+        assert is_in_place(ld)
+        for epoch in range(2):
+            plans.clear()
+            it = iter(ld)
+            first = next(it)
+            assert len(plans) == at_first, epoch
+            second = next(it)
+            assert len(plans) == at_second, epoch
+            rest = [i for b in it for i in b["sample_index"].tolist()]
+            got = first["sample_index"].tolist() + second["sample_index"].tolist() + rest
+            assert sorted(got) == list(range(80)), epoch

@@ -183,6 +183,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._asked = False
         self._started = False  # next() ran since the last reset (the first windows went in)
         self._holding = False  # the first batch's windows are not all out: none go ahead
+        self._deferred = False  # in place: the windows ahead wait for the first batch to go out
+        self._start_draws = 0  # draws of the windows submitted at the start
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -293,6 +295,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._exhausted = False
         self._started = False
         self._holding = False
+        self._deferred = False
         start = self._ahead_start
         adopt = initial_state is None and not again and not self._ahead_failed
         if not (adopt and start is not None):
@@ -600,9 +603,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         thread (``_slot``'s counterpart off the event loop), counted in the stats."""
         return _DirectSlot(self.stats, self._direct_slots)
 
-    def _top_up(self, depth: int, draws: int | None = None) -> None:
+    def _top_up(self, depth: int, draws: int | None = None) -> int:
         """Keep ``depth`` undelivered windows submitted (pulling plans from upstream); with
-        ``draws``, stop as soon as the windows pulled here hold that many draws."""
+        ``draws``, stop as soon as the windows pulled here hold that many draws. Returns the
+        draws of the windows pulled."""
         lt = self._ensure_loop()
         pulled = 0  # draws of the windows pulled here
         while (not self._exhausted and len(self._fifo) < depth
@@ -617,6 +621,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         if (self._exhausted and draws is None and self.prefetch_next_epoch
                 and self._error is None):
             self._top_up_ahead(depth, lt)
+        return pulled
 
     def _submit(self, plan: ReadPlan, snap: dict, lt: LoopThread,
                 ) -> tuple[Future | DirectWindow, dict, ReadPlan | None]:
@@ -680,10 +685,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             # The first batch's windows alone: windows ahead of them would share the cores
             # with their last stripes and delay it (DESIGN.md "Time to first batch"); they go
             # in once all of them are out.
-            self._top_up(self.prefetch_windows + 1, draws=max(1, self.first.draws))
+            self._start_draws = self._top_up(self.prefetch_windows + 1,
+                                             draws=max(1, self.first.draws))
             self._holding = True
             self._started = True
         elif not self._holding:
+            self._deferred = False  # asked for a window before the first batch went out
             self._top_up(self.prefetch_windows + 1)
         if not self._fifo:
             raise StopIteration
@@ -723,8 +730,23 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         lost while the state already counted it delivered)."""
         if self._holding and len(self._fifo) > 1:
             return
+        # In place the window goes out undecoded and its first batch lands while the rest
+        # decodes: plan the windows ahead once that batch went out, not before it (when
+        # the start's windows hold a batch's worth more than it, to keep the pool busy).
+        defer = (self._holding and self.arena is not None
+                 and self._start_draws >= 2 * max(1, self.first.draws)
+                 and self.first.after_first(self._after_first_batch))
         self._holding = False
-        self._top_up(self.prefetch_windows + 1)
+        self._deferred = defer
+        if not defer:
+            self._top_up(self.prefetch_windows + 1)
+
+    def _after_first_batch(self) -> None:
+        """``FirstBatch.went_out``: the windows ahead, held back for the first batch (its
+        window is out of the queue by now, so ``prefetch_windows`` of them)."""
+        if self._deferred:
+            self._deferred = False
+            self._top_up(self.prefetch_windows)
 
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched)."""
