@@ -50,3 +50,19 @@ def test_an_unknown_revision_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--store", str(tmp_path / "s.zarr"), "--baseline-rev", "no-such-rev-xyz"])
     assert "'no-such-rev-xyz' is not a commit" in capsys.readouterr().err
+
+
+def test_block_chunks_auto_gives_both_loaders_the_loaders_pick(tmp_path):
+    write_store(tmp_path / "s.zarr", [Var("x", (96, 8, 8), (1, 8, 8), compressors=BLOSC)])
+    out = tmp_path / "r.json"
+    assert main(["--store", str(tmp_path / "s.zarr"), "--baseline-rev", "HEAD", "--rounds",
+                 "3", "--block-chunks", "auto", "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["block_chunks"] > 16  # one sample per chunk: in place, larger windows
+
+
+def test_a_bad_block_chunks_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--store", str(tmp_path / "s.zarr"), "--baseline-rev", "HEAD",
+              "--block-chunks", "many"])
+    assert "--block-chunks 'many'" in capsys.readouterr().err
