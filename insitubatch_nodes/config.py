@@ -87,7 +87,8 @@ class FetchConfig:
     place (``default_decode_threads``).
     ``decode`` is ``"cpu"``, ``"gpu"`` or a ``FrameDecoder`` object (tests pass
     ``HostFrameDecoder``). ``in_place`` decodes every chunk straight into its batch row
-    (one sample per chunk, CPU decode, no time steps):
+    (every variable one sample per chunk, CPU decode, channels that take whole variables;
+    time steps too):
     ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.
     ``cache`` (a ``ChunkCache``) keeps the stored chunks of object stores and icechunk on
     local disk, so later epochs read them from there. ``prefetch_next_epoch`` fetches the
