@@ -608,6 +608,41 @@ def test_default_fetch_depth_and_decode_threads(medium, monkeypatch, cores, thre
         assert sum(len(b["sample_index"]) for b in loader) == m.n_samples_in("train")
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_memory_bound_holds_across_a_failure_and_its_rewind(store_dir, monkeypatch,
+                                                                in_place):
+    """A plan stage failing once mid-epoch: the loader goes back to the last batch
+    delivered and refetches. The cancelled windows' buffers (queued pool tasks that never
+    run, running ones waited for) are let go before the new windows are counted, so the
+    ledger stays within the resident bound; every sample still comes once."""
+    src, _ = make(store_dir, [Var("t", (120, 6, 8), (1, 6, 8), compressors=BLOSC),
+                              Var("z", (120, 3, 6, 8), (1, 3, 6, 8), compressors=BLOSC)])
+    m = ib.split_by_chunk(src, (1.0,))
+    real = ib.ReadPlanNode.next
+    for fail_at in range(2, 8):
+        calls = [0]
+
+        def failing(self, calls=calls, fail_at=fail_at):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise OSError("the plan stage failed once")
+            return real(self)
+
+        monkeypatch.setattr(ib.ReadPlanNode, "next", failing)
+        with ib.build_loader(src, m, "train", batch_size=7, block_chunks=10, seed=1,
+                             prefetch_windows=1, in_place=in_place) as ld:
+            it, seen, errors = iter(ld), [], 0
+            while True:
+                try:
+                    seen += next(it)["sample_index"].tolist()
+                except StopIteration:
+                    break
+                except OSError:
+                    errors += 1
+            assert errors == 1 and sorted(seen) == list(range(120)), fail_at
+            assert ld.ledger.peak <= ld.resident_bound, (fail_at, ld.ledger.peak)
+
+
 def test_memory_budget_is_checked(medium):
     src, _, m = medium
     with pytest.raises(ValueError, match=r"block_chunks=\d+ fits"):

@@ -23,6 +23,12 @@ class OneShot(Generic[T]):
         self._fn: Callable[..., T] | None = fn
         self._args: tuple[Any, ...] = args
 
+    def drop(self) -> None:
+        """Never to run (its future was cancelled before it started): let go of the
+        arguments now. The work item stays in the executor's queue until a worker takes
+        it, and the buffers with it, past a restore that allocates new ones."""
+        self._fn, self._args = None, ()
+
     def __call__(self) -> T:
         fn, args = self._fn, self._args
         if fn is None:

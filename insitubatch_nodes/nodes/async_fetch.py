@@ -52,6 +52,14 @@ def _made(win: DecodedWindow) -> Future:
     return done
 
 
+def _settle(cancelled: list[Future | DirectWindow]) -> None:
+    """Wait for the running pool tasks of cancelled local windows (``DirectWindow.settle``);
+    windows on the event loop end their reads as the loop cancels them."""
+    for fut in cancelled:
+        if isinstance(fut, DirectWindow):
+            fut.settle()
+
+
 class _DirectSlot:
     """``AsyncFetchNode._direct_slot``: a plain class, not a generator context manager, and
     no semaphore when none can run out. It runs around every pool task, between chunks,
@@ -251,21 +259,30 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._drop_ahead()
 
     def _cancel_epoch(self) -> None:
-        """Cancel this epoch's windows (queued, and in-place ones still decoding)."""
+        """Cancel this epoch's windows (queued, and in-place ones still decoding), and wait
+        for their pool tasks already running (``DirectWindow.settle``): the windows that
+        replace them count within the same memory bound."""
+        cancelled = []
         while self._fifo:
             fut, _, _ = self._fifo.popleft()
             fut.cancel()
+            cancelled.append(fut)
         for fut in self._running:
             fut.cancel()
+            cancelled.append(fut)
         self._running = []
+        _settle(cancelled)
 
     def _drop_ahead(self) -> None:
         """Cancel the next epoch's windows; ``_ahead_start`` stays, so the reset that starts
         that epoch puts the upstream back at its start instead of a second ``reset(None)``
         (which would skip an epoch)."""
+        cancelled = []
         while self._ahead:
             fut, _, _ = self._ahead.popleft()
             fut.cancel()
+            cancelled.append(fut)
+        _settle(cancelled)
         if self._ahead_start is not None:
             self._ahead_failed = True
 
@@ -517,9 +534,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         them when the window is waited for)."""
         bufs = self._stripe_buffers(jobs)
         now = time.perf_counter()
-        futures = [lt.pool.submit(OneShot(self._run_pool, read, v, idxs, out, now))
-                   for (v, idxs), out in zip(jobs, bufs, strict=True)]
-        return DirectWindow(plan, jobs, bufs, futures, refetch)
+        tasks = [OneShot(self._run_pool, read, v, idxs, out, now)
+                 for (v, idxs), out in zip(jobs, bufs, strict=True)]
+        return DirectWindow(plan, jobs, bufs, [lt.pool.submit(t) for t in tasks], refetch,
+                            tasks)
 
     def _run_pool(self, read: GroupRead, v: int, idxs: list[int], outs: list[np.ndarray],
                   submitted: float) -> list[int]:
@@ -543,9 +561,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         finishes last makes the window's copies (chunks feeding several slots)."""
         left = [len(job.jobs)]
         now = time.perf_counter()
-        futures = [lt.pool.submit(OneShot(self._run_items_direct, group, job, left, now))
-                   for group in job.jobs]
-        return DirectWindow(job.plan, [], [], futures)
+        tasks = [OneShot(self._run_items_direct, group, job, left, now) for group in job.jobs]
+        return DirectWindow(job.plan, [], [], [lt.pool.submit(t) for t in tasks], tasks=tasks)
 
     def _run_items_direct(self, items: list[tuple[int, int, int, np.ndarray]], job: InPlaceJob,
                           left: list[int], submitted: float) -> None:

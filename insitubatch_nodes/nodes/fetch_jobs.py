@@ -7,13 +7,14 @@ event loop, the pool and the order windows go out in) so each file has one job.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..arena import BatchArena
+from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..items import DecodedWindow
 from ..layout import row_view
@@ -28,17 +29,26 @@ class DirectWindow:
     def __init__(self, plan: ReadPlan, jobs: list[tuple[int, list[int]]],
                  bufs: list[list[np.ndarray]], futures: list[Future],
                  refetch: Callable[[list[tuple[int, int, np.ndarray]]], None] | None = None,
-                 ) -> None:
+                 tasks: Sequence[OneShot] = ()) -> None:
         self.plan, self.jobs, self.futures = plan, jobs, futures
+        self._tasks = tuple(tasks)  # the futures' pool tasks, in order (dropped on cancel)
         self._bufs: list[list[np.ndarray]] | None = bufs
         # cached windows: the tasks return the stripes not found after all, for this
         self._refetch = refetch
 
     def cancel(self) -> bool:
-        for f in self.futures:
-            f.cancel()
+        for k, f in enumerate(self.futures):
+            if f.cancel() and k < len(self._tasks):
+                self._tasks[k].drop()  # never runs: its buffers go now, not when dequeued
         self._bufs = None
         return True
+
+    def settle(self) -> None:
+        """After ``cancel``: wait for the tasks it could not stop (already running, a few ms
+        of decoding) to end, so their buffers are freed before a restart allocates new ones
+        and the memory bound holds across a restore (their errors are not this window's
+        any more: dropped)."""
+        wait([f for f in self.futures if not f.cancelled()])
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
