@@ -184,7 +184,8 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
     b_first, b_last = g0 // batch_size, (g1 - 1) // batch_size
     # The batches wholly inside the window at once: one argsort over a (batches, rows) view
     # (this runs on the consumer thread, once per window, for every window of an epoch).
-    inner0, inner1 = -(-g0 // batch_size), min(g1, total) // batch_size
+    inner0 = -(-g0 // batch_size)  # the first batch that starts in the window
+    inner1 = max(inner0, min(g1, total) // batch_size)  # past the last one whole in it
     if inner1 > inner0:
         lo, hi = inner0 * batch_size - g0, inner1 * batch_size - g0
         order = np.argsort(own[lo:hi].reshape(-1, batch_size), axis=1, kind="stable")
@@ -192,12 +193,8 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
         np.put_along_axis(rank, order, np.arange(batch_size, dtype=np.int64)[None, :], axis=1)
         batch[lo:hi] = np.repeat(np.arange(inner0, inner1, dtype=np.int64), batch_size)
         row[lo:hi] = rank.ravel()
-        done = range(inner0, inner1)
-    else:
-        done = range(0)
-    for b in range(b_first, b_last + 1):
-        if b in done:
-            continue
+    # the batches at the window's edges (partly in it, or short at the epoch's end)
+    for b in [*range(b_first, min(inner0, b_last + 1)), *range(inner1, b_last + 1)]:
         lo, hi = b * batch_size, min((b + 1) * batch_size, total)
         if lo >= g0 and hi <= g1:
             draws = own[lo - g0 : hi - g0]

@@ -43,7 +43,7 @@ def test_a_cancelled_window_lets_go_of_buffers_its_queued_tasks_hold():
 
     with ThreadPoolExecutor(1) as pool:
         tasks = [OneShot(hold, bufs[0])] + [OneShot(np.copyto, b, 1.0) for b in bufs[1:]]
-        window = DirectWindow(None, [], [], [pool.submit(t) for t in tasks], tasks=tasks)
+        window = DirectWindow(None, [], [], pool, tasks)
         del bufs
         assert started.wait(5)
         window.cancel()

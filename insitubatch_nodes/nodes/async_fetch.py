@@ -536,8 +536,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         now = time.perf_counter()
         tasks = [OneShot(self._run_pool, read, v, idxs, out, now)
                  for (v, idxs), out in zip(jobs, bufs, strict=True)]
-        return DirectWindow(plan, jobs, bufs, [lt.pool.submit(t) for t in tasks], refetch,
-                            tasks)
+        return DirectWindow(plan, jobs, bufs, lt.pool, tasks, refetch)
 
     def _run_pool(self, read: GroupRead, v: int, idxs: list[int], outs: list[np.ndarray],
                   submitted: float) -> list[int]:
@@ -562,7 +561,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         left = [len(job.jobs)]
         now = time.perf_counter()
         tasks = [OneShot(self._run_items_direct, group, job, left, now) for group in job.jobs]
-        return DirectWindow(job.plan, [], [], [lt.pool.submit(t) for t in tasks], tasks=tasks)
+        return DirectWindow(job.plan, [], [], lt.pool, tasks)
 
     def _run_items_direct(self, items: list[tuple[int, int, int, np.ndarray]], job: InPlaceJob,
                           left: list[int], submitted: float) -> None:

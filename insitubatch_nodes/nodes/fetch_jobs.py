@@ -8,7 +8,7 @@ event loop, the pool and the order windows go out in) so each file has one job.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,22 +24,24 @@ from ..plan import ReadPlan
 class DirectWindow:
     """A window whose stripe groups run as pool tasks submitted by the consumer thread:
     ``result()`` waits for them (the first failure raised, the rest cancelled) and makes the
-    ``DecodedWindow``; ``cancel``/``done`` as the event-loop window futures have."""
+    ``DecodedWindow``; ``cancel``/``done`` as the event-loop window futures have. Submits
+    its ``tasks`` to ``pool`` itself, so each future's task is at hand to drop on cancel."""
 
     def __init__(self, plan: ReadPlan, jobs: list[tuple[int, list[int]]],
-                 bufs: list[list[np.ndarray]], futures: list[Future],
+                 bufs: list[list[np.ndarray]], pool: Executor, tasks: Sequence[OneShot],
                  refetch: Callable[[list[tuple[int, int, np.ndarray]]], None] | None = None,
-                 tasks: Sequence[OneShot] = ()) -> None:
-        self.plan, self.jobs, self.futures = plan, jobs, futures
-        self._tasks = tuple(tasks)  # the futures' pool tasks, in order (dropped on cancel)
+                 ) -> None:
+        self.plan, self.jobs = plan, jobs
+        self._tasks = tuple(tasks)
+        self.futures: list[Future] = [pool.submit(t) for t in self._tasks]
         self._bufs: list[list[np.ndarray]] | None = bufs
         # cached windows: the tasks return the stripes not found after all, for this
         self._refetch = refetch
 
     def cancel(self) -> bool:
-        for k, f in enumerate(self.futures):
-            if f.cancel() and k < len(self._tasks):
-                self._tasks[k].drop()  # never runs: its buffers go now, not when dequeued
+        for f, task in zip(self.futures, self._tasks, strict=True):
+            if f.cancel():
+                task.drop()  # never runs: its buffers go now, not when dequeued
         self._bufs = None
         return True
 

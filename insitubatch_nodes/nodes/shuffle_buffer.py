@@ -107,9 +107,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._resident.clear()
         self._exhausted = False
         self._error: BaseException | None = None
-        # None: no batch out since this reset; True: the first is out, not yet said; False:
-        # said (``FirstBatch.went_out``, at the next batch asked for)
-        self._first_out: bool | None = None
+        self._served = 0  # batches handed out since this reset
         # The skip and the first batch's reach are set before upstream resets: a prefetching
         # stage between may ask the fetch for windows as soon as it is reset.
         self._skip = (0 if initial_state is None
@@ -164,13 +162,12 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     def next(self) -> BatchDraw:
         t0 = time.perf_counter()
         try:
-            if self._first_out and self.first is not None:
-                # the first batch went out: the fetch may plan its windows ahead now
-                self._first_out = False
+            if self._served == 1 and self.first is not None:
+                # the first batch went out: the fetch may plan its windows ahead now (said
+                # once: FirstBatch forgets the callback when it runs it)
                 self.first.went_out()
             draw = self._next()
-            if self._first_out is None:
-                self._first_out = True
+            self._served += 1
             return draw
         finally:
             self.stats.next_s += time.perf_counter() - t0
