@@ -1,5 +1,6 @@
 """Recipes are code users copy: they must run as their docstrings say."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,15 @@ def test_forecast_recipe_periods_from_the_command_line(tmp_path):
                                       "None"], capture_output=True, text=True, timeout=300)
     assert opened.returncode == 0, opened.stderr
     assert "'train': ['None', '2000-02-15']" in opened.stdout
+    # an open start is the axis' first step (the store starts on 2000-01-01): the same
+    # samples as that date given
+    dated = subprocess.run(script + ["--train", "2000-01-01", "2000-02-15", "--val",
+                                     "2000-02-25", "None"], capture_output=True, text=True,
+                           timeout=300)
+    assert dated.returncode == 0, dated.stderr
+    served = [re.search(r"served (\d+) train / (\d+) val", r.stdout).groups()
+              for r in (opened, dated)]
+    assert served[0] == served[1] and int(served[0][1]) > 0
 
 
 @pytest.mark.parametrize("layout", ["wb2", "anemoi"])
