@@ -172,11 +172,12 @@ _FIELD_KINDS: dict[str, type] = {
 
 
 def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
-                      allow_state_change: bool = False, in_place: bool = False) -> None:
+                      allow_state_change: bool = False) -> None:
     """Refuse a state saved under ``saved`` for a loader built as ``current``: one
     ValueError naming every differing field, both values and how to proceed. With
-    ``allow_state_change`` the ``SOUND_CHANGES`` pass (the batch size not ``in_place``);
-    no other change ever does."""
+    ``allow_state_change`` the ``SOUND_CHANGES`` pass (the batch size not when ``current``
+    decodes in place); no other change ever does."""
+    in_place = bool(current.in_place)
     how = {**_HOW, "batch_size": _IN_PLACE_BATCH} if in_place else _HOW
     sound = set(SOUND_CHANGES) - ({"batch_size"} if in_place else set())
     # A state saved in place resumes on the gather path (any draw count is a resume point

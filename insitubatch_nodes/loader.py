@@ -203,7 +203,6 @@ class InSituLoader(Loader):
             fingerprint if fingerprint is not None else fingerprint_of_nodes(self.nodes()))
         self.allow_state_change: bool = (resolved is not None and
                                          resolved.config.checkpoint.allow_state_change)
-        self._in_place = bool(self.fingerprint is not None and self.fingerprint.in_place)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
@@ -334,7 +333,7 @@ class InSituLoader(Loader):
                 UserWarning, stacklevel=3)
             return
         saved = StateFingerprint.from_json(raw, merged=ELASTIC_KEY in state)
-        check_fingerprint(saved, self.fingerprint, self.allow_state_change, self._in_place)
+        check_fingerprint(saved, self.fingerprint, self.allow_state_change)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a state at the next ``iter()``: one rank's own state, or the output of

@@ -52,10 +52,20 @@ def _made(win: DecodedWindow) -> Future:
     return done
 
 
-def _settle(cancelled: list[Future | DirectWindow]) -> None:
-    """Wait for the running pool tasks of cancelled local windows (``DirectWindow.settle``);
-    windows on the event loop end their reads as the loop cancels them."""
-    for fut in cancelled:
+def _drain(queue: deque) -> list[Future | DirectWindow]:
+    """The windows of a queue of ``(window, state, plan)`` entries, the queue emptied."""
+    windows = [fut for fut, _, _ in queue]
+    queue.clear()
+    return windows
+
+
+def _cancel(windows: list[Future | DirectWindow]) -> None:
+    """Cancel ``windows``, then wait for the pool tasks of local ones already running
+    (``DirectWindow.settle``); windows on the event loop end their reads as the loop
+    cancels them."""
+    for fut in windows:
+        fut.cancel()
+    for fut in windows:
         if isinstance(fut, DirectWindow):
             fut.settle()
 
@@ -198,8 +208,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._left_lock = threading.Lock()  # an in-place window's groups still running
         # Pool tasks run on the decode threads alone: with ``max_inflight`` at least as
         # many, a slot is always free and the tasks are only counted (``_direct_slot``).
-        self._direct_slots = (threading.BoundedSemaphore(self.max_inflight)
-                              if self.max_inflight < self.decode_threads else None)
+        self._direct_slot = _DirectSlot(
+            self.stats, threading.BoundedSemaphore(self.max_inflight)
+            if self.max_inflight < self.decode_threads else None)
         # Local stores decoded on the host: windows go straight to the decode pool.
         self._direct = (self.window_decoder is None
                         and all(r.groups_reads for r in self.readers))
@@ -262,27 +273,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         """Cancel this epoch's windows (queued, and in-place ones still decoding), and wait
         for their pool tasks already running (``DirectWindow.settle``): the windows that
         replace them count within the same memory bound."""
-        cancelled = []
-        while self._fifo:
-            fut, _, _ = self._fifo.popleft()
-            fut.cancel()
-            cancelled.append(fut)
-        for fut in self._running:
-            fut.cancel()
-            cancelled.append(fut)
-        self._running = []
-        _settle(cancelled)
+        running, self._running = self._running, []
+        _cancel([*_drain(self._fifo), *running])
 
     def _drop_ahead(self) -> None:
         """Cancel the next epoch's windows; ``_ahead_start`` stays, so the reset that starts
         that epoch puts the upstream back at its start instead of a second ``reset(None)``
         (which would skip an epoch)."""
-        cancelled = []
-        while self._ahead:
-            fut, _, _ = self._ahead.popleft()
-            fut.cancel()
-            cancelled.append(fut)
-        _settle(cancelled)
+        _cancel(_drain(self._ahead))
         if self._ahead_start is not None:
             self._ahead_failed = True
 
@@ -542,7 +540,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                   submitted: float) -> list[int]:
         """One ``_submit_pool`` task; the stripes it read are counted here, on the pool
         (the ones it missed count when refetched)."""
-        with self._direct_slot():
+        with self._direct_slot:
             missed = read(v, idxs, outs, submitted)
         self.stats.stripes_read(len(idxs) - len(missed), self.readers[v].geom.stripe_nbytes)
         return missed
@@ -571,7 +569,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None
         arena, stats = self.arena, self.stats
         try:
-            with self._direct_slot():
+            with self._direct_slot:
                 try:
                     read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
                                       submitted)
@@ -614,11 +612,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
 
         lt.run(fetch())
 
-    def _direct_slot(self) -> _DirectSlot:
-        """One of the ``max_inflight`` slots for a pool task submitted from the consumer
-        thread (``_slot``'s counterpart off the event loop), counted in the stats."""
-        return _DirectSlot(self.stats, self._direct_slots)
-
     def _top_up(self, depth: int, draws: int | None = None) -> int:
         """Keep ``depth`` undelivered windows submitted (pulling plans from upstream); with
         ``draws``, stop as soon as the windows pulled here hold that many draws. Returns the
@@ -634,8 +627,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 break
             pulled += plan.n_samples
             self._fifo.append(self._submit(plan, copy_state(self.source.state_dict()), lt))
-        if (self._exhausted and draws is None and self.prefetch_next_epoch
-                and self._error is None):
+        if self._exhausted and draws is None and self.prefetch_next_epoch:
             self._top_up_ahead(depth, lt)
         return pulled
 
