@@ -23,7 +23,6 @@ a missing one is listed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ import numcodecs  # noqa: E402
 import numcodecs.blosc  # noqa: E402
 import numpy as np  # noqa: E402
 
+from insitubatch_nodes.bench.common import write_json  # noqa: E402
 from insitubatch_nodes.synthetic import DemoSpec, WB2Spec, fields, wb2_fields  # noqa: E402
 
 Decode = Callable[[bytes, np.ndarray], object]
@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['speedup_1t']:12.2f} {row['us_per_chunk_2t']:19.1f} "
                   f"{row['speedup_2t']:12.2f}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
         print(f"\nwrote {args.json}")
     return 0
 

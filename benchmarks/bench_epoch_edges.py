@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np  # noqa: E402
 
 import insitubatch_nodes as ib  # noqa: E402
-from insitubatch_nodes.bench.common import bench_manifest, print_machine, rotated  # noqa: E402
+from insitubatch_nodes.bench.common import (  # noqa: E402
+    bench_manifest,
+    print_machine,
+    rotated,
+    write_json,
+)
 
 SETTINGS = {"ahead": True, "empty": False}  # name -> prefetch_next_epoch
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  paired run time empty / ahead: {e['median']:.3f} (q1 {e['q1']:.3f}, "
           f"q3 {e['q3']:.3f})")
     if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

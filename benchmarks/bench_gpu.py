@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.bench.common import print_machine
+from insitubatch_nodes.bench.common import print_machine, write_json
 from insitubatch_nodes.io.device_decode import gpu_decode_available
 from insitubatch_nodes.staging import StagingSeam
 from insitubatch_nodes.synthetic import VARIABLES, DemoSpec, write_store
@@ -424,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         report["h2d"] = bench_h2d(args)
     if args.part in ("all", "starvation"):
         report["starvation"] = bench_starvation(args, cuda)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -26,7 +26,6 @@ host, their streams decoded by nvCOMP and unshuffled on the GPU (``io/blosc_fram
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ import zarr.codecs as zc
 
 import insitubatch_nodes as ib
 from insitubatch_nodes import synthetic
-from insitubatch_nodes.bench.common import one_epoch_at_a_time, print_machine
+from insitubatch_nodes.bench.common import one_epoch_at_a_time, print_machine, write_json
 from insitubatch_nodes.io.decode import decoder_for
 from insitubatch_nodes.io.device_chain import DeviceChain, device_chain_for
 from insitubatch_nodes.io.device_decode import NvcompFrameDecoder, StripeFrames, WindowDecoder
@@ -217,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"         loader epoch: decode=cpu "
                   f"{row['loader_cpu_decode_samples_per_s']:,.0f} samples/s, decode=gpu "
                   f"{row['loader_gpu_decode_samples_per_s']:,.0f} samples/s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -18,7 +18,6 @@ the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from functools import partial
@@ -36,6 +35,7 @@ from insitubatch_nodes.bench.common import (  # noqa: E402
     bench_manifest,
     one_epoch_at_a_time,
     print_machine,
+    write_json,
 )
 from insitubatch_nodes.bench.core import (  # noqa: E402
     SPLIT,
@@ -130,10 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                              resume_after=args.resume_after, block_chunks=block_chunks)
             results.append(compare(mods, store, args.rounds, args.first_batch, cfg))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": machine, "baseline_rev": args.baseline_rev,
-                                         "current_rev": args.current_rev, "results": results},
-                                        indent=2))
+        write_json(args.json, {"machine": machine, "baseline_rev": args.baseline_rev,
+                               "current_rev": args.current_rev, "results": results})
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -35,6 +34,7 @@ from insitubatch_nodes.bench.common import (  # noqa: E402
     bench_manifest,
     one_epoch_at_a_time,
     print_machine,
+    write_json,
 )
 
 TASKS = Path("/proc/self/task")
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['voluntary_per_sample']:.2f} voluntary, "
               f"{t['involuntary_per_sample']:.2f} involuntary")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": machine, **r}, indent=2))
+        write_json(args.json, {"machine": machine, **r})
     return 0
 
 

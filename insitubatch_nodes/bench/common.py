@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import resource
@@ -236,6 +237,13 @@ def one_epoch_at_a_time(package: Any = None) -> dict[str, Any]:
     fetch = getattr(ib, "FetchConfig", None)
     known = {f.name for f in dataclasses.fields(fetch)} if fetch is not None else set()
     return {"prefetch_next_epoch": False} if "prefetch_next_epoch" in known else {}
+
+
+def write_json(path: Path, report: Any) -> None:
+    """A benchmark's report as JSON at ``path``, its folder made first (a ``--json`` into a
+    folder not made yet failed in one benchmark that wrote without it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
 
 
 def bench_manifest(source: Any, fraction: float, seed: int, package: Any = None) -> Any:
