@@ -620,16 +620,24 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         pulled = 0  # draws of the windows pulled here
         while (not self._exhausted and len(self._fifo) < depth
                and (draws is None or pulled < draws)):
-            try:
-                plan = next(self.source)
-            except StopIteration:
+            plan = self._pull_into(self._fifo, lt)
+            if plan is None:
                 self._exhausted = True
                 break
             pulled += plan.n_samples
-            self._fifo.append(self._submit(plan, copy_state(self.source.state_dict()), lt))
         if self._exhausted and draws is None and self.prefetch_next_epoch:
             self._top_up_ahead(depth, lt)
         return pulled
+
+    def _pull_into(self, queue: deque, lt: LoopThread) -> ReadPlan | None:
+        """The upstream's next plan, its window submitted onto ``queue`` with the upstream's
+        state after it; ``None`` once the upstream is exhausted."""
+        try:
+            plan = next(self.source)
+        except StopIteration:
+            return None
+        queue.append(self._submit(plan, copy_state(self.source.state_dict()), lt))
+        return plan
 
     def _submit(self, plan: ReadPlan, snap: dict, lt: LoopThread,
                 ) -> tuple[Future | DirectWindow, dict, ReadPlan | None]:
@@ -664,13 +672,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 self._ahead_start = copy_state(self.source.state_dict())
             while (not self._ahead_exhausted
                    and len(self._fifo) + len(self._ahead) < depth):
-                try:
-                    plan = next(self.source)
-                except StopIteration:
+                if self._pull_into(self._ahead, lt) is None:
                     self._ahead_exhausted = True
-                    break
-                self._ahead.append(self._submit(plan, copy_state(self.source.state_dict()),
-                                                lt))
         except Exception as e:
             log.debug("insitubatch: fetching the next epoch early failed (%r); it starts "
                       "when asked", e)
