@@ -37,12 +37,13 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
     with its halo of neighbouring chunks when a sample spans several time ``steps``; a
     window of ``runs`` contiguous runs has a halo per run).
 
-    ``in_place`` (one sample per chunk, decoded into the batches): the batches that the
-    windows being drawn, prefetched and just finished feed, two partly filled batches at
-    their edges, and the batch the training step holds."""
+    ``in_place`` (chunks decoded into the batches): the batches that the windows being
+    drawn, prefetched and just finished feed, two partly filled batches at their edges,
+    and the batch the training step holds (a decode thread's scratch stripe, when chunks
+    hold several samples, is not counted: one chunk per thread)."""
     if in_place:
         per_row = 1 if steps is None else steps.history + len(steps.lead)
-        sample_bytes = per_row * sum(v.stripe_nbytes for v in variables)
+        sample_bytes = per_row * sum(v.sample_nbytes for v in variables)
         window_samples = block_chunks * grid.chunk_size
         batches = -(-(2 + prefetch_windows) * window_samples // batch_size) + 3
         return batches * batch_size * sample_bytes

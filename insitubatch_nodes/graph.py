@@ -27,6 +27,7 @@ from .config import LoaderConfig, SampleConfig, SamplingConfig
 from .first_batch import FirstBatch
 from .geometry import SampleGrid
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
+from .io.reader import groups_reads
 from .layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
 from .memory import BufferPool, MemoryLedger
 from .nodes import (
@@ -183,7 +184,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     if f.in_place and why_not:
         raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
                          f"batches: {why_not}. Leave in_place=None to decide per store.")
-    in_place = f.in_place is not False and why_not is None
+    in_place = f.in_place is not False and why_not is None and (
+        bool(f.in_place) or _in_place_by_default(source))
     contiguous = steps is not None
     block_chunks, run_chunks = _window_size(source, s, steps, in_place)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, contiguous,
@@ -281,8 +283,8 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
         # as many as ~256 MB allow, between 4 and 8
         runs = WINDOW_BYTES // max(1, run_chunks * sample_bytes)
         return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
-    if not in_place:
-        return DEFAULT_BLOCK_CHUNKS
+    if not in_place or not _one_sample_per_chunk(source):
+        return DEFAULT_BLOCK_CHUNKS  # several samples per chunk: window size is mixing
     return max(DEFAULT_BLOCK_CHUNKS, min(256, IN_PLACE_WINDOW_BYTES // max(1, sample_bytes)))
 
 
@@ -290,16 +292,25 @@ def decodes_in_place(source: Source) -> bool:
     """Whether ``build_loader`` with its defaults decodes ``source`` straight into batches
     (every variable one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores),
     with or without time steps: ``inspection.recommend`` sizes windows for that path."""
-    return _not_in_place(source, None, None, build_layout(source.variables)) is None
+    return (_not_in_place(source, None, None, build_layout(source.variables)) is None
+            and _in_place_by_default(source))
+
+
+def _one_sample_per_chunk(source: Source) -> bool:
+    return all(v.sample_chunk == 1 for v in source.variables)
+
+
+def _in_place_by_default(source: Source) -> bool:
+    """Where ``in_place=None`` decodes into batches: one sample per chunk on any store;
+    several samples per chunk on local files, where the scatter copy runs on the decode
+    threads (measured: README "Speed"); a remote store's reads await on the event loop,
+    which would make the copies there, so its windows are gathered as before."""
+    return _one_sample_per_chunk(source) or all(groups_reads(a) for a in source.arrays)
 
 
 def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDecoder | None,
                   layout: BatchLayout | None) -> str | None:
     """Why the chunks cannot be decoded straight into batch rows (``None``: they can)."""
-    several = [v.name for v in source.variables if v.sample_chunk != 1]
-    if several:
-        return (f"variables {several} hold several samples per chunk (a chunk feeds many "
-                "batches; it is decoded once into the window and gathered)")
     if decoder is not None:
         return "decode='gpu' decodes on the device"
     if layout is None:

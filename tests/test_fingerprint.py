@@ -150,13 +150,15 @@ def test_progress_that_disagrees_with_the_nodes_is_refused(store):
 # -- sound changes -------------------------------------------------------------------------
 
 def test_another_batch_size_needs_allow_state_change_and_is_then_exact(store):
+    """On the gather path (in place: the next test)."""
     src, m = store
-    state, seen = saved_after(src, m)
-    with ib.build_loader(src, m, "train", **{**KW, "batch_size": 5}) as ld, \
+    state, seen = saved_after(src, m, in_place=False)
+    with ib.build_loader(src, m, "train", **{**KW, "batch_size": 5}, in_place=False) as ld, \
             pytest.raises(ValueError, match=r"batch_size: saved 8, this loader 5 .*sound.*"
                                             "allow_state_change=True"):
         ld.load_state_dict(state)
-    rest = rest_of_epoch(src, m, state, batch_size=5, allow_state_change=True)
+    rest = rest_of_epoch(src, m, state, batch_size=5, allow_state_change=True,
+                         in_place=False)
     assert sorted(seen + rest) == split_samples(m, "train")
 
 
@@ -449,9 +451,11 @@ def test_a_hand_built_graph_records_build_loaders_fingerprint(store, tmp_path):
     """The same stages built by hand and by build_loader record the same fingerprint (so
     states move between them); a window and decoding in place show in theirs."""
     src, m = store
-    with ib.build_loader(src, m, "train", **KW) as ld:
+    with ib.build_loader(src, m, "train", in_place=False, **KW) as ld:  # windows, gathered
         assert _hand_built(src, m, seed=0).fingerprint == ld.fingerprint
         assert (ld.fingerprint.in_place, ld.fingerprint.contiguous) == (False, False)
+    with ib.build_loader(src, m, "train", **KW) as ld:  # chunks of 4 scattered into batches
+        assert ld.fingerprint.in_place
     with ib.build_loader(src, m, "train", window=ib.SampleWindow(2, (1,)), **KW) as ld:
         fp = ld.fingerprint
         assert fp.contiguous and (fp.first, fp.end) == (1, 119) and fp.run_chunks >= 1

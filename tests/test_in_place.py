@@ -1,5 +1,6 @@
-"""Decoding straight into batch rows (one sample per chunk) gives bit for bit the batches of
-the window-and-gather path, over every store kind, with exactly-once and exact resume."""
+"""Decoding straight into batch rows (one sample per chunk; several, scattered from a decode
+thread's scratch stripe) gives bit for bit the batches of the window-and-gather path, over
+every store kind, with exactly-once and exact resume."""
 
 import json
 
@@ -24,7 +25,18 @@ KINDS = {
     "inner-and-edge-chunks": [Var("x", (97, 7, 5), (1, 3, 2), compressors=BLOSC)],
     "sharded": [Var("x", (96, 6, 5), (1, 6, 5), shards=(8, 6, 5))],
     "uint16-uncompressed": [Var("x", (97, 6), (1, 6), dtype="uint16", compressors=None)],
+    # several samples per chunk: each chunk decoded once and scattered into its batches
+    "many-v3-blosc": [Var("x", (97, 6, 5), (8, 6, 5), compressors=BLOSC),
+                      Var("y", (97, 4), (8, 4), dtype="int16")],
+    "many-v2-mixed-chunks": [Var("x", (97, 6, 5), (8, 6, 5), zarr_format=2,
+                                 compressors=Blosc("lz4", 5, Blosc.SHUFFLE)),
+                             Var("y", (97, 3, 6, 5), (4, 3, 6, 5), zarr_format=2)],
+    "many-inner-and-edge-chunks": [Var("x", (97, 7, 5), (6, 3, 2), compressors=BLOSC)],
+    "many-sharded": [Var("x", (96, 6, 5), (4, 6, 5), shards=(16, 6, 5))],
 }
+# read by zarr on the event loop (shards): several samples per chunk stay gathered unless
+# in_place=True
+GATHERED_BY_DEFAULT = {"many-sharded"}
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
@@ -59,9 +71,13 @@ def is_in_place(loader) -> bool:
 @given(batch=st.integers(1, 40), block=st.integers(2, 20), seed=st.integers(0, 99),
        drop_last=st.booleans())
 def test_equal_to_the_gather_path_over_store_kinds(kind, batch, block, seed, drop_last):
-    _, src, m, data = kind
+    name, src, m, data = kind
     kw = dict(batch_size=batch, block_chunks=block, seed=seed, drop_last=drop_last)
-    with ib.build_loader(src, m, "train", **kw) as new, \
+    forced = {"in_place": True} if name in GATHERED_BY_DEFAULT else {}
+    if forced:
+        with ib.build_loader(src, m, "train", **kw) as default:
+            assert not is_in_place(default)
+    with ib.build_loader(src, m, "train", **forced, **kw) as new, \
             ib.build_loader(src, m, "train", in_place=False, **kw) as old:
         assert is_in_place(new) and not is_in_place(old)
         got, want = epochs(new), epochs(old)
@@ -84,14 +100,16 @@ def test_fill_values_of_missing_chunks(tmp_path):
     assert any((b["x"] == -7.5).any() for b in got[0])
 
 
-@pytest.fixture(scope="module")
-def weather(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
+def weather(tmp_path_factory, request):
+    """A small ERA5-like store, one time step per chunk, or four (scattered in place)."""
+    n = request.param
     path = tmp_path_factory.mktemp("wx") / "w.zarr"
     dims = ("time", "lat", "lon")
     write_store(path, [
-        Var("t2m", (80, 6, 8), (1, 6, 8), compressors=BLOSC,
+        Var("t2m", (80, 6, 8), (n, 6, 8), compressors=BLOSC,
             extra=dict(dimension_names=dims)),
-        Var("z", (80, 3, 6, 8), (1, 3, 6, 8), compressors=BLOSC,
+        Var("z", (80, 3, 6, 8), (n, 3, 6, 8), compressors=BLOSC,
             extra=dict(dimension_names=("time", "level", *dims[1:])))])
     g = zarr.open_group(path)
     g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
@@ -148,11 +166,34 @@ def test_channels_that_split_a_chunk_are_not_in_place(weather):
         ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"], in_place=True)
 
 
-def test_several_samples_per_chunk_is_named(tmp_path):
-    write_store(tmp_path / "s.zarr", [Var("x", (40, 3), (4, 3))])
-    src = ib.open_source(tmp_path / "s.zarr")
-    with pytest.raises(ValueError, match=r"variables \['x'\] hold several samples per chunk"):
-        ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", in_place=True)
+def test_several_samples_per_chunk_in_place_on_local_files_only_by_default(tmp_path):
+    """Chunks of several samples are scattered into batches on the decode threads of a
+    local store; a remote store's reads await on the event loop, so by default its windows
+    are gathered, and ``in_place=True`` (a scratch stripe per read) serves the same."""
+    from stores import stores_on_s3
+
+    variables = [Var("x", (40, 3, 4), (4, 3, 4), compressors=BLOSC),
+                 Var("y", (40, 2), (8, 2), dtype="int16")]
+    local = ib.open_source(tmp_path / "local.zarr") if write_store(
+        tmp_path / "local.zarr", variables) else None
+    kw = dict(batch_size=6, block_chunks=3, seed=3)
+    with ib.build_loader(local, ib.split_by_chunk(local, (1.0,)), "train", **kw) as ld:
+        assert is_in_place(ld)
+        assert ld.node(ib.ChunkPermuteNode).block_chunks == 3
+    with ib.build_loader(local, ib.split_by_chunk(local, (1.0,)), "train",
+                         batch_size=6) as ld:  # window size is mixing: the gather default
+        assert ld.node(ib.ChunkPermuteNode).block_chunks == 16
+    with stores_on_s3(tmp_path / "s3", {"s.zarr": variables}) as (server, stored):
+        src = ib.open_source("s3://data/s.zarr", storage_options=server.options())
+        m = ib.split_by_chunk(src, (1.0,))
+        with ib.build_loader(src, m, "train", **kw) as gathered, \
+                ib.build_loader(src, m, "train", in_place=True, **kw) as placed:
+            assert not is_in_place(gathered) and is_in_place(placed)
+            want, got = epochs(gathered), epochs(placed)
+    assert_same(got, want)
+    for b in got[0]:
+        for name, arr in stored["s.zarr"].items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
 
 
 @settings(max_examples=5, deadline=None,
@@ -239,10 +280,12 @@ def test_time_steps_in_place_resume_exactly_and_cover_every_anchor_once(weather)
         assert [x["sample_index"].tolist() for x in b] == full[1]
 
 
-def test_a_corrupt_chunk_fails_its_batch_by_name_and_again(tmp_path):
+@pytest.mark.parametrize("per_chunk", [1, 4])
+def test_a_corrupt_chunk_fails_its_batch_by_name_and_again(tmp_path, per_chunk):
     path = tmp_path / "bad.zarr"
-    write_store(path, [Var("x", (60, 4), (1, 4), compressors=BLOSC)])
-    (path / "x" / "c" / "17" / "0").write_bytes(b"garbage, not blosc")
+    write_store(path, [Var("x", (60, 4), (per_chunk, 4), compressors=BLOSC)])
+    bad = 17 // per_chunk  # the chunk holding sample 17
+    (path / "x" / "c" / str(bad) / "0").write_bytes(b"garbage, not blosc")
     src = ib.open_source(path)
     with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
                          retry=ib.RetryPolicy(attempts=2, base_delay=0)) as ld:
@@ -255,14 +298,15 @@ def test_a_corrupt_chunk_fails_its_batch_by_name_and_again(tmp_path):
         err = info.value
         assert not isinstance(err, StopIteration)
         notes = "\n".join(getattr(err, "__notes__", []))
-        assert "x/c/17/0" in notes and "into batches" in notes, notes
+        assert f"x/c/{bad}/0" in notes and "into batches" in notes, notes
         # Asking again never moves quietly past the damaged chunk: the batches before its
         # own may come (its window failed them all; they are whole when read again), each
         # once, and then the same error.
         with pytest.raises(type(err)):
             for _ in range(100):
                 served += next(it)["sample_index"].tolist()
-        assert 17 not in served and len(served) == len(set(served))
+        lost = set(range(bad * per_chunk, (bad + 1) * per_chunk))
+        assert not lost & set(served) and len(served) == len(set(served))
         # a new epoch starts clean and fails again on the same chunk
         with pytest.raises(type(err)):
             for _ in ld:
@@ -316,7 +360,9 @@ def test_windows_ahead_are_planned_once_the_first_batch_went_out(weather, monkey
         return plan
 
     monkeypatch.setattr(ib.ReadPlanNode, "next", counting)
-    with ib.build_loader(src, m, "train", batch_size=batch, block_chunks=20, seed=4,
+    # 20 draws a window (20 chunks of one step, 5 of four)
+    with ib.build_loader(src, m, "train", batch_size=batch,
+                         block_chunks=20 // src.grid.chunk_size, seed=4,
                          prefetch_windows=2) as ld:
         assert is_in_place(ld)
         for epoch in range(2):

@@ -61,7 +61,7 @@ def test_whole_levels_and_picks_become_ranges():
 
 def _reference(src, m, cfg):
     """The same graph, gathering each variable and stacking after (the earlier path)."""
-    resolved = resolve(src, m, "train", cfg)
+    resolved = resolve(src, m, "train", cfg.replace(in_place=False))
     gather = build_graph(src, m, "train", resolved, upto="gather").root
     gather.layout = build_layout(src.variables)
     node = gather

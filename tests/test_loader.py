@@ -398,7 +398,8 @@ def test_the_next_epoch_fetched_early_changes_no_batch_state_or_epoch(medium, re
     end) and ``loader.epoch``/``stats().epoch`` are those of a loader that starts each
     epoch empty."""
     src, _, m = medium
-    kw = dict(batch_size=16, block_chunks=3)
+    # the window path (decoding in place fills this epoch's batches: never the next's)
+    kw = dict(batch_size=16, block_chunks=3, in_place=False)
     plain = ib.build_loader(src, m, "train", prefetch_next_epoch=False, **kw)
     want = [epoch(plain) for _ in range(3)]
     with ib.build_loader(src, m, "train", **kw) as a:
@@ -579,21 +580,27 @@ def test_resume_refetches_at_most_one_window(medium):
 
 # -- memory ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("in_place", [False, None], ids=["gathered", "scattered"])
 @pytest.mark.parametrize(("batch", "block", "ahead"),
                          [(8, 4, 1), (32, 1, 1), (32, 2, 1), (20, 3, 1), (8, 4, 2), (20, 3, 2)])
-def test_resident_memory_stays_within_bound(store_dir, batch, block, ahead):
+def test_resident_memory_stays_within_bound(store_dir, batch, block, ahead, in_place):
     src, _ = make(store_dir, [Var("x", (600, 32, 32), (8, 32, 32), compressors=BLOSC),
                               Var("y", (600, 16), (4, 16), dtype="int16")])
     m = ib.split_by_chunk(src, (1.0,))
-    window = block * (8 * 32 * 32 * 4 + 8 * 16 * 2)
+    sample = 32 * 32 * 4 + 16 * 2
+    window = block * 8 * sample
     loader = ib.build_loader(src, m, "train", batch_size=batch, block_chunks=block,
-                             prefetch_windows=ahead)
+                             prefetch_windows=ahead, in_place=in_place)
+    assert (loader.node(ib.AsyncFetchNode).arena is None) == (in_place is False)
     for _ in range(2):
         for _ in loader:
             assert loader.ledger.resident <= loader.resident_bound
     assert 0 < loader.ledger.peak <= loader.resident_bound
     # The bound is a few windows, independent of the epoch's length.
-    assert loader.resident_bound <= (1 + ahead + -(-batch // (8 * block))) * window
+    if in_place is False:
+        assert loader.resident_bound <= (1 + ahead + -(-batch // (8 * block))) * window
+    else:  # the batches of the windows drawn, ahead and just done; those at their edges
+        assert loader.resident_bound <= (2 + ahead) * window + 4 * batch * sample
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 2), (2, 3), (3, 4), (16, 4), (None, 2)])
@@ -602,7 +609,8 @@ def test_default_fetch_depth_and_decode_threads(medium, monkeypatch, cores, thre
     cores (at most 4), so GIL waits around each chunk do not leave a core idle."""
     src, _, m = medium
     monkeypatch.setattr("os.cpu_count", lambda: cores)
-    with ib.build_loader(src, m, "train", batch_size=32) as loader:
+    # the window path (in place: tests/test_in_place.py)
+    with ib.build_loader(src, m, "train", batch_size=32, in_place=False) as loader:
         fetch = loader.node(ib.AsyncFetchNode)
         assert fetch.prefetch_windows == 2 and fetch.decode_threads == threads
         assert sum(len(b["sample_index"]) for b in loader) == m.n_samples_in("train")

@@ -34,10 +34,12 @@ def setup(tmp_path_factory):
     return src, ib.split_by_chunk(src, (0.9, 0.1)), data
 
 
-def build(src, m, upto, seed=5):
-    """The standard graph (graph.py, as build_loader wires it), up to stage ``upto``."""
+def build(src, m, upto, seed=5, in_place=False):
+    """The standard graph (graph.py, as build_loader wires it), up to stage ``upto``: the
+    window-and-gather path (these tests wire their own shuffle buffers), unless ``in_place``
+    (None: as build_loader decides, chunks scattered into batches on this store)."""
     cfg = ib.LoaderConfig.of(seed=seed, block_chunks=3, max_inflight=4, batch_size=7,
-                             rank=0, world_size=1)
+                             rank=0, world_size=1, in_place=in_place)
     return build_graph(src, m, "train", resolve(src, m, "train", cfg), upto=upto).root
 
 
@@ -65,16 +67,17 @@ def run_epochs(node, n_epochs):
     return out
 
 
+@pytest.mark.parametrize("in_place", [False, None], ids=["gathered", "scattered"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_node_resume_protocol(setup, stage):
+def test_node_resume_protocol(setup, stage, in_place):
     src, m, _ = setup
-    ref = run_epochs(build(src, m, stage), 3)
+    ref = run_epochs(build(src, m, stage, in_place=in_place), 3)
     assert ref[0] and ref[1]
     if stage != "split":
         assert ref[0] != ref[1]  # a new epoch is a new order
     for ep in (0, 1):
         for k in sorted({0, 1, len(ref[ep]) // 2, len(ref[ep])}):
-            node = build(src, m, stage)
+            node = build(src, m, stage, in_place=in_place)
             for _ in range(ep):
                 node.reset(None)
                 list(node)
@@ -82,7 +85,7 @@ def test_node_resume_protocol(setup, stage):
             for _ in range(k):
                 next(node)
             state = json.loads(json.dumps(node.state_dict()))
-            fresh = build(src, m, stage)
+            fresh = build(src, m, stage, in_place=in_place)
             fresh.reset(state)
             assert [key(x) for x in fresh] == ref[ep][k:], (stage, ep, k)
             fresh.reset(None)  # the epoch after a restored one is the next epoch

@@ -455,14 +455,16 @@ def test_ring_never_hands_out_a_slot_with_a_copy_in_flight(size, steps):
 
 # -- GatherNode writes into the ring slot (CPU, fake ops) ---------------------------------
 
-def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None):
-    """The standard graph (graph.py) with the CUDA calls of PinOrCudaNode replaced by ``ops``."""
+def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None,
+                    in_place=False):
+    """The standard graph (graph.py) with the CUDA calls of PinOrCudaNode replaced by ``ops``:
+    the window-and-gather path unless ``in_place`` (None: as ``build_loader`` decides)."""
     from insitubatch_nodes.graph import build_graph, resolve
 
     stats = ib.compute_stats(src, m, "train") if normalize_dtype is not None else None
     cfg = ib.LoaderConfig.of(seed=4, rank=0, world_size=1, block_chunks=2, max_inflight=4,
                              batch_size=6, window=window, ring_size=ring_size, stats=stats,
-                             dtype=normalize_dtype)
+                             dtype=normalize_dtype, in_place=in_place)
     return build_graph(src, m, "train", resolve(src, m, "train", cfg), ops=ops).root
 
 
@@ -480,15 +482,18 @@ def run_graph(node, epochs=2):
              for k, v in b.items()} for b in out]
 
 
+@pytest.mark.parametrize("in_place", [False, None], ids=["gathered", "scattered"])
 @pytest.mark.parametrize("case", ["plain", "windows", "cast"])
-def test_gather_writes_into_the_pinned_slot_and_batches_stay_exact(store, case):
+def test_gather_writes_into_the_pinned_slot_and_batches_stay_exact(store, case, in_place):
     """With copies deferred on a slow fake GPU and only 2 slots, batches gathered straight
-    into the ring equal the CPU path's, and the variables are never memcpy'd on the host."""
+    into the ring (or chunks of several samples scattered into pinned batches, in place)
+    equal the CPU gather path's, and the variables are never memcpy'd on the host."""
     src, m, data = store
     window = ib.SampleWindow(2, (1,)) if case == "windows" else None
     cast = torch.bfloat16 if case == "cast" else None
     ops = FakeOps(eager=False)
-    node = fake_cuda_graph(src, m, ops, 2, window, cast)
+    node = fake_cuda_graph(src, m, ops, 2, window, cast, in_place=in_place)
+    assert (ib.InSituLoader(node).node(ib.AsyncFetchNode).arena is None) == (in_place is False)
     got = run_graph(node)
     want = run_graph(_cpu_graph(src, m, window, cast))
     assert len(got) == len(want) > 10

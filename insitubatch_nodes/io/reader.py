@@ -64,6 +64,13 @@ class _Tries:
     rng: random.Random | None = None  # made at the first failure: seeding costs ~10 us
 
 
+def groups_reads(arr: zarr.Array) -> bool:
+    """Whether a ``StripeReader`` of ``arr`` reads local files on its pool threads (several
+    stripes per task, no event loop): what ``build_loader`` asks before decoding chunks of
+    several samples into batches."""
+    return read_path_for(arr, decodes=decoder_from(classify(arr)) is not None).groups_reads
+
+
 class StripeReader:
     """Fills ``out`` (shape ``geom.stripe_shape``, native dtype) with one stripe of data."""
 

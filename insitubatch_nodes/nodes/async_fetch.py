@@ -31,7 +31,16 @@ from ..items import DecodedWindow
 from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
-from .fetch_jobs import DirectWindow, InPlaceJob, prepare_in_place, read_local_items
+from .fetch_jobs import (
+    DirectWindow,
+    InPlaceJob,
+    Item,
+    Scatter,
+    batch_writes,
+    prepare_in_place,
+    read_item_retrying,
+    read_local_items,
+)
 from .state import copy_state, require, shutdown_source
 
 log = logging.getLogger("insitubatch_nodes")
@@ -359,7 +368,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.stats.stripes_read(len(idxs), reader.geom.stripe_nbytes)
         return bufs
 
-    async def _read_items(self, items: list[tuple[int, int, int, np.ndarray]],
+    async def _read_items(self, items: list[Item],
                           generation: int) -> None:
         """Stripes ``(variable, index, batch, out)`` in one ``max_inflight`` slot: of a
         local store, any variables in one pool task (if it fails, every stripe is read again
@@ -378,25 +387,36 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                 except Exception:
                     self.stats.read.retried(len(items))  # the failed group try: all again
                     for v, i, _, out in items:
-                        await self.readers[v].read(i, out, lt.loop, lt.pool, self.retry)
+                        await self._read_item(v, i, out)
             else:
                 for v, i, _, out in items:
-                    await self.readers[v].read(i, out, lt.loop, lt.pool, self.retry)
+                    await self._read_item(v, i, out)
         self._items_landed(items, generation)
 
-    def _items_landed(self, items: list[tuple[int, int, int, np.ndarray]],
+    async def _read_item(self, v: int, index: int, out: np.ndarray | Scatter) -> None:
+        """One in-place item through the event loop, with retries; a stripe of several
+        samples into a buffer of its own (the reads of a remote store await on this loop,
+        so a decode thread's scratch buffer cannot be kept across them)."""
+        assert self._lt is not None
+        reader, lt = self.readers[v], self._lt
+        if isinstance(out, Scatter):
+            stripe = np.empty(reader.geom.stripe_shape, reader.geom.dtype)
+            await reader.read(index, stripe, lt.loop, lt.pool, self.retry)
+            out.fill_from(stripe)
+        else:
+            await reader.read(index, out, lt.loop, lt.pool, self.retry)
+
+    def _items_landed(self, items: list[Item],
                       generation: int) -> None:
         """In-place stripes ``(variable, index, batch, out)`` were read: count them, and tell
         each batch how many of its rows landed."""
         assert self.arena is not None
         per_var: dict[int, int] = {}
-        per_batch: dict[int, int] = {}
-        for v, _, b, _ in items:
+        for v, _, _, _ in items:
             per_var[v] = per_var.get(v, 0) + 1
-            per_batch[b] = per_batch.get(b, 0) + 1
         for v, n in per_var.items():
             self.stats.stripes_read(n, self.readers[v].geom.stripe_nbytes)
-        for b, n in per_batch.items():
+        for b, n in batch_writes(items).items():
             self.arena.done(b, n, generation)
 
     @contextlib.asynccontextmanager
@@ -458,7 +478,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         asks for them."""
         assert self.arena is not None
         return prepare_in_place(plan, self.arena, self.decode_threads,
-                                all(r.groups_reads for r in self.readers))
+                                all(r.groups_reads for r in self.readers),
+                                [r.geom.sample_chunk for r in self.readers])
 
     async def _fetch_in_place(self, job: InPlaceJob) -> DecodedWindow:
         """Run a prepared window: every chunk decoded straight into its batch row, each
@@ -561,7 +582,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         tasks = [OneShot(self._run_items_direct, group, job, left, now) for group in job.jobs]
         return DirectWindow(job.plan, [], [], lt.pool, tasks)
 
-    def _run_items_direct(self, items: list[tuple[int, int, int, np.ndarray]], job: InPlaceJob,
+    def _run_items_direct(self, items: list[Item], job: InPlaceJob,
                           left: list[int], submitted: float) -> None:
         """One group of an in-place window on a pool thread (``_read_items`` and, for the
         last group to finish, the rest of ``_fetch_in_place``). A failure fails every batch
@@ -570,13 +591,17 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         arena, stats = self.arena, self.stats
         try:
             with self._direct_slot:
-                try:
-                    read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
-                                      submitted)
-                except Exception:
-                    stats.read.retried(len(items))  # the failed group try: all again
+                again = len(items) == 1  # one item: its own tries at once, not a group try
+                if not again:
+                    try:
+                        read_local_items([(self.readers[v], i, out) for v, i, _, out in items],
+                                          submitted)
+                    except Exception:
+                        stats.read.retried(len(items))  # the failed group try: all again
+                        again = True
+                if again:
                     for v, i, _, out in items:
-                        self.readers[v].read_local_retrying([i], [out], self.retry)
+                        read_item_retrying(self.readers[v], i, out, self.retry)
             self._items_landed(items, job.generation)
             with self._left_lock:
                 left[0] -= 1
@@ -760,9 +785,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self._top_up(self.prefetch_windows)
 
     def windows_pending(self) -> tuple[int, int]:
-        """(windows submitted and not yet handed over, of which fully fetched)."""
+        """(windows submitted and not yet handed over, of which fully fetched). In place,
+        windows are handed over as submitted: those still decoding count too."""
         try:
-            futs = ([f for f, _, _ in list(self._fifo)] + list(self._running)
+            futs = ([f for f, _, _ in list(self._fifo)]
+                    + [f for f in list(self._running) if not f.done()]
                     + [f for f, _, _ in list(self._ahead)])
         except RuntimeError:  # mutated while copied from another thread: report nothing
             return 0, 0

@@ -16,8 +16,10 @@ import numpy as np
 from ..arena import BatchArena
 from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
+from ..io.retry import RetryPolicy
+from ..io.thread_buffer import ThreadBuffer
 from ..items import DecodedWindow
-from ..layout import row_view
+from ..layout import Placement, row_view
 from ..plan import ReadPlan
 
 
@@ -80,11 +82,11 @@ class DirectWindow:
         return DecodedWindow(self.plan, arrays)
 
 
-def read_local_items(items: list[tuple[StripeReader, int, np.ndarray]],
+def read_local_items(items: list[tuple[StripeReader, int, np.ndarray | Scatter]],
                       submitted: float) -> None:
     """Read and decode each ``(reader, stripe, out)`` on this pool thread, in order."""
     for reader, index, out in items:
-        reader.read_local(index, out, submitted)
+        read_item(reader, index, out, submitted)
         submitted = None  # only the first stripe waited in the queue
 
 
@@ -95,7 +97,7 @@ class InPlaceJob:
     src batch)``, and the batches it feeds."""
 
     plan: ReadPlan
-    jobs: list[list[tuple[int, int, int, np.ndarray]]]
+    jobs: list[list[Item]]
     copies: list[tuple[np.ndarray, np.ndarray, int, int]]  # dst, src, their batches
     batches: list[int]
     generation: int  # the arena's, when prepared
@@ -120,21 +122,94 @@ class InPlaceJob:
         arena.fail(self.batches, e, self.generation)
 
 
-Item = tuple[int, int, int, np.ndarray]  # (variable, stripe, batch, out): one in-place read
+class Scatter:
+    """Where the samples of a stripe holding several go: decoded once into this thread's
+    scratch buffer (hot in cache), then sample ``rows[k]`` of it copied into slot ``dsts[k]``
+    of batch ``batches[k]``: the one copy a many-samples chunk needs, made on the decode
+    thread, not a window buffer gathered on the training thread."""
+
+    __slots__ = ("rows", "dsts", "batches")
+
+    def __init__(self, rows: list[int], dsts: list[np.ndarray], batches: list[int]) -> None:
+        self.rows, self.dsts, self.batches = rows, dsts, batches
+
+    def fill_from(self, stripe: np.ndarray) -> None:
+        for r, dst in zip(self.rows, self.dsts, strict=True):
+            np.copyto(dst, stripe[r : r + 1])
 
 
-def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
-                     grouped: bool) -> InPlaceJob:
-    """Where every chunk of a one-sample-per-chunk window goes: each (sample, step) a draw
-    reads lands in (batch, row, step); a chunk feeding several slots (a neighbour's history,
-    padding for equal steps) is decoded once, into its first slot, and copied into the
-    others. Allocates the window's batches and holds the ones copies read from.
+# (variable, stripe, batch, out): one in-place read, decoded into ``out`` (one sample per
+# chunk) or scattered (``Scatter``; ``batch`` is then the first batch it feeds)
+Item = tuple[int, int, int, "np.ndarray | Scatter"]
 
-    In place, every variable holds one sample per chunk (``graph._not_in_place``), so every
-    variable reads every slot's sample. This runs on the consumer thread, holding the GIL
-    the decode threads need between chunks: index math in a few numpy calls, and the reads
-    built by comprehensions over plain lists (a per-slot loop of dicts and calls cost ~2.5 us
-    per sample there)."""
+_SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
+
+
+def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
+              submitted: float | None = None) -> None:
+    """Read and decode one in-place item on this pool thread."""
+    if isinstance(out, Scatter):
+        stripe = _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype)
+        reader.read_local(index, stripe, submitted)
+        out.fill_from(stripe)
+    else:
+        reader.read_local(index, out, submitted)
+
+
+def read_item_retrying(reader: StripeReader, index: int, out: np.ndarray | Scatter,
+                       retry: RetryPolicy) -> None:
+    """``read_item`` with ``retry``'s tries and error notes (an item alone in its task, or
+    each of a failed group's)."""
+    if isinstance(out, Scatter):
+        stripe = _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype)
+        reader.read_local_retrying([index], [stripe], retry)
+        out.fill_from(stripe)
+    else:
+        reader.read_local_retrying([index], [out], retry)
+
+
+def batch_writes(items: Sequence[Item]) -> dict[int, int]:
+    """Row writes per batch that ``items`` make once read."""
+    per_batch: dict[int, int] = {}
+    for _, _, b, out in items:
+        if isinstance(out, Scatter):
+            for sb in out.batches:
+                per_batch[sb] = per_batch.get(sb, 0) + 1
+        else:
+            per_batch[b] = per_batch.get(b, 0) + 1
+    return per_batch
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Every slot a window's kept draws fill, in draw order (steps inner): its sample,
+    batch, row and step, and the batch arrays they are in."""
+
+    sample: np.ndarray
+    batch: np.ndarray
+    row: np.ndarray
+    step: np.ndarray
+    n_steps: int
+    arrays: dict[int, dict[str, np.ndarray]]
+    where: list[list[tuple[str, int | None, Placement]]]  # per variable and step
+
+    def views(self, v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[np.ndarray]:
+        """Variable ``v``'s part of each slot (batch, row, step)."""
+        arrays, where = self.arrays, self.where
+        if self.n_steps == 1 and where[v][0][1] is None and where[v][0][2].channel is None:
+            key = where[v][0][0]
+            return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
+        out = []
+        for b, r, k in zip(bs, rs, ks, strict=True):
+            key, col, pl = where[v][k]
+            rows = arrays[b][key][r : r + 1]
+            out.append(row_view(rows if col is None else rows[:, col], pl))
+        return out
+
+
+def _window_slots(plan: ReadPlan, arena: BatchArena) -> _Slots:
+    """The slots of ``plan``'s draws not dropped (``drop_last``) nor delivered before a
+    restore, with their batches allocated."""
     slots = plan.slots
     assert slots is not None
     keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
@@ -142,11 +217,37 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
     steps = np.asarray(plan.offsets, dtype=np.int64)
     n_steps = int(steps.size)
     draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
-    # every slot a draw fills, in draw order (steps inner)
-    sample = (draws[:, None] + steps[None, :]).ravel()
     batch = np.repeat(slots.batch[keep], n_steps)
-    row = np.repeat(slots.row[keep], n_steps)
-    step = np.tile(np.arange(n_steps, dtype=np.int64), draws.size)
+    arrays = {b: arena.rows(b, slots.rows_in(b)) for b in sorted(set(batch.tolist()))}
+    where = []
+    for v in range(len(plan.reads)):
+        pl = arena.layout.direct(v)
+        assert pl is not None, f"variable {v} is not decoded whole into the batch"
+        where.append([(*arena.slot(pl.key, k), pl) for k in range(n_steps)])
+    return _Slots(sample=(draws[:, None] + steps[None, :]).ravel(), batch=batch,
+                  row=np.repeat(slots.row[keep], n_steps),
+                  step=np.tile(np.arange(n_steps, dtype=np.int64), draws.size),
+                  n_steps=n_steps, arrays=arrays, where=where)
+
+
+def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: bool,
+                     sample_chunks: Sequence[int] = ()) -> InPlaceJob:
+    """Where every chunk of an in-place window goes: each (sample, step) a draw reads lands
+    in (batch, row, step). With one sample per chunk (``sample_chunks`` all 1) the chunk is
+    decoded straight into its slot; one feeding several slots (a neighbour's history,
+    padding for equal steps) is decoded once, into its first slot, and copied into the
+    others. With several samples per chunk, ``prepare_scattered``. Allocates the window's
+    batches and holds the ones copies read from.
+
+    This runs on the consumer thread, holding the GIL the decode threads need between
+    chunks: index math in a few numpy calls, and the reads built by comprehensions over
+    plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
+    if any(n != 1 for n in sample_chunks):
+        return prepare_scattered(plan, arena, threads, sample_chunks)
+    s = _window_slots(plan, arena)
+    sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
+    slots = plan.slots
+    assert slots is not None
     samples_all = sample.tolist()
     if len(set(samples_all)) == len(samples_all):  # each sample in one slot: no copies
         first = np.arange(sample.size)
@@ -160,30 +261,10 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
     # batches are complete first
     src = first[np.argsort((batch[first] * slots.batch_size + row[first]) * n_steps
                            + step[first])]
-    arrays = {b: arena.rows(b, slots.rows_in(b)) for b in sorted(set(batch.tolist()))}
     n_vars = len(plan.reads)
-    # per variable and step: (batch key, step column, placement) of its slot
-    where = []
-    for v in range(n_vars):
-        pl = arena.layout.direct(v)
-        assert pl is not None, f"variable {v} is not decoded whole into the batch"
-        where.append([(*arena.slot(pl.key, k), pl) for k in range(n_steps)])
-
-    def views(v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[np.ndarray]:
-        """Variable ``v``'s part of each slot (batch, row, step)."""
-        if n_steps == 1 and where[v][0][1] is None and where[v][0][2].channel is None:
-            key = where[v][0][0]
-            return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
-        out = []
-        for b, r, k in zip(bs, rs, ks, strict=True):
-            key, col, pl = where[v][k]
-            rows = arrays[b][key][r : r + 1]
-            out.append(row_view(rows if col is None else rows[:, col], pl))
-        return out
-
     bl, rl, kl = batch[src].tolist(), row[src].tolist(), step[src].tolist()
     sl = sample[src].tolist()
-    per_var = [list(zip([v] * len(sl), sl, bl, views(v, bl, rl, kl), strict=True))
+    per_var = [list(zip([v] * len(sl), sl, bl, s.views(v, bl, rl, kl), strict=True))
                for v in range(n_vars)]
     # every variable of a sample together (one task reads them all)
     items = per_var[0] if n_vars == 1 else [it for its in zip(*per_var, strict=True) for it in its]
@@ -193,16 +274,51 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int,
     if dup.size:
         from_ = first[np.searchsorted(sample[first], sample[dup])]
         for v in range(n_vars):
-            copies += zip(views(v, batch[dup].tolist(), row[dup].tolist(), step[dup].tolist()),
-                          views(v, batch[from_].tolist(), row[from_].tolist(),
-                                step[from_].tolist()),
+            copies += zip(s.views(v, batch[dup].tolist(), row[dup].tolist(), step[dup].tolist()),
+                          s.views(v, batch[from_].tolist(), row[from_].tolist(),
+                                  step[from_].tolist()),
                           batch[dup].tolist(), batch[from_].tolist(), strict=True)
         for sb in batch[from_].tolist():
             held[sb] = held.get(sb, 0) + n_vars
     for b, n in held.items():
         arena.hold(b, n)
     jobs = batch_jobs(items, threads) if grouped else [[it] for it in items]
-    return InPlaceJob(plan, jobs, copies, list(arrays), arena.generation)
+    return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
+
+
+def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
+                      sample_chunks: Sequence[int]) -> InPlaceJob:
+    """``prepare_in_place`` where chunks hold several samples (variable ``v``: stripes of
+    ``sample_chunks[v]``): every stripe the window's slots read is decoded once, on a decode
+    thread, into that thread's scratch buffer and its samples copied into their slots
+    (``Scatter``), so the gather copy runs beside the decoding with its source hot in
+    cache. Stripes are cut into about two tasks per decode thread, in the order of the
+    first batch each feeds (a batch needs most of its window's stripes; no task is
+    worth splitting at batch edges)."""
+    s = _window_slots(plan, arena)
+    items: list[tuple[int, int, Item]] = []  # (first batch, order, item)
+    for v, per in enumerate(sample_chunks):
+        if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
+            break
+        stripe = s.sample // per
+        order = np.lexsort((s.row, s.batch, stripe))  # by stripe, then batch and row
+        st = stripe[order]
+        cuts = (np.flatnonzero(np.diff(st)) + 1).tolist()
+        offs = (s.sample[order] - st * per).tolist()
+        bs = s.batch[order].tolist()
+        dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
+        for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
+            items.append((bs[a], len(items), (v, int(st[a]), bs[a],
+                                              Scatter(offs[a:z], dsts[a:z], bs[a:z]))))
+    items.sort(key=lambda t: (t[0], t[1]))
+    ordered = [it for _, _, it in items]
+    nbytes = sum(sum(d.nbytes for d in it[3].dsts) for it in ordered  # type: ignore[union-attr]
+                 ) if ordered else 0
+    parts = min(len(ordered), max(2 * threads, -(-nbytes // (16 << 20)),
+                                  -(-len(ordered) // 64))) if ordered else 0
+    jobs = [ordered[k * len(ordered) // parts : (k + 1) * len(ordered) // parts]
+            for k in range(parts)]
+    return InPlaceJob(plan, jobs, [], list(s.arrays), arena.generation)
 
 
 def batch_jobs(items: list[Item], threads: int) -> list[list[Item]]:
