@@ -84,12 +84,13 @@ class FetchConfig:
     ``prefetch_windows=None`` means 2 (``default_prefetch_windows``: a round trip hidden at
     each window edge of an object store, a decode pool kept busy on a local disk);
     ``decode_threads=None`` means cores + 1, at most 4, or as many as cores when decoding in
-    place (``default_decode_threads``).
+    place one sample per chunk (``default_decode_threads``).
     ``decode`` is ``"cpu"``, ``"gpu"`` or a ``FrameDecoder`` object (tests pass
-    ``HostFrameDecoder``). ``in_place`` decodes every chunk straight into its batch row
-    (every variable one sample per chunk, CPU decode, channels that take whole variables;
-    time steps too):
-    ``None`` does it wherever it applies, ``False`` never, ``True`` or an error saying why not.
+    ``HostFrameDecoder``). ``in_place`` decodes every chunk straight into its batch rows
+    (CPU decode, channels that take whole variables; time steps too): a chunk of one sample
+    is a row; a chunk of several is decoded once on a decode thread and its samples copied
+    into their rows there. ``None`` does it wherever it applies (several samples per chunk:
+    on local files only), ``False`` never, ``True`` or an error saying why not.
     ``cache`` (a ``ChunkCache``) keeps the stored chunks of object stores and icechunk on
     local disk, so later epochs read them from there. ``prefetch_next_epoch`` fetches the
     next epoch's first windows while this one's last batches are drawn (its first batch

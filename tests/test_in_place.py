@@ -147,10 +147,13 @@ def test_equal_with_sample_options(weather, options):
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (3, 3), (16, 4), (None, 1)])
 def test_default_decode_threads_in_place_are_the_cores(weather, monkeypatch, cores, threads):
-    """In place, no gather copy runs on the training thread: as many decode threads as
-    cores (at most 4), not the one more the gather path takes (tests/test_loader.py)."""
+    """In place one sample per chunk, no copy runs at all: as many decode threads as cores
+    (at most 4), not the one more the gather path takes (tests/test_loader.py); chunks of
+    several samples keep it (their row copies on the decode threads)."""
     src, m = weather
     monkeypatch.setattr("os.cpu_count", lambda: cores)
+    if src.grid.chunk_size > 1:
+        threads = min(4, (cores or 1) + 1)
     with ib.build_loader(src, m, "train", batch_size=8) as ld:
         assert is_in_place(ld) and ld.node(ib.AsyncFetchNode).decode_threads == threads
         assert sorted(i for b in ld for i in b["sample_index"].tolist()) == list(range(80))

@@ -109,8 +109,10 @@ def default_decode_threads(in_place: bool = False) -> int:
     around every chunk (open, read, close, decode each release and retake it) while the
     training thread runs Python (the gather copy among it); a third thread on two cores
     keeps them busy meanwhile (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk).
-    Decoding in place there is no gather on the training thread, and the extra thread only
-    adds switches: as many as cores (+1-2% on one-step stores)."""
+    Decoding in place one sample per chunk there is no copy at all, and the extra thread
+    only adds switches: as many as cores (+1-2% on one-step stores). Chunks of several
+    samples scattered in place keep the extra thread: their row copies take the GIL back
+    several times per chunk (0.96 -> 1.03x the floor + copy at 8 per chunk)."""
     return min(4, (os.cpu_count() or 1) + (0 if in_place else 1))
 
 
@@ -157,7 +159,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.dataset = dataset
         self.max_inflight = int(max_inflight)
         self.prefetch_windows = int(prefetch_windows)
-        self.decode_threads = int(decode_threads or default_decode_threads(arena is not None))
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.pool = pool if pool is not None else BufferPool(self.ledger)
         self.retry = retry if retry is not None else RetryPolicy()
@@ -174,6 +175,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                              for a, g in zip(dataset.arrays, dataset.variables, strict=True))
         for r in self.readers:
             r.times = self.stats.read
+        self.decode_threads = int(decode_threads or default_decode_threads(
+            arena is not None and all(r.geom.sample_chunk == 1 for r in self.readers)))
         self.window_decoder: WindowDecoder | None = None
         if device_decode is not None:
             chains: dict[int, DeviceChain] = {}
