@@ -56,18 +56,26 @@ from insitubatch_nodes.bench.core import (  # noqa: E402
 )
 
 
-def parse_variant(text: str) -> dict[str, int]:
-    """``"prefetch_windows=2,max_inflight=64"`` -> keywords; an error names the bad part."""
-    out: dict[str, int] = {}
+_WORDS: dict[str, bool | None] = {"true": True, "false": False, "none": None}
+
+
+def parse_variant(text: str) -> dict[str, int | bool | None]:
+    """``"prefetch_windows=2,in_place=false"`` -> keywords; an error names the bad part."""
+    out: dict[str, int | bool | None] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
             raise SystemExit(f"--variant {text!r}: {part!r} is not key=value")
+        word = value.strip().lower()
+        if word in _WORDS:
+            out[key.strip()] = _WORDS[word]
+            continue
         try:
             out[key.strip()] = int(value)
         except ValueError:
             raise SystemExit(f"--variant {text!r}: {key.strip()}={value!r} is not an integer "
-                             "(variants set integer build_loader keywords)") from None
+                             "nor true/false/none (variants set build_loader keywords)"
+                             ) from None
     return out
 
 
@@ -75,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="a local Zarr store (path or file:// URL)")
     p.add_argument("--variant", action="append", required=True,
-                   help="build_loader integer keywords, key=value[,key=value]; repeatable")
+                   help="build_loader keywords, key=value[,key=value] (integers, "
+                        "true/false/none); repeatable")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--floor-threads", default=None,
                    help="decode threads of the gather floor, comma-separated: the first is "

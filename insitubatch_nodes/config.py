@@ -120,7 +120,7 @@ class FetchConfig:
         if isinstance(self.decode, str) and self.decode not in ("cpu", "gpu"):
             raise ValueError(f"fetch.decode must be 'cpu' or 'gpu', got {self.decode!r} "
                              "(or pass a FrameDecoder object)")
-        if self.in_place not in (None, True, False):
+        if self.in_place is not None and not isinstance(self.in_place, bool):  # 0 == False
             raise ValueError(f"fetch.in_place must be None, True or False, got {self.in_place!r}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise TypeError(f"fetch.retry must be a RetryPolicy, got {self.retry!r}")

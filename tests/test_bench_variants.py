@@ -10,9 +10,13 @@ from stores import BLOSC, Var, write_store
 from benchmarks.bench_variants import main, parse_variant
 
 
-def test_a_variant_is_integer_build_loader_keywords():
+def test_a_variant_is_integer_or_boolean_build_loader_keywords():
     assert parse_variant("prefetch_windows=2,max_inflight=64") == {"prefetch_windows": 2,
                                                                   "max_inflight": 64}
+    assert parse_variant("in_place=false,decode_threads=3") == {"in_place": False,
+                                                                "decode_threads": 3}
+    assert parse_variant("in_place=True") == {"in_place": True}
+    assert parse_variant("in_place=none") == {"in_place": None}
     with pytest.raises(SystemExit, match="'decode_threads' is not key=value"):
         parse_variant("decode_threads")
     with pytest.raises(SystemExit, match=r"prefetch_windows='two' is not an integer"):

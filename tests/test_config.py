@@ -32,6 +32,7 @@ def store(tmp_path_factory):
     ("decode_threads", 0, "fetch.decode_threads must be an integer >= 1"),
     ("decode", "nvcomp", "fetch.decode must be 'cpu' or 'gpu', got 'nvcomp'"),
     ("prefetch_next_epoch", 1, "fetch.prefetch_next_epoch must be True or False, got 1"),
+    ("in_place", 0, "fetch.in_place must be None, True or False, got 0"),
     ("ring_size", 0, "device.ring_size must be an integer >= 1, got 0"),
     ("keep_states", -1, "checkpoint.keep_states must be an integer >= 0, got -1"),
     ("log_every_s", 0, "checkpoint.log_every_s must be > 0"),
