@@ -55,7 +55,6 @@ from insitubatch_nodes.bench.core import (  # noqa: E402
     time_first_batch,
 )
 
-
 _WORDS: dict[str, bool | None] = {"true": True, "false": False, "none": None}
 
 
