@@ -215,6 +215,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._holding = False  # the first batch's windows are not all out: none go ahead
         self._deferred = False  # in place: the windows ahead wait for the first batch to go out
         self._start_draws = 0  # draws of the windows submitted at the start
+        self._starting = False  # submitting those windows (in place: their first batch first)
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -403,7 +404,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self._lt is not None
         reader, lt = self.readers[v], self._lt
         if isinstance(out, Scatter):
-            stripe = np.empty(reader.geom.stripe_shape, reader.geom.dtype)
+            stripe = (out.keep if out.keep is not None
+                      else np.empty(reader.geom.stripe_shape, reader.geom.dtype))
             await reader.read(index, stripe, lt.loop, lt.pool, self.retry)
             out.fill_from(stripe)
         else:
@@ -482,7 +484,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None
         return prepare_in_place(plan, self.arena, self.decode_threads,
                                 all(r.groups_reads for r in self.readers),
-                                [r.geom.sample_chunk for r in self.readers])
+                                [r.geom.sample_chunk for r in self.readers],
+                                first=self._starting)
 
     async def _fetch_in_place(self, job: InPlaceJob) -> DecodedWindow:
         """Run a prepared window: every chunk decoded straight into its batch row, each
@@ -724,8 +727,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             # The first batch's windows alone: windows ahead of them would share the cores
             # with their last stripes and delay it (DESIGN.md "Time to first batch"); they go
             # in once all of them are out.
-            self._start_draws = self._top_up(self.prefetch_windows + 1,
-                                             draws=max(1, self.first.draws))
+            self._starting = True  # the first batch's windows
+            try:
+                self._start_draws = self._top_up(self.prefetch_windows + 1,
+                                                 draws=max(1, self.first.draws))
+            finally:
+                self._starting = False
             self._holding = True
             self._started = True
         elif not self._holding:

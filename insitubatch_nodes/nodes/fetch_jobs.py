@@ -104,14 +104,30 @@ class InPlaceJob:
 
     def copy_rows(self, arena: BatchArena) -> None:
         """Once every read has landed: fill the slots fed by a chunk decoded elsewhere, and
-        tell the arena (a row written in the destination, a read done in the source)."""
-        counted: dict[int, int] = {}
+        tell the arena (a row written in the destination, a read done in the source; a
+        source batch -1 is a held stripe of a first window, ``prepare_scattered``). A run
+        of copies into one batch is counted as it ends, so batches in order go out as
+        their rows land. Then lets go of the sources."""
+        held: dict[int, int] = {}
+        run_b, run_n = -1, 0
         for dst, src, b, src_b in self.copies:
             np.copyto(dst, src)
-            counted[b] = counted.get(b, 0) + 1
-            counted[src_b] = counted.get(src_b, 0) + 1
-        for b, n in counted.items():
+            if b != run_b:
+                if run_n:
+                    arena.done(run_b, run_n, self.generation)
+                run_b, run_n = b, 0
+            run_n += 1
+            if src_b >= 0:
+                held[src_b] = held.get(src_b, 0) + 1
+        if run_n:
+            arena.done(run_b, run_n, self.generation)
+        for b, n in held.items():
             arena.done(b, n, self.generation)
+        self.copies.clear()  # held stripes go back to the pool (BufferPool: no view left)
+        for group in self.jobs:
+            for item in group:
+                if isinstance(item[3], Scatter):
+                    item[3].keep = None
 
     def fail(self, arena: BatchArena, e: BaseException, note: bool = True) -> None:
         """The window failed with ``e``: every batch it feeds fails with it (named in a note
@@ -126,12 +142,14 @@ class Scatter:
     """Where the samples of a stripe holding several go: decoded once into this thread's
     scratch buffer (hot in cache), then sample ``rows[k]`` of it copied into slot ``dsts[k]``
     of batch ``batches[k]``: the one copy a many-samples chunk needs, made on the decode
-    thread, not a window buffer gathered on the training thread."""
+    thread, not a window buffer gathered on the training thread. ``keep``: decode into this
+    buffer instead, held for the copies made after the first batch (``prepare_scattered``)."""
 
-    __slots__ = ("rows", "dsts", "batches")
+    __slots__ = ("rows", "dsts", "batches", "keep")
 
-    def __init__(self, rows: list[int], dsts: list[np.ndarray], batches: list[int]) -> None:
-        self.rows, self.dsts, self.batches = rows, dsts, batches
+    def __init__(self, rows: list[int], dsts: list[np.ndarray], batches: list[int],
+                 keep: np.ndarray | None = None) -> None:
+        self.rows, self.dsts, self.batches, self.keep = rows, dsts, batches, keep
 
     def fill_from(self, stripe: np.ndarray) -> None:
         for r, dst in zip(self.rows, self.dsts, strict=True):
@@ -149,7 +167,8 @@ def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
               submitted: float | None = None) -> None:
     """Read and decode one in-place item on this pool thread."""
     if isinstance(out, Scatter):
-        stripe = _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype)
+        stripe = (out.keep if out.keep is not None
+                  else _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype))
         reader.read_local(index, stripe, submitted)
         out.fill_from(stripe)
     else:
@@ -161,7 +180,8 @@ def read_item_retrying(reader: StripeReader, index: int, out: np.ndarray | Scatt
     """``read_item`` with ``retry``'s tries and error notes (an item alone in its task, or
     each of a failed group's)."""
     if isinstance(out, Scatter):
-        stripe = _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype)
+        stripe = (out.keep if out.keep is not None
+                  else _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype))
         reader.read_local_retrying([index], [stripe], retry)
         out.fill_from(stripe)
     else:
@@ -231,19 +251,20 @@ def _window_slots(plan: ReadPlan, arena: BatchArena) -> _Slots:
 
 
 def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: bool,
-                     sample_chunks: Sequence[int] = ()) -> InPlaceJob:
+                     sample_chunks: Sequence[int] = (), first: bool = False) -> InPlaceJob:
     """Where every chunk of an in-place window goes: each (sample, step) a draw reads lands
     in (batch, row, step). With one sample per chunk (``sample_chunks`` all 1) the chunk is
     decoded straight into its slot; one feeding several slots (a neighbour's history,
     padding for equal steps) is decoded once, into its first slot, and copied into the
-    others. With several samples per chunk, ``prepare_scattered``. Allocates the window's
+    others. With several samples per chunk, ``prepare_scattered`` (``first``: the window
+    of a first batch). Allocates the window's
     batches and holds the ones copies read from.
 
     This runs on the consumer thread, holding the GIL the decode threads need between
     chunks: index math in a few numpy calls, and the reads built by comprehensions over
     plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
     if any(n != 1 for n in sample_chunks):
-        return prepare_scattered(plan, arena, threads, sample_chunks)
+        return prepare_scattered(plan, arena, threads, sample_chunks, first)
     s = _window_slots(plan, arena)
     sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
     slots = plan.slots
@@ -287,16 +308,26 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
 
 
 def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
-                      sample_chunks: Sequence[int]) -> InPlaceJob:
+                      sample_chunks: Sequence[int], first: bool = False) -> InPlaceJob:
     """``prepare_in_place`` where chunks hold several samples (variable ``v``: stripes of
     ``sample_chunks[v]``): every stripe the window's slots read is decoded once, on a decode
     thread, into that thread's scratch buffer and its samples copied into their slots
     (``Scatter``), so the gather copy runs beside the decoding with its source hot in
     cache. Stripes are cut into about two tasks per decode thread, in the order of the
     first batch each feeds (a batch needs most of its window's stripes; no task is
-    worth splitting at batch edges)."""
+    worth splitting at batch edges).
+
+    ``first`` (a window of an epoch's or a restore's first batch, which the training loop
+    waits for): the stripes are decoded into buffers of their own and only that batch's
+    rows copied at once; the rest are copied by the last task to finish, after it (at 24
+    samples per chunk, copying the whole window before the first batch made it ~12 %
+    later than the gather path's). The held stripes are at most the window's samples: the
+    batches of the window just finished, which the resident bound counts and which do not
+    exist yet at a start."""
     s = _window_slots(plan, arena)
     items: list[tuple[int, int, Item]] = []  # (first batch, order, item)
+    rest: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (batch, order, dst, src)
+    b0 = int(s.batch.min()) if first and s.batch.size else None
     for v, per in enumerate(sample_chunks):
         if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
             break
@@ -307,9 +338,18 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         offs = (s.sample[order] - st * per).tolist()
         bs = s.batch[order].tolist()
         dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
+        geom_shape = (per, *dsts[0].shape[1:]) if b0 is not None else None
         for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
-            items.append((bs[a], len(items), (v, int(st[a]), bs[a],
-                                              Scatter(offs[a:z], dsts[a:z], bs[a:z]))))
+            if b0 is None:
+                out = Scatter(offs[a:z], dsts[a:z], bs[a:z])
+            else:  # the first batch's rows now, the others once every stripe is in
+                keep = arena.pool.take(geom_shape, dsts[0].dtype)
+                now = [k for k in range(a, z) if bs[k] == b0]
+                out = Scatter([offs[k] for k in now], [dsts[k] for k in now],
+                              [b0] * len(now), keep)
+                rest += [(bs[k], len(rest), dsts[k], keep[offs[k] : offs[k] + 1])
+                         for k in range(a, z) if bs[k] != b0]
+            items.append((bs[a], len(items), (v, int(st[a]), bs[a], out)))
     items.sort(key=lambda t: (t[0], t[1]))
     ordered = [it for _, _, it in items]
     nbytes = sum(sum(d.nbytes for d in it[3].dsts) for it in ordered  # type: ignore[union-attr]
@@ -318,7 +358,9 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
                                   -(-len(ordered) // 64))) if ordered else 0
     jobs = [ordered[k * len(ordered) // parts : (k + 1) * len(ordered) // parts]
             for k in range(parts)]
-    return InPlaceJob(plan, jobs, [], list(s.arrays), arena.generation)
+    rest.sort(key=lambda t: (t[0], t[1]))  # in batch order: the next batches go out first
+    copies = [(dst, src, b, -1) for b, _, dst, src in rest]
+    return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
 
 
 def batch_jobs(items: list[Item], threads: int) -> list[list[Item]]:
