@@ -39,17 +39,19 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
 
     ``in_place`` (chunks decoded into the batches): the batches that the windows being
     drawn, prefetched and just finished feed, two partly filled batches at their edges,
-    and the batch the training step holds (a decode thread's scratch stripe, when chunks
-    hold several samples, is not counted: one chunk per thread)."""
+    and the batch the training step holds; with several samples per chunk, also the
+    stripes of the window of a first batch, held for its later copies (a decode thread's
+    scratch stripe is not counted: one chunk per thread)."""
+    halo = 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
+    # a window of ``runs`` runs reads each run's halo
+    window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo * runs)
     if in_place:
         per_row = 1 if steps is None else steps.history + len(steps.lead)
         sample_bytes = per_row * sum(v.sample_nbytes for v in variables)
         window_samples = block_chunks * grid.chunk_size
         batches = -(-(2 + prefetch_windows) * window_samples // batch_size) + 3
-        return batches * batch_size * sample_bytes
-    halo = 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
-    # a window of ``runs`` runs reads each run's halo
-    window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo * runs)
+        held = window_bytes if any(v.sample_chunk != 1 for v in variables) else 0
+        return batches * batch_size * sample_bytes + held
     window_samples = block_chunks * grid.chunk_size
     if batch_size > window_samples:
         # A batch spans whole windows: all of them (and the one it starts in) stay resident

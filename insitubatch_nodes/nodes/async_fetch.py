@@ -215,7 +215,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._holding = False  # the first batch's windows are not all out: none go ahead
         self._deferred = False  # in place: the windows ahead wait for the first batch to go out
         self._start_draws = 0  # draws of the windows submitted at the start
-        self._starting = False  # submitting those windows (in place: their first batch first)
+        self._starting = False  # the next window prepared is a start's head window
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -485,7 +485,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return prepare_in_place(plan, self.arena, self.decode_threads,
                                 all(r.groups_reads for r in self.readers),
                                 [r.geom.sample_chunk for r in self.readers],
-                                first=self._starting)
+                                first=self._take_starting())
+
+    def _take_starting(self) -> bool:
+        """Whether the window being prepared is the head window of a start (an epoch's or a
+        restore's), the only one whose stripes are held for its first batch: so at most one
+        window's stripes are, which the resident bound counts."""
+        head, self._starting = self._starting, False
+        return head
 
     async def _fetch_in_place(self, job: InPlaceJob) -> DecodedWindow:
         """Run a prepared window: every chunk decoded straight into its batch row, each
@@ -727,7 +734,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             # The first batch's windows alone: windows ahead of them would share the cores
             # with their last stripes and delay it (DESIGN.md "Time to first batch"); they go
             # in once all of them are out.
-            self._starting = True  # the first batch's windows
+            self._starting = True  # the head window (in place: its first batch first)
             try:
                 self._start_draws = self._top_up(self.prefetch_windows + 1,
                                                  draws=max(1, self.first.draws))

@@ -256,8 +256,8 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     in (batch, row, step). With one sample per chunk (``sample_chunks`` all 1) the chunk is
     decoded straight into its slot; one feeding several slots (a neighbour's history,
     padding for equal steps) is decoded once, into its first slot, and copied into the
-    others. With several samples per chunk, ``prepare_scattered`` (``first``: the window
-    of a first batch). Allocates the window's
+    others. With several samples per chunk, ``prepare_scattered`` (``first``: a start's
+    head window). Allocates the window's
     batches and holds the ones copies read from.
 
     This runs on the consumer thread, holding the GIL the decode threads need between
@@ -317,13 +317,12 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     first batch each feeds (a batch needs most of its window's stripes; no task is
     worth splitting at batch edges).
 
-    ``first`` (a window of an epoch's or a restore's first batch, which the training loop
-    waits for): the stripes are decoded into buffers of their own and only that batch's
-    rows copied at once; the rest are copied by the last task to finish, after it (at 24
-    samples per chunk, copying the whole window before the first batch made it ~12 %
-    later than the gather path's). The held stripes are at most the window's samples: the
-    batches of the window just finished, which the resident bound counts and which do not
-    exist yet at a start."""
+    ``first`` (the head window of an epoch's or a restore's start, whose first batch the
+    training loop waits for): the stripes are decoded into buffers of their own and only
+    that batch's rows copied at once; the rest are copied by the last task to finish,
+    after it (at 24 samples per chunk, copying the whole window before the first batch
+    made it ~12 % later than the gather path's). One window's stripes held so: the resident
+    bound counts them (``budget.resident_bound``)."""
     s = _window_slots(plan, arena)
     items: list[tuple[int, int, Item]] = []  # (first batch, order, item)
     rest: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (batch, order, dst, src)
