@@ -382,8 +382,12 @@ def test_windows_ahead_are_planned_once_the_first_batch_went_out(weather, monkey
     on the training thread) once its first batch went out, when the next one is asked for,
     not before it; then ``prefetch_windows`` ahead, as always. Unless the first window holds
     less than a batch more than the first batch (12 of 20 draws): then at once, to keep the
-    decode threads busy meanwhile."""
+    decode threads busy meanwhile. Chunks of several samples: one window fewer ahead while
+    the head window, which holds its stripes for the copies after its first batch, is
+    drawn (its stripes take that window's memory)."""
     src, m = weather
+    if src.grid.chunk_size > 1:  # (4: one ahead once the first batch went out; 12: one
+        at_first, at_second = {4: (1, 2), 12: (2, 4)}[batch]  # at once, then as before)
     plans = []
     real = ib.ReadPlanNode.next
 

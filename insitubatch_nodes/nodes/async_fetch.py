@@ -216,6 +216,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._deferred = False  # in place: the windows ahead wait for the first batch to go out
         self._start_draws = 0  # draws of the windows submitted at the start
         self._starting = False  # the next window prepared is a start's head window
+        self._head: InPlaceJob | None = None  # that window, while it holds stripes
         self._error: BaseException | None = None
         self._shut_down = False
         self._left_lock = threading.Lock()  # an in-place window's groups still running
@@ -319,6 +320,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._cancel_epoch()
         if self.arena is not None:
             self.arena.clear()
+        self._head = None  # a cancelled head window's held stripes go with it
         self._error = None
         self._exhausted = False
         self._started = False
@@ -482,10 +484,21 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         consumer thread before submitting, so the batches exist before the shuffle buffer
         asks for them."""
         assert self.arena is not None
-        return prepare_in_place(plan, self.arena, self.decode_threads,
-                                all(r.groups_reads for r in self.readers),
-                                [r.geom.sample_chunk for r in self.readers],
-                                first=self._take_starting())
+        first = self._take_starting()
+        job = prepare_in_place(plan, self.arena, self.decode_threads,
+                               all(r.groups_reads for r in self.readers),
+                               [r.geom.sample_chunk for r in self.readers], first=first)
+        if first and job.copies:
+            self._head = job
+        return job
+
+    def _head_holds(self) -> bool:
+        """A start's head window holds stripes for its copies and is being drawn: one
+        window fewer goes ahead meanwhile, so the held stripes take that window's memory
+        instead of adding to it (at 24 samples per chunk the ledger peaked 100 MB higher).
+        Until the next window is handed on, not until the copies end: a count of windows
+        ahead that does not depend on the decode threads' timing."""
+        return self._head is not None
 
     def _take_starting(self) -> bool:
         """Whether the window being prepared is the head window of a start (an epoch's or a
@@ -750,6 +763,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             raise StopIteration
         fut, snap, in_place = self._fifo[0]
         if in_place is not None:
+            if self._head is not None and in_place is not self._head.plan:
+                self._head = None  # the head window is drawn: its copies are done
             self._before_delivery()
             self._fifo.popleft()
             self._running = [f for f in self._running if not f.done()] + [fut]
@@ -793,14 +808,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._holding = False
         self._deferred = defer
         if not defer:
-            self._top_up(self.prefetch_windows + 1)
+            self._top_up(self.prefetch_windows + 1 - self._head_holds())
 
     def _after_first_batch(self) -> None:
         """``FirstBatch.went_out``: the windows ahead, held back for the first batch (its
         window is out of the queue by now, so ``prefetch_windows`` of them)."""
         if self._deferred:
             self._deferred = False
-            self._top_up(self.prefetch_windows)
+            self._top_up(self.prefetch_windows - self._head_holds())
 
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched). In place,

@@ -107,9 +107,10 @@ class InPlaceJob:
         tell the arena (a row written in the destination, a read done in the source; a
         source batch -1 is a held stripe of a first window, ``prepare_scattered``). A run
         of copies into one batch is counted as it ends, so batches in order go out as
-        their rows land. Then lets go of the sources."""
+        their rows land; the sources are let go of before the last run is counted."""
         held: dict[int, int] = {}
         run_b, run_n = -1, 0
+        dst = src = None
         for dst, src, b, src_b in self.copies:
             np.copyto(dst, src)
             if b != run_b:
@@ -119,15 +120,18 @@ class InPlaceJob:
             run_n += 1
             if src_b >= 0:
                 held[src_b] = held.get(src_b, 0) + 1
-        if run_n:
-            arena.done(run_b, run_n, self.generation)
-        for b, n in held.items():
-            arena.done(b, n, self.generation)
-        self.copies.clear()  # held stripes go back to the pool (BufferPool: no view left)
+        # The held stripes go back to the pool (BufferPool: no view left) before the last
+        # batch is counted: once it is, the window ahead may take their memory.
+        del dst, src
+        self.copies.clear()
         for group in self.jobs:
             for item in group:
                 if isinstance(item[3], Scatter):
                     item[3].keep = None
+        if run_n:
+            arena.done(run_b, run_n, self.generation)
+        for b, n in held.items():
+            arena.done(b, n, self.generation)
 
     def fail(self, arena: BatchArena, e: BaseException, note: bool = True) -> None:
         """The window failed with ``e``: every batch it feeds fails with it (named in a note
