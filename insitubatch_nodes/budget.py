@@ -39,11 +39,10 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
 
     ``in_place`` (chunks decoded into the batches): the batches that the windows being
     drawn, prefetched and just finished feed, two partly filled batches at their edges,
-    and the batch the training step holds. With several samples per chunk a start's head
-    window holds its stripes for the copies after its first batch, in the place of the
-    window just finished (there is none at a start); what those stripes hold beyond the
-    window's samples (chunkings that do not divide the grid's, time-step halos) is added.
-    A decode thread's scratch stripe is not counted: one chunk per thread."""
+    and the batch the training step holds; with several samples per chunk, also the
+    stripes a start's head window holds for the copies after its first batch (one window's:
+    a batch straddling its end brings the next windows in before those copies are done). A
+    decode thread's scratch stripe is not counted: one chunk per thread."""
     halo = 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
     # a window of ``runs`` runs reads each run's halo
     window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo * runs)
@@ -52,9 +51,7 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
         sample_bytes = per_row * sum(v.sample_nbytes for v in variables)
         window_samples = block_chunks * grid.chunk_size
         batches = -(-(2 + prefetch_windows) * window_samples // batch_size) + 3
-        held = 0
-        if any(v.sample_chunk != 1 for v in variables):
-            held = max(0, window_bytes - window_samples * sum(v.sample_nbytes for v in variables))
+        held = window_bytes if any(v.sample_chunk != 1 for v in variables) else 0
         return batches * batch_size * sample_bytes + held
     window_samples = block_chunks * grid.chunk_size
     if batch_size > window_samples:

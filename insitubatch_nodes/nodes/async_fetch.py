@@ -503,8 +503,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def _take_starting(self) -> bool:
         """Whether the window being prepared is the head window of a start (an epoch's or a
         restore's), the only one whose stripes are held for its first batch: at most one
-        window's stripes are, in the place of the window just finished (the resident
-        bound)."""
+        window's stripes are, which the resident bound counts."""
         head, self._starting = self._starting, False
         return head
 

@@ -325,8 +325,8 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     training loop waits for): the stripes are decoded into buffers of their own and only
     that batch's rows copied at once; the rest are copied by the last task to finish,
     after it (at 24 samples per chunk, copying the whole window before the first batch
-    made it ~12 % later than the gather path's). One window's stripes held so, in the
-    place of the window just finished (``budget.resident_bound``)."""
+    made it ~12 % later than the gather path's). One window's stripes held so: the resident
+    bound counts them (``budget.resident_bound``)."""
     s = _window_slots(plan, arena)
     items: list[tuple[int, int, Item]] = []  # (first batch, order, item)
     rest: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (batch, order, dst, src)
