@@ -371,6 +371,9 @@ class StripeReader:
         """``read_group`` for a local store, run on the calling (pool) thread: the same
         grouped try, per-stripe fallback and retries, without an event loop, so the
         consumer thread can submit a window's reads straight to the pool. Returns attempts."""
+        if len(indices) == 1:  # its first try is the one that waited in the pool's queue
+            return self._read_local_one(indices[0], outs[0], retry, submitted)
+        attempts = 0
         if len(indices) > 1:
             try:
                 self.read_local_many(indices, outs, submitted)
@@ -378,18 +381,17 @@ class StripeReader:
             except Exception:
                 self.times.retried(len(indices))
                 attempts = len(indices)  # the failed group try, once per stripe
-        else:
-            attempts = 0
         for index, out in zip(indices, outs, strict=True):
             attempts += self._read_local_one(index, out, retry)
         return attempts
 
-    def _read_local_one(self, index: int, out: np.ndarray, retry: RetryPolicy) -> int:
+    def _read_local_one(self, index: int, out: np.ndarray, retry: RetryPolicy,
+                        submitted: float | None = None) -> int:
         tries = _Tries()
         while True:
             tries.attempt += 1
             try:
-                self.read_local(index, out)
+                self.read_local(index, out, submitted if tries.attempt == 1 else None)
                 return tries.attempt
             except Exception as e:
                 time.sleep(self._after_failure(index, e, tries, retry))

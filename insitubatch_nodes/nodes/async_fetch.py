@@ -627,7 +627,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                         again = True
                 if again:
                     for v, i, _, out in items:
-                        read_item_retrying(self.readers[v], i, out, self.retry)
+                        read_item_retrying(self.readers[v], i, out, self.retry,
+                                           None if len(items) > 1 else submitted)
             self._items_landed(items, job.generation)
             with self._left_lock:
                 left[0] -= 1
@@ -763,7 +764,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         fut, snap, in_place = self._fifo[0]
         if in_place is not None:
             if self._head is not None and in_place is not self._head.plan:
-                self._head = None  # the head window is drawn: its copies are done
+                # the head window is drawn: its copies are done (but for a batch straddling
+                # its end, whose windows ahead the resident bound's held stripes cover)
+                self._head = None
             self._before_delivery()
             self._fifo.popleft()
             self._running = [f for f in self._running if not f.done()] + [fut]

@@ -180,16 +180,16 @@ def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
 
 
 def read_item_retrying(reader: StripeReader, index: int, out: np.ndarray | Scatter,
-                       retry: RetryPolicy) -> None:
+                       retry: RetryPolicy, submitted: float | None = None) -> None:
     """``read_item`` with ``retry``'s tries and error notes (an item alone in its task, or
     each of a failed group's)."""
     if isinstance(out, Scatter):
         stripe = (out.keep if out.keep is not None
                   else _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype))
-        reader.read_local_retrying([index], [stripe], retry)
+        reader.read_local_retrying([index], [stripe], retry, submitted)
         out.fill_from(stripe)
     else:
-        reader.read_local_retrying([index], [out], retry)
+        reader.read_local_retrying([index], [out], retry, submitted)
 
 
 def batch_writes(items: Sequence[Item]) -> dict[int, int]:
