@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=_positive_int, default=32)
     b.add_argument("--block-chunks", type=_positive_int_or_auto, default=16,
                    help="chunks per loader window (default 16); 'auto': the loader's own "
-                        "default (~64 MB windows when it decodes in place)")
+                        "default (~64 MB windows when it decodes one sample per chunk in "
+                        "place)")
     b.add_argument("--max-inflight", type=_positive_int, default=32)
     b.add_argument("--decode-threads", type=_positive_int, default=None,
                    help="the loader's decode threads (default: the loader's, cores + 1, at most 4)")

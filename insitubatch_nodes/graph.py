@@ -290,8 +290,9 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
 
 def decodes_in_place(source: Source) -> bool:
     """Whether ``build_loader`` with its defaults decodes ``source`` straight into batches
-    (every variable one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores),
-    with or without time steps: ``inspection.recommend`` sizes windows for that path."""
+    (one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores, or several on
+    local files), with or without time steps: ``inspection.recommend`` sizes windows for
+    that path."""
     return (_not_in_place(source, None, None, build_layout(source.variables)) is None
             and _in_place_by_default(source))
 
