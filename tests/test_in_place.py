@@ -177,8 +177,8 @@ def test_several_samples_per_chunk_in_place_on_local_files_only_by_default(tmp_p
 
     variables = [Var("x", (40, 3, 4), (4, 3, 4), compressors=BLOSC),
                  Var("y", (40, 2), (8, 2), dtype="int16")]
-    local = ib.open_source(tmp_path / "local.zarr") if write_store(
-        tmp_path / "local.zarr", variables) else None
+    write_store(tmp_path / "local.zarr", variables)
+    local = ib.open_source(tmp_path / "local.zarr")
     kw = dict(batch_size=6, block_chunks=3, seed=3)
     with ib.build_loader(local, ib.split_by_chunk(local, (1.0,)), "train", **kw) as ld:
         assert is_in_place(ld)

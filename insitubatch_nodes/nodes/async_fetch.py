@@ -38,7 +38,7 @@ from .fetch_jobs import (
     Scatter,
     batch_writes,
     prepare_in_place,
-    read_item_retrying,
+    read_item,
     read_local_items,
 )
 from .state import copy_state, require, shutdown_source
@@ -175,8 +175,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                              for a, g in zip(dataset.arrays, dataset.variables, strict=True))
         for r in self.readers:
             r.times = self.stats.read
+        self._sample_chunks = tuple(r.geom.sample_chunk for r in self.readers)
         self.decode_threads = int(decode_threads or default_decode_threads(
-            arena is not None and all(r.geom.sample_chunk == 1 for r in self.readers)))
+            arena is not None and set(self._sample_chunks) == {1}))
         self.window_decoder: WindowDecoder | None = None
         if device_decode is not None:
             chains: dict[int, DeviceChain] = {}
@@ -405,13 +406,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         so a decode thread's scratch buffer cannot be kept across them)."""
         assert self._lt is not None
         reader, lt = self.readers[v], self._lt
+        stripe = out.target(reader, scratch=False) if isinstance(out, Scatter) else out
+        await reader.read(index, stripe, lt.loop, lt.pool, self.retry)
         if isinstance(out, Scatter):
-            stripe = (out.keep if out.keep is not None
-                      else np.empty(reader.geom.stripe_shape, reader.geom.dtype))
-            await reader.read(index, stripe, lt.loop, lt.pool, self.retry)
             out.fill_from(stripe)
-        else:
-            await reader.read(index, out, lt.loop, lt.pool, self.retry)
 
     def _items_landed(self, items: list[Item],
                       generation: int) -> None:
@@ -487,7 +485,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         first = self._take_starting()
         job = prepare_in_place(plan, self.arena, self.decode_threads,
                                all(r.groups_reads for r in self.readers),
-                               [r.geom.sample_chunk for r in self.readers], first=first)
+                               self._sample_chunks, first=first)
         if first and job.copies:
             self._head = job
         return job
@@ -627,8 +625,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                         again = True
                 if again:
                     for v, i, _, out in items:
-                        read_item_retrying(self.readers[v], i, out, self.retry,
-                                           None if len(items) > 1 else submitted)
+                        read_item(self.readers[v], i, out,
+                                  None if len(items) > 1 else submitted, self.retry)
             self._items_landed(items, job.generation)
             with self._left_lock:
                 left[0] -= 1

@@ -142,6 +142,7 @@ class InPlaceJob:
         arena.fail(self.batches, e, self.generation)
 
 
+@dataclass(eq=False, slots=True)
 class Scatter:
     """Where the samples of a stripe holding several go: decoded once into this thread's
     scratch buffer (hot in cache), then sample ``rows[k]`` of it copied into slot ``dsts[k]``
@@ -149,11 +150,18 @@ class Scatter:
     thread, not a window buffer gathered on the training thread. ``keep``: decode into this
     buffer instead, held for the copies made after the first batch (``prepare_scattered``)."""
 
-    __slots__ = ("rows", "dsts", "batches", "keep")
+    rows: list[int]
+    dsts: list[np.ndarray]
+    batches: list[int]
+    keep: np.ndarray | None = None
 
-    def __init__(self, rows: list[int], dsts: list[np.ndarray], batches: list[int],
-                 keep: np.ndarray | None = None) -> None:
-        self.rows, self.dsts, self.batches, self.keep = rows, dsts, batches, keep
+    def target(self, reader: StripeReader, scratch: bool = True) -> np.ndarray:
+        """The buffer to decode the stripe into: the held one, else this thread's scratch
+        (``scratch=False``: a fresh one, for reads that await on the event loop)."""
+        if self.keep is not None:
+            return self.keep
+        shape, dtype = reader.geom.stripe_shape, reader.geom.dtype
+        return _SCRATCH.array(shape, dtype) if scratch else np.empty(shape, dtype)
 
     def fill_from(self, stripe: np.ndarray) -> None:
         for r, dst in zip(self.rows, self.dsts, strict=True):
@@ -168,28 +176,16 @@ _SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
 
 
 def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
-              submitted: float | None = None) -> None:
-    """Read and decode one in-place item on this pool thread."""
-    if isinstance(out, Scatter):
-        stripe = (out.keep if out.keep is not None
-                  else _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype))
+              submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
+    """Read and decode one in-place item on this pool thread; with ``retry``, with its
+    tries and error notes (an item alone in its task, or each of a failed group's)."""
+    stripe = out.target(reader) if isinstance(out, Scatter) else out
+    if retry is None:
         reader.read_local(index, stripe, submitted)
-        out.fill_from(stripe)
     else:
-        reader.read_local(index, out, submitted)
-
-
-def read_item_retrying(reader: StripeReader, index: int, out: np.ndarray | Scatter,
-                       retry: RetryPolicy, submitted: float | None = None) -> None:
-    """``read_item`` with ``retry``'s tries and error notes (an item alone in its task, or
-    each of a failed group's)."""
-    if isinstance(out, Scatter):
-        stripe = (out.keep if out.keep is not None
-                  else _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype))
         reader.read_local_retrying([index], [stripe], retry, submitted)
+    if isinstance(out, Scatter):
         out.fill_from(stripe)
-    else:
-        reader.read_local_retrying([index], [out], retry, submitted)
 
 
 def batch_writes(items: Sequence[Item]) -> dict[int, int]:
@@ -328,12 +324,13 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     made it ~12 % later than the gather path's). One window's stripes held so: the resident
     bound counts them (``budget.resident_bound``)."""
     s = _window_slots(plan, arena)
-    items: list[tuple[int, int, Item]] = []  # (first batch, order, item)
-    rest: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (batch, order, dst, src)
-    b0 = int(s.batch.min()) if first and s.batch.size else None
+    if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
+        return InPlaceJob(plan, [], [], list(s.arrays), arena.generation)
+    items: list[tuple[int, Item]] = []  # (first batch it feeds, item)
+    rest: list[tuple[int, np.ndarray, np.ndarray]] = []  # (batch, dst, src)
+    b0 = int(s.batch.min()) if first else None
+    nbytes = 0
     for v, per in enumerate(sample_chunks):
-        if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
-            break
         stripe = s.sample // per
         order = np.lexsort((s.row, s.batch, stripe))  # by stripe, then batch and row
         st = stripe[order]
@@ -341,6 +338,7 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         offs = (s.sample[order] - st * per).tolist()
         bs = s.batch[order].tolist()
         dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
+        nbytes += sum(d.nbytes for d in dsts)
         geom_shape = (per, *dsts[0].shape[1:]) if b0 is not None else None
         for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
             if b0 is None:
@@ -350,19 +348,17 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
                 now = [k for k in range(a, z) if bs[k] == b0]
                 out = Scatter([offs[k] for k in now], [dsts[k] for k in now],
                               [b0] * len(now), keep)
-                rest += [(bs[k], len(rest), dsts[k], keep[offs[k] : offs[k] + 1])
+                rest += [(bs[k], dsts[k], keep[offs[k] : offs[k] + 1])
                          for k in range(a, z) if bs[k] != b0]
-            items.append((bs[a], len(items), (v, int(st[a]), bs[a], out)))
-    items.sort(key=lambda t: (t[0], t[1]))
-    ordered = [it for _, _, it in items]
-    nbytes = sum(sum(d.nbytes for d in it[3].dsts) for it in ordered  # type: ignore[union-attr]
-                 ) if ordered else 0
+            items.append((bs[a], (v, int(st[a]), bs[a], out)))
+    items.sort(key=lambda t: t[0])  # stable: stripe order within a batch
+    ordered = [it for _, it in items]
     parts = min(len(ordered), max(2 * threads, -(-nbytes // (16 << 20)),
-                                  -(-len(ordered) // 64))) if ordered else 0
+                                  -(-len(ordered) // 64)))
     jobs = [ordered[k * len(ordered) // parts : (k + 1) * len(ordered) // parts]
             for k in range(parts)]
-    rest.sort(key=lambda t: (t[0], t[1]))  # in batch order: the next batches go out first
-    copies = [(dst, src, b, -1) for b, _, dst, src in rest]
+    rest.sort(key=lambda t: t[0])  # in batch order (stable): the next batches go out first
+    copies = [(dst, src, b, -1) for b, dst, src in rest]
     return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
 
 
