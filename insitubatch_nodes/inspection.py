@@ -55,6 +55,7 @@ class VariableReport:
     compression_ratio: float | None
     codecs: str  # zarr's codec chain
     fast_decoder: str | None  # our numcodecs chain, when special-cased
+    decoded_by: str | None  # the libraries that decode it then (numcodecs, c-blosc2, ...)
     read_mode: str
     read_path: str
     gpu_decode: str  # what decode="gpu" does with this variable, and why
@@ -131,6 +132,7 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
         compression_ratio=decoded_chunk / compressed if compressed else None,
         codecs=reader.codec_chain.label,
         fast_decoder=reader.decoder.chain if reader.decoder else None,
+        decoded_by=reader.decoder.libraries if reader.decoder else None,
         read_mode=reader.mode, read_path=READ_PATHS.get(reader.mode, reader.mode),
         gpu_decode=_gpu_verdict(reader),
     )
@@ -249,7 +251,8 @@ def format_report(r: StoreReport) -> str:
             + (f", {v.missing_objects} never written" if v.missing_objects else "") + ")"
             + f"; per stripe {_mb(v.decoded_stripe_bytes)} decoded",
             f"  codecs: {v.codecs}"
-            + (f"; fast decoder: {v.fast_decoder}" if v.fast_decoder else ""),
+            + (f"; fast decoder: {v.fast_decoder} ({v.decoded_by})" if v.fast_decoder
+               else ""),
             f"  read path: {v.read_mode} ({v.read_path})",
             f"  decode='gpu': {v.gpu_decode}",
             "",

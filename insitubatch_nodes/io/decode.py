@@ -17,6 +17,7 @@ import numcodecs.blosc
 import numpy as np
 import zarr
 
+from . import blosc2_lib
 from .blosc_frame import check_header
 from .codec_chain import CodecChain, classify
 from .retry import DECODE_ERRORS, ChunkDecodeError
@@ -33,9 +34,9 @@ Inflate = Callable[[object, np.ndarray], bool]
 def _imagecodecs_inflate(codec: numcodecs.abc.Codec) -> Inflate | None:
     """libdeflate (through imagecodecs, where installed) for numcodecs' ``GZip`` and
     ``Zlib``: 1.8-2.3x numcodecs' inflate on this VM (``benchmarks/bench_decoders.py``;
-    numcodecs goes through Python's ``gzip`` and ``zlib`` modules). Blosc and zstd stay on
-    numcodecs, which measured as fast or faster; imagecodecs' ``zlib_decode`` (zlib, not
-    libdeflate) measured no faster than numcodecs'."""
+    numcodecs goes through Python's ``gzip`` and ``zlib`` modules). imagecodecs' blosc and zstd
+    decoders measured no faster than numcodecs', nor its ``zlib_decode`` (zlib, not
+    libdeflate)."""
     if not isinstance(codec, numcodecs.GZip | numcodecs.Zlib):
         return None
     try:
@@ -56,6 +57,20 @@ def _imagecodecs_inflate(codec: numcodecs.abc.Codec) -> Inflate | None:
     return inflate
 
 
+def _blosc2_decompress(codec: numcodecs.abc.Codec) -> Inflate | None:
+    """c-blosc2 with a context per decode thread (``blosc2_lib``), where python-blosc2 is
+    installed, for numcodecs' ``Blosc``: 1.16-1.20x numcodecs' decode of the same frames,
+    one thread or two (``benchmarks/bench_decoders.py``)."""
+    if not isinstance(codec, numcodecs.Blosc):
+        return None
+    lib = blosc2_lib.load()
+    return lib.decompress_into if lib is not None else None
+
+
+def _fast(codec: numcodecs.abc.Codec) -> Inflate | None:
+    return _imagecodecs_inflate(codec) or _blosc2_decompress(codec)
+
+
 @dataclass(frozen=True)
 class ChunkDecoder:
     """Decodes one stored chunk's bytes into a C-contiguous array of the chunk's shape."""
@@ -68,6 +83,7 @@ class ChunkDecoder:
     # (an error, another size: a multi-member gzip stream, say) goes to numcodecs, which
     # decides whether the bytes decode at all.
     fast: tuple[Inflate | None, ...] = field(default=(), compare=False)
+    libraries: str = field(default="numcodecs", compare=False)  # who decodes, for inspect
 
     def decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         """Decode received ``data`` into ``out``. Bytes that do not decode raise
@@ -85,11 +101,12 @@ class ChunkDecoder:
             last = i == n - 1
             fast = self.fast[n - 1 - i] if self.fast else None
             if last:
-                if fast is not None and fast(buf, out):
+                if isinstance(codec, numcodecs.Blosc):
+                    check_header(buf, out.nbytes)  # what neither library checks (a short body)
+                    if fast is None or not fast(buf, out):
+                        numcodecs.blosc.decompress(buf, out)
+                elif fast is not None and fast(buf, out):
                     pass
-                elif isinstance(codec, numcodecs.Blosc):
-                    check_header(buf, out.nbytes)
-                    numcodecs.blosc.decompress(buf, out)
                 elif isinstance(codec, numcodecs.Shuffle):
                     _unshuffle_into(codec, buf, out)
                 elif _fills_exactly(codec, buf, out.nbytes):
@@ -181,6 +198,21 @@ def decoder_from(chain: CodecChain) -> ChunkDecoder | None:
         if c.numcodecs is None:
             return None
         codecs.append(numcodecs.get_codec(dict(c.numcodecs)))
-    fast = tuple(_imagecodecs_inflate(c) for c in codecs)
-    return ChunkDecoder(tuple(codecs), chain.byteswap, chain.text,
-                        fast if any(fast) else ())
+    fast = tuple(_fast(c) for c in codecs)
+    return ChunkDecoder(tuple(codecs), chain.byteswap, chain.text, fast if any(fast) else (),
+                        _libraries(codecs, fast))
+
+
+def _libraries(codecs: list[numcodecs.abc.Codec], fast: tuple[Inflate | None, ...]) -> str:
+    """Which library decodes each codec, for ``inspect``: numcodecs unless a faster one
+    took it."""
+    names = []
+    for c, f in zip(codecs, fast, strict=True):
+        if f is None:
+            names.append("numcodecs")
+        elif isinstance(c, numcodecs.Blosc):
+            lib = blosc2_lib.load()
+            names.append(f"c-blosc2 {lib.version if lib is not None else ''}".strip())
+        else:
+            names.append("libdeflate (imagecodecs)")
+    return ", ".join(dict.fromkeys(names)) if names else "none (raw bytes)"

@@ -1,0 +1,131 @@
+"""Blosc frames decoded by c-blosc2 with one decompression context per decode thread.
+
+numcodecs' ``blosc.decompress`` (c-blosc 1) builds a fresh context for every chunk (a
+zstd frame's context is ~100 kB set up and freed each time) and python-blosc2's
+``decompress`` either holds the GIL or, with ``set_releasegil``, serializes every thread on
+c-blosc2's global context. c-blosc2's own ``blosc2_decompress_ctx`` on a context kept per
+thread does neither: 1.16-1.20x numcodecs per chunk on one thread and on two
+(``benchmarks/bench_decoders.py``, DESIGN.md "Decoders"). It decodes c-blosc 1 frames too
+(the format is the same). The library is the one the python-blosc2 wheel ships for other
+packages to link against (``blosc2/lib``, with its headers and CMake files); it is opened
+with ctypes, which releases the GIL for each call, and never imported as a Python module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+_NAMES = {"linux": ("libblosc2.so",), "darwin": ("libblosc2.dylib",),
+          "win32": ("libblosc2.dll", "blosc2.dll")}
+
+
+class _DParams(ctypes.Structure):
+    """``blosc2_dparams`` (blosc2.h): passed by value; c-blosc2 2.x reads the fields before
+    ``typesize``, which 3.x added at the end."""
+
+    _fields_ = [("nthreads", ctypes.c_int16), ("schunk", ctypes.c_void_p),
+                ("postfilter", ctypes.c_void_p), ("postparams", ctypes.c_void_p),
+                ("typesize", ctypes.c_int32)]
+
+
+class _Lib:
+    """The opened library and its per-thread contexts."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        lib.blosc2_get_version_string.restype = ctypes.c_char_p
+        lib.blosc2_get_version_string.argtypes = []
+        self.version = lib.blosc2_get_version_string().decode()
+        if int(self.version.split(".")[0]) < 2:
+            raise OSError(f"{path} is c-blosc2 {self.version}; 2.0 or later is needed")
+        lib.blosc2_init.restype = None
+        lib.blosc2_init.argtypes = []
+        lib.blosc2_create_dctx.restype = ctypes.c_void_p
+        lib.blosc2_create_dctx.argtypes = [_DParams]
+        lib.blosc2_free_ctx.restype = None
+        lib.blosc2_free_ctx.argtypes = [ctypes.c_void_p]
+        lib.blosc2_decompress_ctx.restype = ctypes.c_int
+        lib.blosc2_decompress_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                              ctypes.c_void_p, ctypes.c_int32]
+        lib.blosc2_init()
+        self.path = path
+        self._lib = lib
+        self._decompress = lib.blosc2_decompress_ctx
+        self._local = threading.local()
+
+    def _context(self) -> int:
+        ctx: _Context | None = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = self._local.ctx = _Context(self._lib)
+        return ctx.ptr
+
+    def decompress_into(self, data: object, out: np.ndarray) -> bool:
+        """Decode the blosc frame ``data`` into ``out`` (C-contiguous); True when it filled
+        ``out`` exactly. False for anything else (an error, another size, a codec this build
+        lacks): the caller hands the frame to numcodecs, which decides."""
+        src = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
+        if not out.flags.c_contiguous or src.size > 0x7FFFFFFF or out.nbytes > 0x7FFFFFFF:
+            return False
+        got = self._decompress(self._context(), src.__array_interface__["data"][0], src.size,
+                               out.__array_interface__["data"][0], out.nbytes)
+        return got == out.nbytes
+
+
+class _Context:
+    """One thread's decompression context, freed with the thread's local data."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._free = lib.blosc2_free_ctx
+        self.ptr = lib.blosc2_create_dctx(_DParams(nthreads=1, typesize=8))
+        if not self.ptr:
+            raise MemoryError("c-blosc2 could not create a decompression context")
+
+    def __del__(self) -> None:
+        # not contextlib.suppress: at interpreter shutdown module globals may be gone already
+        try:  # noqa: SIM105
+            self._free(self.ptr)
+        except Exception:
+            pass
+
+
+_lock = threading.Lock()
+_loaded: list[_Lib | None] = []  # [] until tried once; then [the library or None]
+
+
+def library_path() -> Path | None:
+    """Where the installed python-blosc2 wheel keeps its shared c-blosc2 library, without
+    importing the package (its import pulls in numexpr and more); ``None`` if not found."""
+    try:
+        spec = importlib.util.find_spec("blosc2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        for name in _NAMES.get(sys.platform, ()):
+            path = Path(root) / "lib" / name
+            if path.is_file():
+                return path
+    return None
+
+
+def load() -> _Lib | None:
+    """The c-blosc2 library (opened once per process), or ``None`` where python-blosc2 is not
+    installed or its library does not open: numcodecs decodes blosc then."""
+    with _lock:
+        if not _loaded:
+            path = library_path()
+            lib = None
+            if path is not None:
+                try:
+                    lib = _Lib(path)
+                except (OSError, AttributeError, ValueError):
+                    lib = None
+            _loaded.append(lib)
+        return _loaded[0]
