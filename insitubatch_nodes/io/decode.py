@@ -85,6 +85,14 @@ class ChunkDecoder:
     fast: tuple[Inflate | None, ...] = field(default=(), compare=False)
     libraries: str = field(default="numcodecs", compare=False)  # who decodes, for inspect
 
+    def __post_init__(self) -> None:
+        # The archives' common chain, one blosc codec and native bytes, decoded without the
+        # general loop below: ~1 us less Python per chunk, on the decode threads' GIL.
+        blosc = (len(self.codecs) == 1 and isinstance(self.codecs[0], numcodecs.Blosc)
+                 and not self.byteswap)
+        object.__setattr__(self, "_blosc", (self.fast[0] if self.fast else None)
+                           if blosc else False)
+
     def decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         """Decode received ``data`` into ``out``. Bytes that do not decode raise
         ``ChunkDecodeError`` (the codec's error as ``__cause__``): the type the retries
@@ -95,6 +103,12 @@ class ChunkDecoder:
             raise ChunkDecodeError(f"{self.chain}: {e}") from e
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
+        blosc = self._blosc  # type: ignore[attr-defined]
+        if blosc is not False:
+            check_header(data, out.nbytes)
+            if blosc is None or not blosc(data, out):
+                numcodecs.blosc.decompress(data, out)
+            return
         buf: object = data
         n = len(self.codecs)
         for i, codec in enumerate(reversed(self.codecs)):

@@ -87,6 +87,9 @@ class StripeReader:
         fill = arr.metadata.fill_value
         self.fill_value = np.asarray(fill if fill is not None else 0).astype(geom.dtype)
         self.inner = list(itertools.product(*(range(n) for n in geom.inner_grid)))
+        # A stripe stored as one chunk: its key is this template's format(stripe) (the one
+        # chunk per sample of the archives, read on the hot path without the general loop).
+        self.whole_key = self._key_template if len(self.inner) == 1 else None
         # Decode straight into the stripe buffer when one stored chunk is exactly a stripe.
         self.direct = geom.chunks[1:] == geom.shape[1:]
         self.chunk_nbytes = int(np.prod(geom.chunks, dtype=np.int64)) * geom.dtype.itemsize
