@@ -74,6 +74,20 @@ class BatchLayout:
     def stacks_channels(self) -> bool:
         return any(p.key == CHANNELS_KEY for ps in self.placements for p in ps)
 
+    def row_nbytes(self, v: int) -> int:
+        """Bytes one sample of variable ``v`` fills in a batch row (every placement)."""
+        total = 0
+        for pl in self.placements[v]:
+            spec = self.key(pl.key)
+            n = int(np.prod(spec.row_shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+            if pl.channel is not None:
+                c = spec.row_shape[0]
+                part = (1 if isinstance(pl.channel, int)
+                        else len(range(*pl.channel.indices(c))))
+                n = n // c * part
+            total += n
+        return total
+
     def direct(self, v: int) -> Placement | None:
         """Variable ``v``'s one placement when it takes the whole sample (so its stripes can
         be decoded straight into the batch); ``None`` when it is split up or unused."""

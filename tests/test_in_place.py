@@ -412,3 +412,51 @@ def test_windows_ahead_are_planned_once_the_first_batch_went_out(weather, monkey
             rest = [i for b in it for i in b["sample_index"].tolist()]
             got = first["sample_index"].tolist() + second["sample_index"].tolist() + rest
             assert sorted(got) == list(range(80)), epoch
+
+
+def test_batches_take_their_memory_as_their_first_row_is_written(weather):
+    """One sample per chunk, each in one slot: a window's batches are expected when it is
+    prepared and allocated by their first write, so the memory resident follows the decode
+    threads, not the windows prepared ahead; with one window for the whole epoch, the
+    ledger's peak stays a few batches (eager allocation held every batch of the epoch)."""
+    src, m = weather
+    if src.variables[0].sample_chunk != 1:
+        pytest.skip("several samples per chunk allocate their window's batches at once")
+    with ib.build_loader(src, m, "train", batch_size=4, block_chunks=80, seed=0,
+                         decode_threads=1, prefetch_windows=0) as ld:
+        sample_bytes = sum(v.sample_nbytes for v in src.variables)
+        it = iter(ld)
+        got = [next(it) for _ in range(3)]
+        allocated = ld.ledger.resident
+        # batches out + a few being decoded, not the epoch's 20
+        assert allocated <= 10 * 4 * sample_bytes, allocated / (4 * sample_bytes)
+        rest = list(it)
+        assert len(got) + len(rest) == 20
+        seen = torch.cat([b["sample_index"] for b in got + rest]).sort().values
+        assert torch.equal(seen, torch.arange(80))
+
+
+def test_a_read_of_an_earlier_generation_cannot_take_a_new_batch(weather):
+    """After a new epoch or a restore (``clear``), a read prepared before asks for its
+    batch's memory and is stopped (``StaleBatch``) instead of writing into the new batch of
+    that number; the new generation's reads allocate and fill it."""
+    from insitubatch_nodes.arena import StaleBatch
+    from insitubatch_nodes.layout import build_layout
+    from insitubatch_nodes.memory import BufferPool, MemoryLedger
+
+    src, _ = weather
+    ledger = MemoryLedger()
+    arena = BatchArena(build_layout(src.variables), BufferPool(ledger))
+    arena.expect(0, 2)
+    assert ledger.resident == 0  # expected, not allocated
+    old = arena.generation
+    first = arena.arrays_of(0, old)
+    assert arena.arrays_of(0, old) is first and ledger.resident > 0  # allocated once
+    arena.clear()
+    arena.expect(0, 2)
+    with pytest.raises(StaleBatch, match="batch 0 of generation"):
+        arena.arrays_of(0, old)
+    new = arena.arrays_of(0, arena.generation)
+    assert new is not first
+    arena.done(0, 2 * arena.writes_per_row, arena.generation)
+    assert arena.take(0) is new

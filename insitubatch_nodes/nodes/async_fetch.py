@@ -511,7 +511,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None
         arena = self.arena
         try:
-            tasks = [asyncio.ensure_future(self._read_items(group, job.generation))
+            tasks = [asyncio.ensure_future(self._read_items(job.resolve(group),
+                                                            job.generation))
                      for group in job.jobs]
             try:
                 await asyncio.gather(*tasks)
@@ -614,6 +615,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None
         arena, stats = self.arena, self.stats
         try:
+            items = job.resolve(items)  # this task's batches taken now, as it writes them
             with self._direct_slot:
                 again = len(items) == 1  # one item: its own tries at once, not a group try
                 if not again:

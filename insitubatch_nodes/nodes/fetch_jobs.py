@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -101,6 +102,12 @@ class InPlaceJob:
     copies: list[tuple[np.ndarray, np.ndarray, int, int]]  # dst, src, their batches
     batches: list[int]
     generation: int  # the arena's, when prepared
+    lazy: LazyRows | None = None  # where ``(row, step)`` outs of the jobs go
+
+    def resolve(self, items: list[Item]) -> list[Item]:
+        """``items`` with each ``(row, step)`` out made the batch row it stands for (its
+        batch allocated if this is its first write): called as a task starts."""
+        return items if self.lazy is None else self.lazy.resolve(items)
 
     def copy_rows(self, arena: BatchArena) -> None:
         """Once every read has landed: fill the slots fed by a chunk decoded elsewhere, and
@@ -168,9 +175,36 @@ class Scatter:
             np.copyto(dst, stripe[r : r + 1])
 
 
+@dataclass(frozen=True, eq=False)
+class LazyRows:
+    """The batch rows of a window decoded one sample per chunk, each sample in one slot,
+    named by ``(row, step)`` when the window is prepared and made views of their batch's
+    arrays when their task starts (``BatchArena.arrays_of``): a batch's memory is taken as
+    the decode threads reach it, not a few windows ahead, and the consumer thread no
+    longer makes a view per sample."""
+
+    arena: BatchArena
+    where: list[list[tuple[str, int | None, Placement]]]  # per variable and step
+    generation: int
+
+    def resolve(self, items: list[Item]) -> list[Item]:
+        arrays: dict[int, dict[str, np.ndarray]] = {}
+        where, out = self.where, []
+        for v, i, b, slot in items:
+            got = arrays.get(b)
+            if got is None:
+                got = arrays[b] = self.arena.arrays_of(b, self.generation)
+            r, k = slot  # type: ignore[misc]
+            key, col, pl = where[v][k]
+            rows = got[key][r : r + 1]
+            out.append((v, i, b, row_view(rows if col is None else rows[:, col], pl)))
+        return out
+
+
 # (variable, stripe, batch, out): one in-place read, decoded into ``out`` (one sample per
-# chunk) or scattered (``Scatter``; ``batch`` is then the first batch it feeds)
-Item = tuple[int, int, int, "np.ndarray | Scatter"]
+# chunk), scattered (``Scatter``; ``batch`` is then the first batch it feeds), or, before
+# ``InPlaceJob.resolve``, the ``(row, step)`` of its slot in ``batch`` (``LazyRows``)
+Item = tuple[int, int, int, "np.ndarray | Scatter | tuple[int, int]"]
 
 _SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
 
@@ -227,9 +261,10 @@ class _Slots:
         return out
 
 
-def _window_slots(plan: ReadPlan, arena: BatchArena) -> _Slots:
+def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slots:
     """The slots of ``plan``'s draws not dropped (``drop_last``) nor delivered before a
-    restore, with their batches allocated."""
+    restore, with their batches allocated (``lazy``: expected, allocated by their first
+    write; ``arrays`` then maps each batch to ``None``)."""
     slots = plan.slots
     assert slots is not None
     keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
@@ -238,7 +273,13 @@ def _window_slots(plan: ReadPlan, arena: BatchArena) -> _Slots:
     n_steps = int(steps.size)
     draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
     batch = np.repeat(slots.batch[keep], n_steps)
-    arrays = {b: arena.rows(b, slots.rows_in(b)) for b in sorted(set(batch.tolist()))}
+    arrays: dict[int, Any] = {}
+    for b in sorted(set(batch.tolist())):
+        if lazy:
+            arena.expect(b, slots.rows_in(b))
+            arrays[b] = None
+        else:
+            arrays[b] = arena.rows(b, slots.rows_in(b))
     where = []
     for v in range(len(plan.reads)):
         pl = arena.layout.direct(v)
@@ -265,12 +306,16 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
     if any(n != 1 for n in sample_chunks):
         return prepare_scattered(plan, arena, threads, sample_chunks, first)
-    s = _window_slots(plan, arena)
-    sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
     slots = plan.slots
     assert slots is not None
-    samples_all = sample.tolist()
-    if len(set(samples_all)) == len(samples_all):  # each sample in one slot: no copies
+    draws = np.asarray(plan.draw_order, dtype=np.int64)
+    steps = np.asarray(plan.offsets, dtype=np.int64)
+    samples_all = (draws[:, None] + steps[None, :]).ravel().tolist()
+    # each sample in one slot (no copies): batches taken as their first row is written
+    unique = len(set(samples_all)) == len(samples_all)
+    s = _window_slots(plan, arena, lazy=unique)
+    sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
+    if unique:
         first = np.arange(sample.size)
         dup = first[:0]
     else:  # decoded into its first slot (in draw order), copied into the others
@@ -285,8 +330,11 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     n_vars = len(plan.reads)
     bl, rl, kl = batch[src].tolist(), row[src].tolist(), step[src].tolist()
     sl = sample[src].tolist()
-    per_var = [list(zip([v] * len(sl), sl, bl, s.views(v, bl, rl, kl), strict=True))
-               for v in range(n_vars)]
+    if unique:  # (row, step): resolved to a view when its task starts (LazyRows)
+        outs: list[list[Any]] = [list(zip(rl, kl, strict=True))] * n_vars
+    else:
+        outs = [s.views(v, bl, rl, kl) for v in range(n_vars)]
+    per_var = [list(zip([v] * len(sl), sl, bl, outs[v], strict=True)) for v in range(n_vars)]
     # every variable of a sample together (one task reads them all)
     items = per_var[0] if n_vars == 1 else [it for its in zip(*per_var, strict=True) for it in its]
 
@@ -303,8 +351,10 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
             held[sb] = held.get(sb, 0) + n_vars
     for b, n in held.items():
         arena.hold(b, n)
-    jobs = batch_jobs(items, threads) if grouped else [[it] for it in items]
-    return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
+    lazy = LazyRows(arena, s.where, arena.generation) if unique else None
+    row_bytes = [arena.layout.row_nbytes(v) for v in range(n_vars)]
+    jobs = batch_jobs(items, threads, row_bytes) if grouped else [[it] for it in items]
+    return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation, lazy)
 
 
 def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
@@ -362,7 +412,8 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
 
 
-def batch_jobs(items: list[Item], threads: int) -> list[list[Item]]:
+def batch_jobs(items: list[Item], threads: int,
+               row_bytes: Sequence[int] | None = None) -> list[list[Item]]:
     """Pool tasks for a window's local reads: every variable of a few samples per task, so
     a window costs a few hand-offs whatever the number of variables; cut at batch edges
     (``items`` come in batch order), at most ~16 MB or 64 chunks a task.
@@ -375,7 +426,8 @@ def batch_jobs(items: list[Item], threads: int) -> list[list[Item]]:
         return []
     jobs: list[list[Item]] = []
     batches = [it[2] for it in items]
-    sizes = [it[3].nbytes for it in items]
+    sizes = ([row_bytes[it[0]] for it in items] if row_bytes is not None
+             else [it[3].nbytes for it in items])  # type: ignore[union-attr]
     bounds = [0] + [k for k in range(1, len(items)) if batches[k] != batches[k - 1]]
     for n, (start, stop) in enumerate(zip(bounds, bounds[1:] + [len(items)], strict=True)):
         nbytes = sum(sizes[start:stop])
