@@ -16,8 +16,10 @@ Frames are chunks of the fields ``synthetic.py`` writes: ERA5-like t2m (181 x 36
 1 step per chunk) and WeatherBench2 temperature (13 levels x 240 x 121), compressed as the
 archives are (blosc zstd / lz4 with byte shuffle), and the same t2m frames with zarr v3's
 plain ``zstd`` and ``gzip`` codecs and HDF5's deflate (``zlib``). Candidates: numcodecs
-(always), imagecodecs and python-blosc2 where installed (``pip install imagecodecs blosc2``);
-a missing one is listed.
+(always), imagecodecs and python-blosc2 where installed (``pip install imagecodecs blosc2``):
+python-blosc2's ``decompress`` as it is, and ``c-blosc2 ctx``, its library driven as
+``io/blosc2_lib.py`` does (a decompression context per thread, GIL released); a missing one
+is listed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numcodecs.blosc  # noqa: E402
 import numpy as np  # noqa: E402
 
 from insitubatch_nodes.bench.common import write_json  # noqa: E402
+from insitubatch_nodes.io import blosc2_lib  # noqa: E402
 from insitubatch_nodes.synthetic import DemoSpec, WB2Spec, fields, wb2_fields  # noqa: E402
 
 Decode = Callable[[bytes, np.ndarray], object]
@@ -114,6 +117,15 @@ def candidates(codec: str) -> tuple[dict[str, Decode], list[str]]:
             out["blosc2"] = lambda b, o: blosc2.decompress(b, dst=o)
         except ImportError:
             missing.append("blosc2")
+        lib = blosc2_lib.load()  # what io/decode.py uses: c-blosc2, a context per thread
+        if lib is not None:
+            def ctx(b: bytes, o: np.ndarray, lib: Any = lib) -> None:
+                if not lib.decompress_into(b, o):
+                    raise RuntimeError("c-blosc2 declined a frame numcodecs wrote")
+
+            out["c-blosc2 ctx"] = ctx
+        else:
+            missing.append("c-blosc2 ctx (python-blosc2's library)")
     return out, missing
 
 
@@ -183,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{res['case']} (compression {res['compression_ratio']:.1f}x"
               + (f"; not installed: {', '.join(res['missing'])}" if res["missing"] else "")
               + ")")
-        print(f"  {'decoder':12s} {'1 thread us/chunk':>18s} {'x numcodecs':>12s} "
+        print(f"  {'decoder':14s} {'1 thread us/chunk':>18s} {'x numcodecs':>12s} "
               f"{'2 threads us/chunk':>19s} {'x numcodecs':>12s}")
         for row in res["rows"]:
-            print(f"  {row['decoder']:12s} {row['us_per_chunk_1t']:18.1f} "
+            print(f"  {row['decoder']:14s} {row['us_per_chunk_1t']:18.1f} "
                   f"{row['speedup_1t']:12.2f} {row['us_per_chunk_2t']:19.1f} "
                   f"{row['speedup_2t']:12.2f}")
     if args.json is not None:
