@@ -26,10 +26,10 @@ from .source import Source
 from .windows import SampleWindow, default_run_chunks
 
 READ_PATHS = {
-    "local": "local file read + numcodecs decode straight into the window, small stripes "
+    "local": "local file read + decode straight into the window or batch, small stripes "
              "grouped a few per pool task",
-    "object": "obstore get_async on the event loop, numcodecs decode on the pool",
-    "zarr-store": "zarr async store.get, numcodecs decode on the pool",
+    "object": "obstore get_async on the event loop, decode on the pool",
+    "zarr-store": "zarr async store.get, decode on the pool",
     "zarr": "zarr async getitem per stripe (codec chain not special-cased), one copy into "
             "the window",
 }
