@@ -63,16 +63,48 @@ class _Lib:
         """Decode the blosc frame ``data`` into ``out`` (C-contiguous); True when it filled
         ``out`` exactly. False for anything else (an error, another size, a codec this build
         lacks): the caller hands the frame to numcodecs, which decides."""
+        view = memoryview(data)  # type: ignore[arg-type]
+        n, size = view.nbytes, out.nbytes
+        if not out.flags.c_contiguous or n > _MAX or size > _MAX or n < 16:
+            return False
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if not _as_blosc1_writes(view, size):
+            return False
         ctx = getattr(self._local, "ctx", None)
         if ctx is None:
             ctx = self._local.ctx = _Context(self._lib)
-        n, size = memoryview(data).nbytes, out.nbytes  # type: ignore[arg-type]
-        if not out.flags.c_contiguous or n > _MAX or size > _MAX:
-            return False
         # Addresses without numpy's __array_interface__ dicts (~1 us each, per chunk, while
         # holding the GIL): ctypes takes bytes as they are and views a writable buffer.
         src = data if isinstance(data, bytes) else _address(data)
-        return self._decompress(ctx.ptr, src, n, _address(out), size) == size
+        if self._decompress(ctx.ptr, src, n, _address(out), size) == size:
+            return True
+        # Whatever state a failed frame left in the context is not carried to the next.
+        self._local.ctx = None
+        return False
+
+
+def _as_blosc1_writes(frame: memoryview, nbytes: int) -> bool:
+    """Whether the header of ``frame`` (``nbytes`` decoded) is one c-blosc 1 writes, with
+    the checks c-blosc 1 makes on it: c-blosc2 is laxer with a damaged header (a wrong
+    block size or codec version it decodes anyway, at times into wrong values where
+    numcodecs raises), and reads both shuffle bits as its own extended header (a damaged
+    frame of that kind left the context decoding later, valid frames wrong while reporting
+    success). Anything else goes to numcodecs, which decides as before."""
+    version, versionlz, flags, typesize = frame[0], frame[1], frame[2], frame[3]
+    if version != 2 or versionlz != 1 or typesize == 0:
+        return False
+    if flags & 0x08 or flags & 0x05 == 0x05 or flags >> 5 > 4:  # reserved bit, codec 0..4
+        return False
+    blocksize = int.from_bytes(frame[8:12], "little", signed=True)
+    if not 0 < blocksize <= nbytes:
+        return False
+    if flags & 0x02:  # stored as is
+        return frame.nbytes == nbytes + 16
+    nblocks = -(-nbytes // blocksize)
+    first = 16 + 4 * nblocks  # c-blosc 1 writes the first block right after the offsets
+    return (frame.nbytes > first
+            and int.from_bytes(frame[16:20], "little", signed=True) == first)
 
 
 def _address(buf: object) -> int:
