@@ -83,7 +83,8 @@ class FetchConfig:
 
     ``prefetch_windows=None`` means 2 (``default_prefetch_windows``: a round trip hidden at
     each window edge of an object store, a decode pool kept busy on a local disk);
-    ``decode_threads=None`` means cores + 1, at most 4 (``default_decode_threads``).
+    ``decode_threads=None`` means cores + 1, at most 4, or as many as cores when decoding in
+    place one sample per chunk (``default_decode_threads``).
     ``decode`` is ``"cpu"``, ``"gpu"`` or a ``FrameDecoder`` object (tests pass
     ``HostFrameDecoder``). ``in_place`` decodes every chunk straight into its batch rows
     (CPU decode, channels that take whole variables; time steps too): a chunk of one sample

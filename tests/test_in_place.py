@@ -145,18 +145,20 @@ def test_equal_with_sample_options(weather, options):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize(("cores", "threads"), [(1, 2), (2, 3), (3, 4), (16, 4), (None, 2)])
-def test_default_decode_threads_in_place_are_one_more_than_the_cores(weather, monkeypatch,
-                                                                     cores, threads):
-    """In place as on the gather path (tests/test_loader.py): one more decode thread than
-    cores, at most 4, to fill the GIL waits around each chunk's reads and decode."""
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (3, 3), (16, 4), (None, 1)])
+def test_default_decode_threads_in_place_are_the_cores(weather, monkeypatch, cores, threads):
+    """In place one sample per chunk, no copy runs at all: as many decode threads as cores
+    (at most 4), not the one more the gather path takes (tests/test_loader.py); chunks of
+    several samples keep it (their row copies on the decode threads)."""
     src, m = weather
     monkeypatch.setattr("os.cpu_count", lambda: cores)
+    if src.grid.chunk_size > 1:
+        threads = min(4, (cores or 1) + 1)
     with ib.build_loader(src, m, "train", batch_size=8) as ld:
         assert is_in_place(ld) and ld.node(ib.AsyncFetchNode).decode_threads == threads
         assert sorted(i for b in ld for i in b["sample_index"].tolist()) == list(range(80))
     with ib.build_loader(src, m, "train", batch_size=8, in_place=False) as ld:
-        assert ld.node(ib.AsyncFetchNode).decode_threads == threads
+        assert ld.node(ib.AsyncFetchNode).decode_threads == min(4, (cores or 1) + 1)
 
 
 def test_channels_that_split_a_chunk_are_not_in_place(weather):

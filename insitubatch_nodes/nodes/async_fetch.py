@@ -104,14 +104,16 @@ class _DirectSlot:
             self.slots.release()
 
 
-def default_decode_threads() -> int:
+def default_decode_threads(in_place: bool = False) -> int:
     """One more decode thread than cores, at most 4. A decode thread waits for the GIL
     around every chunk (open, read, close, decode each release and retake it) while the
-    training thread runs Python; a third thread on two cores keeps them busy meanwhile
-    (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk). Decoding in place one
-    sample per chunk, cores alone measured 1-2% ahead while numcodecs decoded blosc; with
-    c-blosc2 decoding it in less time the extra thread is 1.5-2.7% ahead there too."""
-    return min(4, (os.cpu_count() or 1) + 1)
+    training thread runs Python (the gather copy among it); a third thread on two cores
+    keeps them busy meanwhile (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk).
+    Decoding in place one sample per chunk there is no copy at all, and the extra thread
+    only adds switches: as many as cores (+1-2% on one-step stores). Chunks of several
+    samples scattered in place keep the extra thread: their row copies take the GIL back
+    several times per chunk (0.96 -> 1.03x the floor + copy at 8 per chunk)."""
+    return min(4, (os.cpu_count() or 1) + (0 if in_place else 1))
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
@@ -174,7 +176,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         for r in self.readers:
             r.times = self.stats.read
         self._sample_chunks = tuple(r.geom.sample_chunk for r in self.readers)
-        self.decode_threads = int(decode_threads or default_decode_threads())
+        self.decode_threads = int(decode_threads or default_decode_threads(
+            arena is not None and set(self._sample_chunks) == {1}))
         self.window_decoder: WindowDecoder | None = None
         if device_decode is not None:
             chains: dict[int, DeviceChain] = {}
