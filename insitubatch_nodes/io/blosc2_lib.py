@@ -4,11 +4,13 @@ numcodecs' ``blosc.decompress`` (c-blosc 1) builds a fresh context for every chu
 zstd frame's context is ~100 kB set up and freed each time) and python-blosc2's
 ``decompress`` either holds the GIL or, with ``set_releasegil``, serializes every thread on
 c-blosc2's global context. c-blosc2's own ``blosc2_decompress_ctx`` on a context kept per
-thread does neither: 1.16-1.20x numcodecs per chunk on one thread and on two
-(``benchmarks/bench_decoders.py``, DESIGN.md "Decoders"). It decodes c-blosc 1 frames too
-(the format is the same). The library is the one the python-blosc2 wheel ships for other
-packages to link against (``blosc2/lib``, with its headers and CMake files); it is opened
-with ctypes, which releases the GIL for each call, and never imported as a Python module.
+thread does neither: 1.03-1.22x numcodecs per chunk on one thread and on two
+(``benchmarks/bench_decoders.py``, DESIGN.md "Decoders"). It decodes c-blosc 1 frames
+too, but is laxer with a damaged header, so only frames whose header is as c-blosc 1
+writes it are given to it (``_as_blosc1_writes``); the rest go to numcodecs. The library
+is the one the python-blosc2 wheel ships for other packages to link against
+(``blosc2/lib``, with its headers and CMake files); it is opened with ctypes, which
+releases the GIL for each call, and never imported as a Python module.
 """
 
 from __future__ import annotations

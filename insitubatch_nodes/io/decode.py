@@ -59,8 +59,9 @@ def _imagecodecs_inflate(codec: numcodecs.abc.Codec) -> Inflate | None:
 
 def _blosc2_decompress(codec: numcodecs.abc.Codec) -> Inflate | None:
     """c-blosc2 with a context per decode thread (``blosc2_lib``), where python-blosc2 is
-    installed, for numcodecs' ``Blosc``: 1.16-1.20x numcodecs' decode of the same frames,
-    one thread or two (``benchmarks/bench_decoders.py``)."""
+    installed, for numcodecs' ``Blosc``: 1.03-1.22x numcodecs' decode of the same frames,
+    one thread or two (``benchmarks/bench_decoders.py``; the header checks that keep its
+    errors numcodecs' are in ``blosc2_lib``)."""
     if not isinstance(codec, numcodecs.Blosc):
         return None
     lib = blosc2_lib.load()
@@ -84,14 +85,13 @@ class ChunkDecoder:
     # decides whether the bytes decode at all.
     fast: tuple[Inflate | None, ...] = field(default=(), compare=False)
     libraries: str = field(default="numcodecs", compare=False)  # who decodes, for inspect
+    # The archives' common chain, one blosc codec and native bytes, is decoded without the
+    # general loop: ~1 us less Python per chunk, on the decode threads' GIL.
+    _blosc_only: bool = field(init=False, default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # The archives' common chain, one blosc codec and native bytes, decoded without the
-        # general loop below: ~1 us less Python per chunk, on the decode threads' GIL.
-        blosc = (len(self.codecs) == 1 and isinstance(self.codecs[0], numcodecs.Blosc)
-                 and not self.byteswap)
-        object.__setattr__(self, "_blosc", (self.fast[0] if self.fast else None)
-                           if blosc else False)
+        object.__setattr__(self, "_blosc_only", len(self.codecs) == 1 and not self.byteswap
+                           and isinstance(self.codecs[0], numcodecs.Blosc))
 
     def decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         """Decode received ``data`` into ``out``. Bytes that do not decode raise
@@ -103,10 +103,10 @@ class ChunkDecoder:
             raise ChunkDecodeError(f"{self.chain}: {e}") from e
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
-        blosc = self._blosc  # type: ignore[attr-defined]
-        if blosc is not False:
+        if self._blosc_only:
             check_header(data, out.nbytes)
-            if blosc is None or not blosc(data, out):
+            fast = self.fast[0] if self.fast else None
+            if fast is None or not fast(data, out):
                 numcodecs.blosc.decompress(data, out)
             return
         buf: object = data
