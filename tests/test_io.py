@@ -496,3 +496,25 @@ def test_damaged_blosc_headers_fail_as_numcodecs_fails_and_spoil_no_later_chunk(
     for frame in damaged:
         assert _outcome(fast.decode_into, frame, x) == _outcome(slow.decode_into, frame, x)
         assert _outcome(fast.decode_into, valid, x) == x.tobytes()
+
+
+def test_a_c_blosc2_of_an_unknown_major_is_left_to_numcodecs(tmp_path, monkeypatch):
+    """Another major version of c-blosc2 may lay out its parameters otherwise: the binding
+    refuses to open it, and blosc chunks decode with numcodecs, as without python-blosc2."""
+    from insitubatch_nodes.io import blosc2_lib
+    from insitubatch_nodes.io.decode import decoder_for
+
+    if blosc2_lib.library_path() is None:
+        pytest.skip("python-blosc2 not installed")
+    monkeypatch.setattr(blosc2_lib, "_MAJORS", ("99",))
+    monkeypatch.setattr(blosc2_lib, "_loaded", [])  # opened again, under the new rule
+    assert blosc2_lib.load() is None
+    x = np.arange(1000, dtype="f4").reshape(10, 100)
+    arr = zarr.create_array(tmp_path / "a.zarr", shape=x.shape, chunks=x.shape, dtype="f4",
+                            zarr_format=2, compressors=numcodecs.Blosc("zstd", 5, 1))
+    arr[:] = x
+    dec = decoder_for(arr)
+    assert dec is not None and dec.libraries == "numcodecs"
+    out = np.zeros_like(x)
+    dec.decode_into((tmp_path / "a.zarr" / "0.0").read_bytes(), out)
+    np.testing.assert_array_equal(out, x)

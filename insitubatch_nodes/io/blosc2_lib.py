@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+_MAJORS = ("2", "3")  # c-blosc2 versions whose blosc2_dparams _DParams matches
 _NAMES = {"linux": ("libblosc2.so",), "darwin": ("libblosc2.dylib",),
           "win32": ("libblosc2.dll", "blosc2.dll")}
 
@@ -44,8 +45,10 @@ class _Lib:
         lib.blosc2_get_version_string.restype = ctypes.c_char_p
         lib.blosc2_get_version_string.argtypes = []
         self.version = lib.blosc2_get_version_string().decode()
-        if int(self.version.split(".")[0]) < 2:
-            raise OSError(f"{path} is c-blosc2 {self.version}; 2.0 or later is needed")
+        major = self.version.split(".")[0]
+        if major not in _MAJORS:  # another major may lay out blosc2_dparams otherwise
+            raise OSError(f"{path} is c-blosc2 {self.version}; this binding knows majors "
+                          f"{', '.join(_MAJORS)} (numcodecs decodes blosc instead)")
         lib.blosc2_init.restype = None
         lib.blosc2_init.argtypes = []
         lib.blosc2_create_dctx.restype = ctypes.c_void_p
