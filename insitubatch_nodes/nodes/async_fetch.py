@@ -375,15 +375,16 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.stats.stripes_read(len(idxs), reader.geom.stripe_nbytes)
         return bufs
 
-    async def _read_items(self, items: list[Item],
-                          generation: int) -> None:
-        """Stripes ``(variable, index, batch, out)`` in one ``max_inflight`` slot: of a
-        local store, any variables in one pool task (if it fails, every stripe is read again
-        on its own, with its own retries and error note, as ``StripeReader.read_group``);
-        else one read each. Then each batch is told how many of its rows landed."""
+    async def _read_items(self, items: list[Item], job: InPlaceJob) -> None:
+        """Stripes ``(variable, index, batch, out)`` of ``job`` in one ``max_inflight`` slot:
+        of a local store, any variables in one pool task (if it fails, every stripe is read
+        again on its own, with its own retries and error note, as
+        ``StripeReader.read_group``); else one read each. Then each batch is told how many of
+        its rows landed."""
         assert self._lt is not None
         lt = self._lt
         async with self._slot():
+            items = job.resolve(items)  # its batches taken as it starts writing them
             if all(self.readers[v].groups_reads for v, _, _, _ in items):
                 try:
                     await lt.loop.run_in_executor(lt.pool, OneShot(
@@ -398,7 +399,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             else:
                 for v, i, _, out in items:
                     await self._read_item(v, i, out)
-        self._items_landed(items, generation)
+        self._items_landed(items, job.generation)
 
     async def _read_item(self, v: int, index: int, out: np.ndarray | Scatter) -> None:
         """One in-place item through the event loop, with retries; a stripe of several
@@ -511,8 +512,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None
         arena = self.arena
         try:
-            tasks = [asyncio.ensure_future(self._read_items(job.resolve(group),
-                                                            job.generation))
+            tasks = [asyncio.ensure_future(self._read_items(group, job))
                      for group in job.jobs]
             try:
                 await asyncio.gather(*tasks)
