@@ -414,22 +414,39 @@ def test_windows_ahead_are_planned_once_the_first_batch_went_out(weather, monkey
             assert sorted(got) == list(range(80)), epoch
 
 
-def test_batches_take_their_memory_as_their_first_row_is_written(weather):
+def test_batches_take_their_memory_as_their_first_row_is_written(weather, monkeypatch):
     """One sample per chunk, each in one slot: a window's batches are expected when it is
     prepared and allocated by their first write, so the memory resident follows the decode
-    threads, not the windows prepared ahead; with one window for the whole epoch, the
-    ledger's peak stays a few batches (eager allocation held every batch of the epoch)."""
+    threads, not the windows prepared ahead. The decode thread is held after the first
+    three batches' chunks: with one window for the whole epoch, the ledger then holds those
+    batches and the one its next task began, not the epoch's 20 (eager allocation did)."""
+    import threading
+
+    from insitubatch_nodes.io.read_paths import LocalFiles
+
     src, m = weather
     if src.variables[0].sample_chunk != 1:
         pytest.skip("several samples per chunk allocate their window's batches at once")
+    read = LocalFiles.get_scratch
+    allowed = threading.Semaphore(3 * 4 * 2)  # three batches of 4 samples, 2 variables
+    gate = threading.Event()
+
+    def held(self, key):
+        if not allowed.acquire(blocking=False):
+            gate.wait(30)
+        return read(self, key)
+
+    monkeypatch.setattr(LocalFiles, "get_scratch", held)
     with ib.build_loader(src, m, "train", batch_size=4, block_chunks=80, seed=0,
                          decode_threads=1, prefetch_windows=0) as ld:
-        sample_bytes = sum(v.sample_nbytes for v in src.variables)
+        batch_bytes = 4 * sum(v.sample_nbytes for v in src.variables)
         it = iter(ld)
-        got = [next(it) for _ in range(3)]
-        allocated = ld.ledger.resident
-        # batches out + a few being decoded, not the epoch's 20
-        assert allocated <= 10 * 4 * sample_bytes, allocated / (4 * sample_bytes)
+        try:
+            got = [next(it) for _ in range(3)]
+            held_now = ld.ledger.resident
+        finally:
+            gate.set()  # on a failure too: the held thread must not wait out its timeout
+        assert held_now <= 4 * batch_bytes, held_now / batch_bytes
         rest = list(it)
         assert len(got) + len(rest) == 20
         seen = torch.cat([b["sample_index"] for b in got + rest]).sort().values
