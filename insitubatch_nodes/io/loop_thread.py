@@ -1,7 +1,7 @@
 """An asyncio event loop on a daemon thread, with the decode pool beside it.
 
 The fetch node and ``SampleDataset`` both need one: coroutines for remote latency hiding,
-pool threads for decoding (numcodecs releases the GIL). It belongs to the process that made
+pool threads for decoding (the decoders release the GIL). It belongs to the process that made
 it; a forked child makes its own.
 """
 

@@ -120,7 +120,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     """Fetches and decodes each ``ReadPlan``'s stripes, keeping the next windows in flight.
 
     Up to ``max_inflight`` stripe reads run at once on the loop; decoding happens on a small
-    thread pool (numcodecs releases the GIL). Windows are delivered in plan order, and the
+    thread pool (the decoders release the GIL). Windows are delivered in plan order, and the
     node's state is the upstream state as of the last window delivered, so in-flight work
     is simply refetched on resume.
 
