@@ -195,9 +195,7 @@ class LazyRows:
             if got is None:
                 got = arrays[b] = self.arena.arrays_of(b, self.generation)
             r, k = slot  # type: ignore[misc]
-            key, col, pl = where[v][k]
-            rows = got[key][r : r + 1]
-            out.append((v, i, b, row_view(rows if col is None else rows[:, col], pl)))
+            out.append((v, i, b, _slot_view(got, where[v][k], r)))
         return out
 
 
@@ -246,6 +244,7 @@ class _Slots:
     n_steps: int
     arrays: dict[int, dict[str, np.ndarray]]
     where: list[list[tuple[str, int | None, Placement]]]  # per variable and step
+    unique: bool  # each sample in one slot: the batches are expected, not allocated
 
     def views(self, v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[np.ndarray]:
         """Variable ``v``'s part of each slot (batch, row, step)."""
@@ -253,18 +252,23 @@ class _Slots:
         if self.n_steps == 1 and where[v][0][1] is None and where[v][0][2].channel is None:
             key = where[v][0][0]
             return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
-        out = []
-        for b, r, k in zip(bs, rs, ks, strict=True):
-            key, col, pl = where[v][k]
-            rows = arrays[b][key][r : r + 1]
-            out.append(row_view(rows if col is None else rows[:, col], pl))
-        return out
+        return [_slot_view(arrays[b], where[v][k], r) for b, r, k in zip(bs, rs, ks, strict=True)]
+
+
+def _slot_view(arrays: dict[str, np.ndarray], where: tuple[str, int | None, Placement],
+               row: int) -> np.ndarray:
+    """The part of row ``row`` of a batch's ``arrays`` that one variable's step fills
+    (``where``: its key, time-step column and placement)."""
+    key, col, pl = where
+    rows = arrays[key][row : row + 1]
+    return row_view(rows if col is None else rows[:, col], pl)
 
 
 def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slots:
     """The slots of ``plan``'s draws not dropped (``drop_last``) nor delivered before a
-    restore, with their batches allocated (``lazy``: expected, allocated by their first
-    write; ``arrays`` then maps each batch to ``None``)."""
+    restore, with their batches allocated; with ``lazy`` and each sample in one slot
+    (``unique``), only expected, allocated by their first write (``arrays`` then maps each
+    batch to ``None``)."""
     slots = plan.slots
     assert slots is not None
     keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
@@ -272,10 +276,12 @@ def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slo
     steps = np.asarray(plan.offsets, dtype=np.int64)
     n_steps = int(steps.size)
     draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
+    sample = (draws[:, None] + steps[None, :]).ravel()
+    unique = lazy and len(set(sample.tolist())) == sample.size
     batch = np.repeat(slots.batch[keep], n_steps)
     arrays: dict[int, Any] = {}
     for b in sorted(set(batch.tolist())):
-        if lazy:
+        if unique:
             arena.expect(b, slots.rows_in(b))
             arrays[b] = None
         else:
@@ -285,10 +291,9 @@ def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slo
         pl = arena.layout.direct(v)
         assert pl is not None, f"variable {v} is not decoded whole into the batch"
         where.append([(*arena.slot(pl.key, k), pl) for k in range(n_steps)])
-    return _Slots(sample=(draws[:, None] + steps[None, :]).ravel(), batch=batch,
-                  row=np.repeat(slots.row[keep], n_steps),
+    return _Slots(sample=sample, batch=batch, row=np.repeat(slots.row[keep], n_steps),
                   step=np.tile(np.arange(n_steps, dtype=np.int64), draws.size),
-                  n_steps=n_steps, arrays=arrays, where=where)
+                  n_steps=n_steps, arrays=arrays, where=where, unique=unique)
 
 
 def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: bool,
@@ -298,23 +303,20 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     decoded straight into its slot; one feeding several slots (a neighbour's history,
     padding for equal steps) is decoded once, into its first slot, and copied into the
     others. With several samples per chunk, ``prepare_scattered`` (``first``: a start's
-    head window). Allocates the window's
-    batches and holds the ones copies read from.
+    head window). Allocates the window's batches (each sample in one slot: expects them,
+    ``LazyRows``) and holds the ones copies read from.
 
     This runs on the consumer thread, holding the GIL the decode threads need between
     chunks: index math in a few numpy calls, and the reads built by comprehensions over
     plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
     if any(n != 1 for n in sample_chunks):
         return prepare_scattered(plan, arena, threads, sample_chunks, first)
+    # each sample in one slot (no copies): batches taken as their first row is written
+    s = _window_slots(plan, arena, lazy=True)
+    sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
     slots = plan.slots
     assert slots is not None
-    draws = np.asarray(plan.draw_order, dtype=np.int64)
-    steps = np.asarray(plan.offsets, dtype=np.int64)
-    samples_all = (draws[:, None] + steps[None, :]).ravel().tolist()
-    # each sample in one slot (no copies): batches taken as their first row is written
-    unique = len(set(samples_all)) == len(samples_all)
-    s = _window_slots(plan, arena, lazy=unique)
-    sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
+    unique = s.unique
     if unique:
         first = np.arange(sample.size)
         dup = first[:0]
@@ -412,11 +414,11 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
 
 
-def batch_jobs(items: list[Item], threads: int,
-               row_bytes: Sequence[int] | None = None) -> list[list[Item]]:
+def batch_jobs(items: list[Item], threads: int, row_bytes: Sequence[int]) -> list[list[Item]]:
     """Pool tasks for a window's local reads: every variable of a few samples per task, so
     a window costs a few hand-offs whatever the number of variables; cut at batch edges
-    (``items`` come in batch order), at most ~16 MB or 64 chunks a task.
+    (``items`` come in batch order), at most ~16 MB (``row_bytes``: a row's bytes per
+    variable) or 64 chunks a task.
 
     The window's first batch is split across the threads, so it is complete as early as it
     can be (the one a training loop waits for at an epoch's start or after a restore); the
@@ -426,8 +428,7 @@ def batch_jobs(items: list[Item], threads: int,
         return []
     jobs: list[list[Item]] = []
     batches = [it[2] for it in items]
-    sizes = ([row_bytes[it[0]] for it in items] if row_bytes is not None
-             else [it[3].nbytes for it in items])  # type: ignore[union-attr]
+    sizes = [row_bytes[it[0]] for it in items]
     bounds = [0] + [k for k in range(1, len(items)) if batches[k] != batches[k - 1]]
     for n, (start, stop) in enumerate(zip(bounds, bounds[1:] + [len(items)], strict=True)):
         nbytes = sum(sizes[start:stop])
