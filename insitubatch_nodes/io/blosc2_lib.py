@@ -7,7 +7,7 @@ c-blosc2's global context. c-blosc2's own ``blosc2_decompress_ctx`` on a context
 thread does neither: 1.03-1.22x numcodecs per chunk on one thread and on two
 (``benchmarks/bench_decoders.py``, DESIGN.md "Decoders"). It decodes c-blosc 1 frames
 too, but is laxer with a damaged header, so only frames whose header is as c-blosc 1
-writes it are given to it (``_as_blosc1_writes``); the rest go to numcodecs. The library
+writes it are given to it (``blosc_frame.written_by_blosc1``); the rest go to numcodecs. The library
 is the one the python-blosc2 wheel ships for other packages to link against
 (``blosc2/lib``, with its headers and CMake files); it is opened with ctypes, which
 releases the GIL for each call, and never imported as a Python module.
@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
+
+from .blosc_frame import written_by_blosc1
 
 _MAJORS = ("2", "3")  # c-blosc2 versions whose blosc2_dparams _DParams matches
 _NAMES = {"linux": ("libblosc2.so",), "darwin": ("libblosc2.dylib",),
@@ -74,7 +76,7 @@ class _Lib:
             return False
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        if not _as_blosc1_writes(view, size):
+        if not written_by_blosc1(view, size):
             return False
         ctx = getattr(self._local, "ctx", None)
         if ctx is None:
@@ -87,29 +89,6 @@ class _Lib:
         # Whatever state a failed frame left in the context is not carried to the next.
         self._local.ctx = None
         return False
-
-
-def _as_blosc1_writes(frame: memoryview, nbytes: int) -> bool:
-    """Whether the header of ``frame`` (``nbytes`` decoded) is one c-blosc 1 writes, with
-    the checks c-blosc 1 makes on it: c-blosc2 is laxer with a damaged header (a wrong
-    block size or codec version it decodes anyway, at times into wrong values where
-    numcodecs raises), and reads both shuffle bits as its own extended header (a damaged
-    frame of that kind left the context decoding later, valid frames wrong while reporting
-    success). Anything else goes to numcodecs, which decides as before."""
-    version, versionlz, flags, typesize = frame[0], frame[1], frame[2], frame[3]
-    if version != 2 or versionlz != 1 or typesize == 0:
-        return False
-    if flags & 0x08 or flags & 0x05 == 0x05 or flags >> 5 > 4:  # reserved bit, codec 0..4
-        return False
-    blocksize = int.from_bytes(frame[8:12], "little", signed=True)
-    if not 0 < blocksize <= nbytes:
-        return False
-    if flags & 0x02:  # stored as is
-        return frame.nbytes == nbytes + 16
-    nblocks = -(-nbytes // blocksize)
-    first = 16 + 4 * nblocks  # c-blosc 1 writes the first block right after the offsets
-    return (frame.nbytes > first
-            and int.from_bytes(frame[16:20], "little", signed=True) == first)
 
 
 def _address(buf: object) -> int:

@@ -1,4 +1,5 @@
-"""Parsing blosc 1 frames on the host, so that the GPU can decode their streams (pure).
+"""Parsing blosc 1 frames on the host, so that the GPU can decode their streams, and
+telling which frames are as c-blosc 1 writes them, for c-blosc2 on the CPU (pure).
 
 nvCOMP has no blosc decoder, but a blosc 1 frame is a header, a table of block offsets and,
 per block, one or ``typesize`` ("split") streams, each a plain LZ4 block or zstd frame — or
@@ -123,3 +124,27 @@ def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
                                        size == neblock))
             pos += size
     return BloscFrame(typesize, blocksize, shuffle, _CODECS[code], tuple(streams))
+
+
+def written_by_blosc1(frame: memoryview, nbytes: int) -> bool:
+    """Whether the header of ``frame`` (bytes, ``nbytes`` decoded) is one c-blosc 1 writes,
+    with the checks c-blosc 1 makes on it (version 2, codec version 1, no reserved bit nor
+    both shuffle bits, a block size within the chunk, the first block right after the
+    offsets, or a stored frame of exactly the chunk's size). ``blosc2_lib`` gives c-blosc2
+    only such frames: it is laxer with a damaged header (a wrong block size or codec
+    version it decodes anyway, at times into wrong values where numcodecs raises), and
+    reads both shuffle bits as its own extended header (a damaged frame of that kind left
+    its context decoding later, valid frames wrong while reporting success)."""
+    version, versionlz, flags, typesize = frame[0], frame[1], frame[2], frame[3]
+    if version != 2 or versionlz != 1 or typesize == 0:
+        return False
+    if flags & 0x08 or flags & 0x05 == 0x05 or flags >> 5 > 4:  # reserved bit, codec 0..4
+        return False
+    blocksize = int.from_bytes(frame[8:12], "little", signed=True)
+    if not 0 < blocksize <= nbytes:
+        return False
+    if flags & 0x02:  # stored as is, right after the header
+        return frame.nbytes == HEADER + nbytes
+    first = HEADER + 4 * -(-nbytes // blocksize)  # the first block follows the offsets
+    return (frame.nbytes > first
+            and int.from_bytes(frame[HEADER:HEADER + 4], "little", signed=True) == first)

@@ -104,10 +104,7 @@ class ChunkDecoder:
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         if self._blosc_only:
-            check_header(data, out.nbytes)
-            fast = self.fast[0] if self.fast else None
-            if fast is None or not fast(data, out):
-                numcodecs.blosc.decompress(data, out)
+            _blosc_into(data, out, self.fast[0] if self.fast else None)
             return
         buf: object = data
         n = len(self.codecs)
@@ -116,9 +113,7 @@ class ChunkDecoder:
             fast = self.fast[n - 1 - i] if self.fast else None
             if last:
                 if isinstance(codec, numcodecs.Blosc):
-                    check_header(buf, out.nbytes)  # what neither library checks (a short body)
-                    if fast is None or not fast(buf, out):
-                        numcodecs.blosc.decompress(buf, out)
+                    _blosc_into(buf, out, fast)
                 elif fast is not None and fast(buf, out):
                     pass
                 elif isinstance(codec, numcodecs.Shuffle):
@@ -136,6 +131,15 @@ class ChunkDecoder:
             _copy_bytes(buf, out)
         if self.byteswap:
             out.byteswap(inplace=True)
+
+
+def _blosc_into(data: object, out: np.ndarray, fast: Inflate | None) -> None:
+    """A blosc frame into ``out``: its header checked against its length and ``out`` first
+    (what neither library checks: a short body), then c-blosc2 where it takes the frame,
+    else numcodecs."""
+    check_header(data, out.nbytes)
+    if fast is None or not fast(data, out):
+        numcodecs.blosc.decompress(data, out)
 
 
 def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> None:
