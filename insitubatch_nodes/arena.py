@@ -88,22 +88,26 @@ class BatchArena:
                     (n, len(self.steps.lead), *k.row_shape), k.dtype)
         return out
 
+    def _arrays(self, got: _Filling) -> dict[str, np.ndarray]:
+        """A batch's arrays, allocated at the first ask (under ``_lock``)."""
+        if got.arrays is None:
+            got.arrays = self._allocate(got.n_rows)
+        return got.arrays
+
     def rows(self, b: int, n: int) -> dict[str, np.ndarray]:
         """Batch ``b``'s arrays (``n`` rows), allocated on first use."""
         with self._lock:
             got = self._batches.get(b)
             if got is None:
                 got = self._batches[b] = _Filling(None, n, n * self.writes_per_row)
-            if got.arrays is None:
-                got.arrays = self._allocate(got.n_rows)
-            return got.arrays
+            return self._arrays(got)
 
     def expect(self, b: int, n: int) -> None:
         """Batch ``b`` will have ``n`` rows; its memory is taken by its first write
         (``arrays_of``), not now. Batch buffers are pooled last in, first out, so a batch
         taken as the decode threads reach it reuses one the consumer let go of moments
-        before, still in cache: decoding into the memory of batches prepared a few windows
-        ahead cost ~10 % more per chunk at one sample per chunk (2-vCPU VM)."""
+        before, still in cache, and the ledger holds the batches being decoded, not a few
+        windows of them (t2m one step: peak 209 -> 42-50 MB, DESIGN.md)."""
         with self._lock:
             if b not in self._batches:
                 self._batches[b] = _Filling(None, n, n * self.writes_per_row)
@@ -117,9 +121,7 @@ class BatchArena:
                 raise StaleBatch(f"batch {b} of generation {generation} is gone (now "
                                  f"{self.generation}): a read from before a new epoch or a "
                                  "restore")
-            if got.arrays is None:
-                got.arrays = self._allocate(got.n_rows)
-            return got.arrays
+            return self._arrays(got)
 
     def skip_next(self, draws: int) -> None:
         """The next window prepared (the head window of a restore) had its first ``draws``
@@ -174,9 +176,7 @@ class BatchArena:
             self._batches.pop(b, None)
             for old in [k for k in self._batches if k < b]:
                 del self._batches[old]
-            if got.arrays is None:  # every write landed without asking: cannot happen
-                got.arrays = self._allocate(got.n_rows)
-        return got.arrays
+            return self._arrays(got)  # allocated by its writes (every row has one)
 
     def clear(self) -> None:
         """Forget every batch (new epoch, restore, error). Reads still running on pool

@@ -104,7 +104,7 @@ class _DirectSlot:
             self.slots.release()
 
 
-def default_decode_threads(in_place: bool = False) -> int:
+def default_decode_threads(one_sample_in_place: bool = False) -> int:
     """One more decode thread than cores, at most 4. A decode thread waits for the GIL
     around every chunk (open, read, close, decode each release and retake it) while the
     training thread runs Python (the gather copy among it); a third thread on two cores
@@ -113,7 +113,7 @@ def default_decode_threads(in_place: bool = False) -> int:
     only adds switches: as many as cores (+1-2% on one-step stores). Chunks of several
     samples scattered in place keep the extra thread: their row copies take the GIL back
     several times per chunk (0.96 -> 1.03x the floor + copy at 8 per chunk)."""
-    return min(4, (os.cpu_count() or 1) + (0 if in_place else 1))
+    return min(4, (os.cpu_count() or 1) + (0 if one_sample_in_place else 1))
 
 
 class AsyncFetchNode(BaseNode[DecodedWindow]):
