@@ -376,14 +376,14 @@ class StripeReader:
         consumer thread can submit a window's reads straight to the pool. Returns attempts."""
         if len(indices) == 1:  # its first try is the one that waited in the pool's queue
             return self._read_local_one(indices[0], outs[0], retry, submitted)
-        attempts = 0
-        if len(indices) > 1:
-            try:
-                self.read_local_many(indices, outs, submitted)
-                return len(indices)
-            except Exception:
-                self.times.retried(len(indices))
-                attempts = len(indices)  # the failed group try, once per stripe
+        if not indices:
+            return 0
+        try:
+            self.read_local_many(indices, outs, submitted)
+            return len(indices)
+        except Exception:
+            self.times.retried(len(indices))
+            attempts = len(indices)  # the failed group try, once per stripe
         for index, out in zip(indices, outs, strict=True):
             attempts += self._read_local_one(index, out, retry)
         return attempts
