@@ -4,45 +4,80 @@ The standard graph is Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> Shuffle
 Gather -> PinOrCuda; ``build_loader`` composes it, and every node can be used on its own.
 """
 
-from .budget import parse_bytes
-from .config import (
-    CheckpointConfig,
-    DeviceConfig,
-    FetchConfig,
-    LoaderConfig,
-    SampleConfig,
-    SamplingConfig,
-)
-from .dataset import SampleDataset
-from .distributed import merge_rank_states
-from .fingerprint import StateFingerprint
-from .first_batch import FirstBatch
-from .geometry import SampleGrid, VariableGeometry
-from .io.chunk_cache import ChunkCache
-from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
-from .loader import InSituLoader, build_loader
-from .memory import MemoryLedger
-from .metrics import LoaderStats
-from .nodes import (
-    AsyncFetchNode,
-    ChunkPermuteNode,
-    GatherNode,
-    NormalizeNode,
-    PinOrCudaNode,
-    ReadPlanNode,
-    ShuffleBufferNode,
-    SplitNode,
-)
-from .nodes.channels import StackChannelsNode, resolve_channels
-from .nodes.patches import PatchNode
-from .nodes.static import StaticFieldsNode, open_static
-from .plan import ReadPlan
-from .quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
-from .source import Discovery, Source, discover, open_icechunk, open_source
-from .split import SplitManifest, split_by_chunk, split_by_coordinate
-from .staging import StagingSeam
-from .stats import Stats, VariableStats, compute_stats, dataset_stats
-from .windows import SampleWindow
+import importlib
+from typing import Any
+
+# Where each public name lives, imported on first use (PEP 562): a decode worker process
+# imports ``insitubatch_nodes.workers.child`` and with it only the IO layer (numpy, zarr,
+# the codecs), not torch and the whole graph: ~0.3 s to start instead of ~2 s.
+_EXPORTS = {
+    "parse_bytes": ".budget",
+    "CheckpointConfig": ".config",
+    "DeviceConfig": ".config",
+    "FetchConfig": ".config",
+    "LoaderConfig": ".config",
+    "SampleConfig": ".config",
+    "SamplingConfig": ".config",
+    "SampleDataset": ".dataset",
+    "merge_rank_states": ".distributed",
+    "StateFingerprint": ".fingerprint",
+    "FirstBatch": ".first_batch",
+    "SampleGrid": ".geometry",
+    "VariableGeometry": ".geometry",
+    "ChunkCache": ".io.chunk_cache",
+    "ChunkReadError": ".io.retry",
+    "CorruptChunkError": ".io.retry",
+    "RetryPolicy": ".io.retry",
+    "InSituLoader": ".loader",
+    "build_loader": ".loader",
+    "MemoryLedger": ".memory",
+    "LoaderStats": ".metrics",
+    "AsyncFetchNode": ".nodes",
+    "ChunkPermuteNode": ".nodes",
+    "GatherNode": ".nodes",
+    "NormalizeNode": ".nodes",
+    "PinOrCudaNode": ".nodes",
+    "ReadPlanNode": ".nodes",
+    "ShuffleBufferNode": ".nodes",
+    "SplitNode": ".nodes",
+    "StackChannelsNode": ".nodes.channels",
+    "resolve_channels": ".nodes.channels",
+    "PatchNode": ".nodes.patches",
+    "StaticFieldsNode": ".nodes.static",
+    "open_static": ".nodes.static",
+    "ReadPlan": ".plan",
+    "measured_shuffle_quality": ".quality",
+    "recommend_block_chunks": ".quality",
+    "shuffle_quality": ".quality",
+    "Discovery": ".source",
+    "Source": ".source",
+    "discover": ".source",
+    "open_icechunk": ".source",
+    "open_source": ".source",
+    "SplitManifest": ".split",
+    "split_by_chunk": ".split",
+    "split_by_coordinate": ".split",
+    "StagingSeam": ".staging",
+    "Stats": ".stats",
+    "VariableStats": ".stats",
+    "compute_stats": ".stats",
+    "dataset_stats": ".stats",
+    "SampleWindow": ".windows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'insitubatch_nodes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __version__ = "0.1.0"
 

@@ -95,6 +95,9 @@ class FetchConfig:
     local disk, so later epochs read them from there. ``prefetch_next_epoch`` fetches the
     next epoch's first windows while this one's last batches are drawn (its first batch
     then need not wait for a whole window); off, each ``iter()`` starts an empty pipeline.
+    ``workers``: decode worker processes writing straight into batches in shared memory
+    (in-place decoding; ``workers/``), 0 for the decode threads of the training process,
+    ``"auto"`` for what measured fastest on this machine (``default_workers``).
     """
 
     max_inflight: int = 32
@@ -106,9 +109,14 @@ class FetchConfig:
     in_place: bool | None = None
     cache: ChunkCache | None = None
     prefetch_next_epoch: bool = True
+    workers: int | str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
+        if self.workers != "auto" and (isinstance(self.workers, bool)
+                                       or not isinstance(self.workers, int) or self.workers < 0):
+            raise ValueError(f"fetch.workers must be 'auto' or an integer >= 0 (0: decode "
+                             f"threads in this process), got {self.workers!r}")
         _flag("fetch", "prefetch_next_epoch", self.prefetch_next_epoch)
         if self.cache is not None and not isinstance(self.cache, ChunkCache):
             raise TypeError(f"fetch.cache must be an ib.ChunkCache(directory, max_bytes=...), "

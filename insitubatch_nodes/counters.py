@@ -25,6 +25,7 @@ class ReadTimes:
 
     __slots__ = ("_lock", "store_s", "decode_s", "pool_wait_s", "retries", "cache_hits",
                  "cache_misses", "cache_bytes", "store_bytes")
+    _FIELDS = __slots__[1:]
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -44,6 +45,21 @@ class ReadTimes:
     def retried(self, reads: int = 1) -> None:
         with self._lock:
             self.retries += reads
+
+    def take(self) -> tuple[float, ...]:
+        """Every counter since the last ``take``, zeroed: a decode worker sends them with
+        each job, and the loader's own ``ReadTimes`` adds them (``merge``)."""
+        with self._lock:
+            out = tuple(getattr(self, k) for k in self._FIELDS)
+            for k in self._FIELDS:
+                setattr(self, k, type(getattr(self, k))())
+        return out
+
+    def merge(self, values: tuple[float, ...]) -> None:
+        """Add the counters a worker's ``take`` returned."""
+        with self._lock:
+            for k, v in zip(self._FIELDS, values, strict=True):
+                setattr(self, k, getattr(self, k) + v)
 
     def cached(self, chunks: int, nbytes: int) -> None:
         """``chunks`` stored chunks (``nbytes``) came from the local chunk cache."""

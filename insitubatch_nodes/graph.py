@@ -55,6 +55,7 @@ from .split import SplitManifest
 from .staging import StagingSeam
 from .stats import Stats
 from .windows import SampleWindow, chunks_reaching, chunks_touching, default_run_chunks
+from .workers.shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
 
@@ -82,6 +83,7 @@ class Resolved:
     # or (time steps) another split's chunks
     layout: BatchLayout | None  # where each variable lands in a host-gathered batch
     in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
+    workers: int  # decode worker processes (0: decode threads in this process)
 
 
 def default_prefetch_windows(source: Source) -> int:
@@ -92,6 +94,15 @@ def default_prefetch_windows(source: Source) -> int:
     cores). ``source`` is kept so the default may depend on the store again."""
     del source
     return DEFAULT_PREFETCH_WINDOWS
+
+
+def default_workers(in_place: bool, device: str | torch.device | None) -> int:
+    """``workers="auto"``: decode worker processes where they measured faster than the
+    decode threads (DESIGN.md "Worker processes"), else 0."""
+    del device
+    if not in_place:
+        return 0
+    return 0
 
 
 def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
@@ -184,8 +195,15 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     if f.in_place and why_not:
         raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
                          f"batches: {why_not}. Leave in_place=None to decide per store.")
+    asked = f.workers if f.workers != "auto" else 0
+    if asked and (why_not or f.in_place is False):
+        raise ValueError(f"fetch.workers={asked} decode straight into batches in shared memory, "
+                         f"which this loader cannot: {why_not or 'fetch.in_place=False'}. Use "
+                         "workers=0 (decode threads) or workers='auto'.")
     in_place = f.in_place is not False and why_not is None and (
-        bool(f.in_place) or _in_place_by_default(source))
+        bool(f.in_place) or bool(asked) or _in_place_by_default(source))
+    workers = (asked if f.workers != "auto" else
+               default_workers(in_place, config.device.device))
     contiguous = steps is not None
     block_chunks, run_chunks = _window_size(source, s, steps, in_place)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, contiguous,
@@ -214,7 +232,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         resident_bound=bound, shuffle_quality=quality,
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
-        in_place=in_place,
+        in_place=in_place, workers=workers,
     )
 
 
@@ -421,8 +439,10 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                         drop_last=s.drop_last)
     if done("plan", node):
         return Graph(node, stages, ledger)
-    pool = BufferPool(ledger)
     layout = resolved.layout
+    # Decode workers write into batches in memory shared with them (workers/).
+    shared = SharedMemoryArena() if resolved.workers else None
+    pool = BufferPool(ledger, allocate=shared.allocate if shared is not None else None)
     arena = (BatchArena(layout, pool, steps) if resolved.in_place and layout is not None
              else None)
     first = FirstBatch()  # the shuffle buffer tells the fetch what its first batch needs
@@ -430,7 +450,10 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                            prefetch_windows=resolved.prefetch_windows,
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
-                           first=first, prefetch_next_epoch=f.prefetch_next_epoch)
+                           first=first, prefetch_next_epoch=f.prefetch_next_epoch,
+                           workers=resolved.workers if arena is not None else 0, shared=shared,
+                           cache_scope=None if f.cache is None else (
+                               (str(f.cache.directory), f.cache.max_bytes), source.snapshot_id))
     if f.cache is not None:
         for reader in fetch.readers:
             reader.use_cache(f.cache, source.snapshot_id)
@@ -450,7 +473,10 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     seam = connect_staging(gather, between) if dev is not None and dev.type == "cuda" else None
     if seam is not None:
         ops = ops if ops is not None else CudaOps(dev)
-        if arena is not None:
+        if shared is not None:
+            # Decode workers' shared batch memory, page-locked a segment at a time.
+            shared.on_segment = ops.register_host
+        elif arena is not None:
             # Decoded in place into pinned memory: the stager copies those batches to the
             # GPU from where they were decoded. Set before the first batch is allocated.
             arena.pool = BufferPool(ledger, allocate=PinnedArrays(ops))

@@ -109,7 +109,7 @@ LAYERS = [
     {"dtypes", "geometry", "windows", "counters", "plan", "quality", "permute", "fingerprint",
      "schedule", "distributed", "memory", "ring", "budget", "staging", "items", "layout", "arena",
      "first_batch"},
-    {"io", "storage", "anemoi", "source", "stats", "split"},
+    {"io", "workers", "storage", "anemoi", "source", "stats", "split"},
     {"config"},
     {"nodes"},
     {"metrics", "graph"},

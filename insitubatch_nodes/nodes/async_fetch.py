@@ -31,6 +31,10 @@ from ..items import DecodedWindow
 from ..memory import BufferPool, MemoryLedger
 from ..plan import ReadPlan
 from ..source import Source
+from ..workers.child import WorkerSetup
+from ..workers.engine import WindowRun, WorkerEngine
+from ..workers.jobs import prepare_window
+from ..workers.shared_memory import SharedMemoryArena
 from .fetch_jobs import (
     DirectWindow,
     InPlaceJob,
@@ -61,21 +65,25 @@ def _made(win: DecodedWindow) -> Future:
     return done
 
 
-def _drain(queue: deque) -> list[Future | DirectWindow]:
+Window = Future | DirectWindow | WindowRun  # a window being fetched, as the queue holds it
+
+
+def _drain(queue: deque) -> list[Window]:
     """The windows of a queue of ``(window, state, plan)`` entries, the queue emptied."""
     windows = [fut for fut, _, _ in queue]
     queue.clear()
     return windows
 
 
-def _cancel(windows: list[Future | DirectWindow]) -> None:
+def _cancel(windows: list[Window]) -> None:
     """Cancel ``windows``, then wait for the pool tasks of local ones already running
-    (``DirectWindow.settle``); windows on the event loop end their reads as the loop
+    (``DirectWindow.settle``) and the jobs a worker process is running
+    (``WindowRun.settle``); windows on the event loop end their reads as the loop
     cancels them."""
     for fut in windows:
         fut.cancel()
     for fut in windows:
-        if isinstance(fut, DirectWindow):
+        if not isinstance(fut, Future):
             fut.settle()
 
 
@@ -149,7 +157,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  retry: RetryPolicy | None = None,
                  device_decode: FrameDecoder | None = None,
                  arena: BatchArena | None = None, first: FirstBatch | None = None,
-                 prefetch_next_epoch: bool = True) -> None:
+                 prefetch_next_epoch: bool = True, workers: int = 0,
+                 shared: SharedMemoryArena | None = None,
+                 cache_scope: tuple[tuple[str, int], str | None] | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -169,6 +179,15 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self.first = first if first is not None else FirstBatch()
         # In-place windows write into the arena's batches of this epoch: not ahead of it.
         self.prefetch_next_epoch = bool(prefetch_next_epoch) and arena is None
+        # Decode worker processes writing into batches in ``shared`` memory (in place only;
+        # graph.py sets the arena's pool to allocate there). 0: the decode threads.
+        if workers and (arena is None or shared is None):
+            raise ValueError(f"workers={workers} decode into batches in shared memory: they "
+                             "need an arena (in-place decoding) and a SharedMemoryArena")
+        self.workers = int(workers)
+        self.shared = shared
+        self._cache_scope = cache_scope  # ((directory, max_bytes), snapshot id) for workers
+        self._engine: WorkerEngine | None = None
         self.stats = FetchStats()
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, dataset.url)
@@ -176,6 +195,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         for r in self.readers:
             r.times = self.stats.read
         self._sample_chunks = tuple(r.geom.sample_chunk for r in self.readers)
+        self._row_bytes = tuple(arena.layout.row_nbytes(v) for v in range(len(self.readers))
+                                ) if arena is not None else ()
         self.decode_threads = int(decode_threads or default_decode_threads(
             arena is not None and set(self._sample_chunks) == {1}))
         self.window_decoder: WindowDecoder | None = None
@@ -193,16 +214,17 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.window_decoder.times = self.stats.read
         self._lt: LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
+        self._engine_finalizer: weakref.finalize | None = None
         self._sem: asyncio.Semaphore | None = None
         # (window future, upstream state, its plan when decoded in place (delivered at once))
-        self._fifo: deque[tuple[Future | DirectWindow, dict, ReadPlan | None]] = deque()
-        self._running: list[Future | DirectWindow] = []  # in-place windows, still decoding
+        self._fifo: deque[tuple[Window, dict, ReadPlan | None]] = deque()
+        self._running: list[Window] = []  # in-place windows, still decoding
         self._delivered: dict | None = None
         self._exhausted = False
         # The next epoch, started early (``prefetch_next_epoch``): its windows, the upstream
         # state at its start (set once the upstream was reset for it), whether its plans ran
         # out, and whether its windows were dropped (then the upstream is reset to the start).
-        self._ahead: deque[tuple[Future | DirectWindow, dict, ReadPlan | None]] = deque()
+        self._ahead: deque[tuple[Window, dict, ReadPlan | None]] = deque()
         self._ahead_start: dict | None = None
         self._ahead_exhausted = False
         self._ahead_failed = False
@@ -258,7 +280,28 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self._lt = LoopThread(self.decode_threads, "fetch", "decode",
                                   device_thread=self.window_decoder is not None)
             self._finalizer = weakref.finalize(self, LoopThread.stop_soon, self._lt)
+        if self.workers and self._engine is None:
+            self._engine = self._start_workers()
+            self._engine_finalizer = weakref.finalize(self, WorkerEngine.stop, self._engine,
+                                                      False)
         return self._lt
+
+    def _start_workers(self) -> WorkerEngine:
+        """The decode worker processes (``workers/engine``), for this node's lifetime."""
+        assert self.arena is not None and self.shared is not None
+        arena = self.arena
+        n_steps = arena.writes_per_row // len(arena.layout.placements)
+        where = []
+        for v in range(len(self.readers)):
+            pl = arena.layout.direct(v)
+            assert pl is not None, f"variable {v} is not decoded whole into the batch"
+            where.append(tuple((*arena.slot(pl.key, k), pl) for k in range(n_steps)))
+        cache, snapshot = self._cache_scope if self._cache_scope is not None else (None, None)
+        setup = WorkerSetup(tuple(self.dataset.arrays), tuple(self.dataset.variables),
+                            self.dataset.url, self.retry, cache, snapshot, tuple(where),
+                            self.max_inflight)
+        return WorkerEngine(self.workers, setup, arena, self.shared, self.stats,
+                            [r.geom.stripe_nbytes for r in self.readers])
 
     def shutdown(self) -> None:
         """Cancel in-flight reads, stop the loop thread and decode pool for good, and shut
@@ -267,6 +310,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         torchdata ``Prefetcher`` still pulling must not bring the loop back."""
         self._shut_down = True
         self.close()
+        if self.shared is not None:
+            self.shared.close()
         shutdown_source(self.source)
 
     def close(self) -> None:
@@ -279,6 +324,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._lt = None
         self._finalizer = None
         self._sem = None
+        if self._engine_finalizer is not None and self._engine_finalizer.detach() is not None:
+            assert self._engine is not None
+            self._engine.stop(wait=True)
+        self._engine = None
+        self._engine_finalizer = None
 
     def _cancel_all(self) -> None:
         self._cancel_epoch()
@@ -692,9 +742,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return plan
 
     def _submit(self, plan: ReadPlan, snap: dict, lt: LoopThread,
-                ) -> tuple[Future | DirectWindow, dict, ReadPlan | None]:
+                ) -> tuple[Window, dict, ReadPlan | None]:
         """Start fetching ``plan``'s window: its queue entry (window, upstream state after
         it, and the plan when decoded in place)."""
+        if plan.slots is not None and self.arena is not None and self._engine is not None:
+            window = prepare_window(plan, self.arena, self.workers, self._sample_chunks,
+                                    self._row_bytes)
+            return self._engine.submit(window), snap, plan
         if plan.slots is not None and self.arena is not None:
             job = self._prepare_in_place(plan)
             fut = (self._submit_in_place_direct(job, lt) if self._direct else

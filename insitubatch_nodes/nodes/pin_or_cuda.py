@@ -86,6 +86,15 @@ class CudaOps:
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
 
+    def register_host(self, address: int, nbytes: int) -> None:
+        """Page-lock host memory mapped elsewhere (the decode workers' shared batch memory,
+        ``workers/shared_memory``), once per segment, so batches copy to the device from
+        where the workers decoded them."""
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared batch memory "
+                               f"failed with CUDA error {int(err)}")
+
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Allocate on the current (side) stream and copy asynchronously from pinned memory."""
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)

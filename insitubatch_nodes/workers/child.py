@@ -1,0 +1,215 @@
+"""A decode worker: ``python -m insitubatch_nodes.workers.child FD``.
+
+Started by ``engine`` as a module of its own (not ``multiprocessing``'s spawn, which runs
+the training script's top-level code again in the child), it imports only the IO layer,
+opens its own readers (its own obstore client and event loop for object stores, its own
+decoders and chunk-cache handle), then runs jobs until its socket closes: for each stripe
+of a job, read and decode it straight into its batch slot in shared memory (or, for a
+stripe of several samples or feeding several slots, into a scratch buffer and copy each
+slot's row from there), then report the job done (or its error) to the training process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+import numpy as np
+
+from ..geometry import VariableGeometry
+from ..io.chunk_cache import ChunkCache
+from ..io.reader import StripeReader
+from ..io.retry import RetryPolicy
+from ..io.thread_buffer import ThreadBuffer
+from ..layout import Placement, row_view
+from .jobs import Read
+from .shared_memory import Place, Segment, array_at, map_segment
+
+# where one variable's step lands in a batch: (key, time-step column, placement)
+Where = tuple[str, "int | None", Placement]
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker needs to read the loader's variables into its batches: the zarr
+    arrays (they pickle: store and path), their geometry, the store URL for error
+    messages, the retry policy, the chunk cache (directory and size) and ``where``: per
+    variable and time step, the batch key, column and placement of its slot."""
+
+    arrays: tuple[Any, ...]
+    variables: tuple[VariableGeometry, ...]
+    url: str
+    retry: RetryPolicy
+    cache: tuple[str, int] | None
+    snapshot_id: str | None
+    where: tuple[tuple[Where, ...], ...]
+    max_inflight: int
+
+
+# Messages, training process -> worker: ("segment", index, nbytes) followed by its
+# descriptor (SCM_RIGHTS); ("job", id, reads, places: {batch: {key: Place}}); ("stop",).
+# Worker -> training process: ("ready", pid); ("done", id, read times); ("error", id,
+# exception); ("fatal", text) when it cannot start.
+
+_SCRATCH = ThreadBuffer()
+
+
+def _slot(arrays: dict[str, np.ndarray], where: Where, row: int) -> np.ndarray:
+    """The part of batch row ``row`` one variable's step fills (``fetch_jobs._slot_view``)."""
+    key, col, pl = where
+    rows = arrays[key][row : row + 1]
+    return row_view(rows if col is None else rows[:, col], pl)
+
+
+class Worker:
+    """The state of one worker process: its readers, mapped segments, event loop."""
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        self.setup = setup
+        self.readers = [StripeReader(a, g, setup.url)
+                        for a, g in zip(setup.arrays, setup.variables, strict=True)]
+        times = self.readers[0].times
+        cache = ChunkCache(*setup.cache) if setup.cache is not None else None
+        for r in self.readers:
+            r.times = times
+            if cache is not None:
+                r.use_cache(cache, setup.snapshot_id)
+        self.times = times
+        self.local = all(r.groups_reads for r in self.readers)
+        self.segments: dict[int, Segment] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, reads: list[Read], places: dict[int, dict[str, Place]]) -> None:
+        arrays = {b: {k: array_at(self.segments, p) for k, p in keys.items()}
+                  for b, keys in places.items()}
+        if self.local:
+            for read in reads:
+                self._read_local(read, arrays)
+        else:
+            self._event_loop().run_until_complete(self._read_all(reads, arrays))
+
+    def _targets(self, read: Read, arrays: dict[int, dict[str, np.ndarray]],
+                 ) -> list[np.ndarray]:
+        where = self.setup.where[read[0]]
+        return [_slot(arrays[b], where[k], r) for _, b, r, k in read[2]]
+
+    def _read_local(self, read: Read, arrays: dict[int, dict[str, np.ndarray]]) -> None:
+        v, index, targets = read
+        reader = self.readers[v]
+        dsts = self._targets(read, arrays)
+        if reader.geom.sample_chunk == 1:
+            # a one-sample stripe decodes straight into its first slot; more slots copy it
+            reader.read_local_retrying([index], [dsts[0]], self.setup.retry)
+            for dst in dsts[1:]:
+                np.copyto(dst, dsts[0])
+            return
+        stripe = _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype)
+        reader.read_local_retrying([index], [stripe], self.setup.retry)
+        for (off, _, _, _), dst in zip(targets, dsts, strict=True):
+            np.copyto(dst, stripe[off : off + 1])
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="insitubatch-worker-decode")
+        return self._loop
+
+    async def _read_all(self, reads: list[Read],
+                        arrays: dict[int, dict[str, np.ndarray]]) -> None:
+        """A remote store's reads, up to ``max_inflight`` at once on this worker's loop."""
+        loop, pool = self._event_loop(), self._pool
+        assert pool is not None
+        gate = asyncio.Semaphore(self.setup.max_inflight)
+
+        async def one(read: Read) -> None:
+            v, index, targets = read
+            reader = self.readers[v]
+            dsts = self._targets(read, arrays)
+            one_sample = reader.geom.sample_chunk == 1
+            buf = (dsts[0] if one_sample else
+                   np.empty(reader.geom.stripe_shape, reader.geom.dtype))
+            async with gate:
+                await reader.read(index, buf, loop, pool, self.setup.retry)
+            for (off, _, _, _), dst in zip(targets, dsts, strict=True):
+                if dst is not buf:
+                    np.copyto(dst, buf if one_sample else buf[off : off + 1])
+
+        tasks = [asyncio.ensure_future(one(rd)) for rd in reads]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+
+def _sendable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling (ChunkReadError and the like do, notes included), else
+    a RuntimeError carrying its type, message and traceback."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        text = "".join(traceback.format_exception(e))
+        return RuntimeError(f"{type(e).__name__}: {e}\n{text}")
+
+
+def serve(conn: Connection) -> None:
+    """Run jobs from ``conn`` until it closes or says stop."""
+    try:
+        worker = Worker(conn.recv())
+    except Exception as e:
+        conn.send(("fatal", "".join(traceback.format_exception(e))))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the training process is gone, or closed the socket: nothing to do
+        kind = msg[0]
+        if kind == "job":
+            _, ident, reads, places = msg
+            t0 = time.perf_counter()
+            try:
+                worker.run(reads, places)
+            except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
+                conn.send(("error", ident, _sendable(e)))
+                continue
+            conn.send(("done", ident, worker.times.take(), time.perf_counter() - t0))
+        elif kind == "segment":
+            _, index, nbytes = msg
+            fd = recv_handle(conn)
+            worker.segments[index] = map_segment(index, fd, nbytes)
+            os.close(fd)  # the mapping stays
+        elif kind == "stop":
+            return
+
+
+def main(argv: list[str]) -> int:
+    # Ctrl-C in a terminal reaches the whole process group: the training process decides
+    # (it closes our socket); a worker killed by it would only print a second traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(int(argv[1]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
