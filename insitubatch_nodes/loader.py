@@ -173,7 +173,8 @@ class InSituLoader(Loader):
     Built by ``build_loader``, it exposes what the build computed: ``config`` (the
     ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
     stay under), ``shuffle_quality`` (the model's score; with time windows over runs of
-    ``run_chunks`` adjacent chunks) and ``snapshot_id`` (the icechunk
+    ``run_chunks`` adjacent chunks), ``workers`` (decode worker processes, 0 for
+    threads) and ``snapshot_id`` (the icechunk
     snapshot read, checked on resume) and ``fingerprint`` (what every state records and
     ``load_state_dict`` checks). Wrapping a hand-built graph leaves them ``None``.
     """
@@ -191,6 +192,8 @@ class InSituLoader(Loader):
                                               else None)
         # time windows: chunks per contiguous run, the unit shuffle_quality counts
         self.run_chunks: int | None = resolved.run_chunks if resolved is not None else None
+        # decode worker processes (fetch.workers resolved; 0: decode threads)
+        self.workers: int | None = resolved.workers if resolved is not None else None
         self.ledger: MemoryLedger | None = ledger
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
