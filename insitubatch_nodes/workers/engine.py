@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import sys
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from pathlib import Path
 
@@ -106,6 +107,9 @@ class WorkerEngine:
         self.stopped = False
         self.broken: str | None = None  # a worker could not start: why
         self._wake_r, self._wake_w = os.pipe()
+        # one epoll set for the thread's life (multiprocessing's wait() builds one per call)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self.procs = [self._start(i) for i in range(workers)]
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -126,7 +130,9 @@ class WorkerEngine:
         conn = Connection(os.dup(parent.fileno()))
         parent.close()
         conn.send(self.setup)
-        return _Proc(number, popen, conn)
+        proc = _Proc(number, popen, conn)
+        self._selector.register(conn.fileno(), selectors.EVENT_READ, proc)
+        return proc
 
     @property
     def pids(self) -> list[int]:
@@ -174,12 +180,13 @@ class WorkerEngine:
         try:
             while not self.stopped:
                 self._dispatch()
-                conns = {p.conn: p for p in self.procs}
-                for ready in wait([self._wake_r, *conns]):
-                    if ready == self._wake_r:
+                for key, _ in self._selector.select():
+                    proc = key.data
+                    if proc is None:
                         os.read(self._wake_r, 4096)
                         continue
-                    proc = conns[ready]  # type: ignore[index]
+                    if proc.conn.closed:  # died earlier in this round
+                        continue
                     try:
                         msg = proc.conn.recv()
                     except (EOFError, OSError):
@@ -256,7 +263,8 @@ class WorkerEngine:
             return
         run, job = proc.jobs.pop(msg[1])
         if kind == "done":
-            self.stats.read.merge(msg[2])
+            if msg[2] is not None:
+                self.stats.read.merge(msg[2])
             if run.window.generation == self.arena.generation and not run.cancelled:
                 for b, n in job.writes.items():
                     self.arena.done(b, n, run.window.generation)
@@ -309,6 +317,7 @@ class WorkerEngine:
                else f"exited with status {code}")
         held = list(proc.jobs.values())
         proc.jobs.clear()
+        self._selector.unregister(proc.conn.fileno())
         proc.conn.close()
         for run, job in held:
             chunks = sorted({(v, s) for v, s, _ in job.reads})[:8]
