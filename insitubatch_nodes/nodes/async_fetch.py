@@ -286,6 +286,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                                                       False)
         return self._lt
 
+    @property
+    def engine(self) -> WorkerEngine | None:
+        """The decode worker processes while they run (``workers``), else ``None``."""
+        return self._engine
+
     def _start_workers(self) -> WorkerEngine:
         """The decode worker processes (``workers/engine``), for this node's lifetime."""
         assert self.arena is not None and self.shared is not None

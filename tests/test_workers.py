@@ -1,0 +1,358 @@
+"""Decode worker processes (``workers=N``): bit for bit the batches of the decode threads over
+the store kinds, exactly once and exact resume with any number of workers, errors and dead
+workers that lose nothing, and no process or shared-memory segment left behind."""
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from stores import BLOSC, Var, stores_on_s3, write_store
+from test_in_place import GATHERED_BY_DEFAULT, KINDS, assert_same, epochs
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.workers.engine import WorkerError
+from insitubatch_nodes.workers.shared_memory import SharedMemoryArena, array_at, map_segment
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="workers need Unix sockets")
+
+
+def engine_of(loader):
+    return loader.node(ib.AsyncFetchNode).engine
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by a parent that is gone) counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout=10.0) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+# -- the memory --------------------------------------------------------------------------
+def test_shared_memory_is_seen_by_a_second_mapping_and_blocks_are_reused():
+    arena = SharedMemoryArena(segment_bytes=1 << 16)
+    a = arena.allocate((4, 5), np.float32)
+    b = arena.allocate((3, 1000), np.int16)
+    c = arena.allocate((20000,), np.float64)  # bigger than a segment: its own
+    assert len(arena.segments) == 2
+    other = {s.index: map_segment(s.index, os.dup(s.fd), s.nbytes) for s in arena.segments}
+    for arr, fill in ((a, 1.5), (b, 7), (c, -2.0)):
+        place = arena.place(arr)
+        view = array_at(other, place)
+        assert view.shape == arr.shape and view.dtype == arr.dtype
+        view[...] = fill  # written through the other mapping ...
+        assert (arr == fill).all()  # ... read here
+    first = arena.place(a)
+    del a
+    gc.collect()
+    again = arena.allocate((4, 5), np.float32)  # the freed block, not a new one
+    assert arena.place(again)[:2] == first[:2]
+    with pytest.raises(ValueError, match="not a contiguous block"):
+        arena.place(np.zeros(3))
+    arena.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.allocate((1,), np.float32)
+
+
+# -- bit for bit -------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def kind(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("workers") / f"{request.param}.zarr"
+    data = write_store(path, KINDS[request.param])
+    src = ib.open_source(path)
+    return request.param, src, ib.split_by_chunk(src, (0.8, 0.2)), data
+
+
+@settings(max_examples=2, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 40), block=st.integers(2, 20), seed=st.integers(0, 99),
+       drop_last=st.booleans(), workers=st.integers(1, 3))
+def test_equal_to_the_decode_threads_over_store_kinds(kind, batch, block, seed, drop_last,
+                                                       workers):
+    name, src, m, data = kind
+    kw = dict(batch_size=batch, block_chunks=block, seed=seed, drop_last=drop_last)
+    forced = {"in_place": True} if name in GATHERED_BY_DEFAULT else {}
+    with ib.build_loader(src, m, "train", workers=workers, **kw) as new, \
+            ib.build_loader(src, m, "train", workers=0, **forced, **kw) as old:
+        assert new.workers == workers and old.workers == 0
+        got, want = epochs(new), epochs(old)
+        assert len(engine_of(new).pids) == workers
+    assert_same(got, want)
+    for b in got[0]:  # and the rows are the stored samples
+        for var, arr in data.items():
+            np.testing.assert_array_equal(b[var], arr[b["sample_index"]])
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
+def weather(tmp_path_factory, request):
+    """A small ERA5-like store, one time step per chunk, or four."""
+    import zarr
+
+    n = request.param
+    path = tmp_path_factory.mktemp("wx") / "w.zarr"
+    dims = ("time", "lat", "lon")
+    write_store(path, [
+        Var("t2m", (80, 6, 8), (n, 6, 8), compressors=BLOSC, extra=dict(dimension_names=dims)),
+        Var("z", (80, 3, 6, 8), (n, 3, 6, 8), compressors=BLOSC,
+            extra=dict(dimension_names=("time", "level", *dims[1:])))])
+    g = zarr.open_group(path)
+    g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
+        [500, 850, 1000]
+    src = ib.open_source(path, variables=["t2m", "z"])
+    return src, ib.split_by_chunk(src, (1.0,))
+
+
+@pytest.mark.parametrize("options", [
+    dict(channels=["z", "t2m"], stats="stats", dtype=torch.bfloat16),
+    dict(static="static", patch_size=(3, 4)),
+    dict(rank=1, world_size=3, uneven="pad"),
+    dict(window=ib.SampleWindow(2, (1,))),
+    dict(window=ib.SampleWindow(3, (1, 2), stride=2), channels=["z", "t2m"]),
+    dict(window=ib.SampleWindow(1, (2,)), rank=0, world_size=2, drop_last=True),
+])
+def test_equal_with_sample_options(weather, options):
+    src, m = weather
+    kw = dict(batch_size=7, block_chunks=5, seed=1, **options)
+    if kw.get("stats") == "stats":
+        kw["stats"] = ib.compute_stats(src, m, "train")
+    if kw.get("static") == "static":
+        kw["static"] = {"lsm": np.ones((6, 8), np.float32)}
+    with ib.build_loader(src, m, "train", workers=2, **kw) as new, \
+            ib.build_loader(src, m, "train", workers=0, **kw) as old:
+        got = [[{k: v.float().numpy() for k, v in b.items()} for b in new] for _ in range(2)]
+        want = [[{k: v.float().numpy() for k, v in b.items()} for b in old] for _ in range(2)]
+    assert_same(got, want)
+
+
+def test_several_samples_per_chunk_on_s3(tmp_path):
+    """Object stores: each worker reads with its own obstore client and event loop."""
+    pytest.importorskip("moto", reason="the S3 tests serve the store with moto")
+    stores = {"s": [Var("x", (45, 4, 5), (1, 4, 5), compressors=BLOSC),
+                    Var("y", (45, 3), (5, 3), dtype="int16")]}
+    with stores_on_s3(tmp_path, stores) as (server, data):
+        src = ib.open_source("s3://data/s", storage_options=server.options())
+        m = ib.split_by_chunk(src, (1.0,))
+        kw = dict(batch_size=6, block_chunks=4, seed=5)
+        with ib.build_loader(src, m, "train", workers=2, **kw) as new, \
+                ib.build_loader(src, m, "train", workers=0, in_place=True, **kw) as old:
+            got, want = epochs(new, 1), epochs(old, 1)
+    assert_same(got, want)
+    for b in got[0]:
+        for var, arr in data["s"].items():
+            np.testing.assert_array_equal(b[var], arr[b["sample_index"]])
+
+
+# -- exactly once, exact resume ----------------------------------------------------------
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(2, 17), block=st.integers(1, 9), stop=st.floats(0, 0.999),
+       epoch=st.integers(0, 1), before=st.integers(0, 3), after=st.integers(0, 3))
+def test_exact_resume_and_exactly_once_with_any_workers(weather, batch, block, stop, epoch,
+                                                         before, after):
+    """A state taken with ``before`` workers resumes with ``after`` (0: threads)."""
+    src, m = weather
+    kw = dict(batch_size=batch, block_chunks=block, seed=4, channels=["z", "t2m"])
+    with ib.build_loader(src, m, "train", workers=0, **kw) as ref:
+        full = [[b["sample_index"].tolist() for b in ref] for _ in range(epoch + 2)]
+    assert sorted(i for b in full[epoch] for i in b) == list(range(80))
+    k = int(stop * len(full[epoch]))
+    with ib.build_loader(src, m, "train", workers=before, **kw) as a:
+        for _ in range(epoch):
+            assert [b["sample_index"].tolist() for b in a] == full[0]
+        it = iter(a)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(a.state_dict()))
+    with ib.build_loader(src, m, "train", workers=after, **kw) as b:
+        b.load_state_dict(state)
+        rest = [x["sample_index"].tolist() for x in b]
+        nxt = [x["sample_index"].tolist() for x in b]
+    assert rest == full[epoch][k:]
+    assert nxt == full[epoch + 1]
+
+
+def test_memory_stays_within_the_bound(weather):
+    src, m = weather
+    with ib.build_loader(src, m, "train", batch_size=5, block_chunks=3, seed=0,
+                         workers=2) as ld:
+        for _ in range(2):
+            for _ in ld:
+                assert ld.ledger.resident <= ld.resident_bound
+        assert 0 < ld.ledger.peak <= ld.resident_bound
+        # the shared segments hold the pool's buffers, no more than the pool ever had
+        shared = ld.node(ib.AsyncFetchNode).shared
+        assert shared.nbytes <= max(shared.SEGMENT_BYTES, 2 * ld.ledger.peak)
+
+
+# -- faults ------------------------------------------------------------------------------
+@pytest.mark.parametrize("per_chunk", [1, 4])
+def test_a_corrupt_chunk_in_a_worker_fails_its_batch_by_name(tmp_path, per_chunk):
+    path = tmp_path / "bad.zarr"
+    write_store(path, [Var("x", (60, 4), (per_chunk, 4), compressors=BLOSC)])
+    bad = 17 // per_chunk
+    (path / "x" / "c" / str(bad) / "0").write_bytes(b"garbage, not blosc")
+    src = ib.open_source(path)
+    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
+                         workers=2, retry=ib.RetryPolicy(attempts=2, base_delay=0)) as ld:
+        it = iter(ld)
+        served: list[int] = []
+        with pytest.raises(ib.CorruptChunkError) as info:
+            for _ in range(100):
+                served += next(it)["sample_index"].tolist()
+        err = info.value
+        assert f"x/c/{bad}/0" in str(err) and err.variable == "x" and err.attempts == 2
+        notes = "\n".join(err.__notes__)
+        assert "decode worker" in notes and "into batches" in notes, notes
+        with pytest.raises(ib.CorruptChunkError):  # asking again: the same error
+            for _ in range(100):
+                served += next(it)["sample_index"].tolist()
+        lost = set(range(bad * per_chunk, (bad + 1) * per_chunk))
+        assert not lost & set(served) and len(served) == len(set(served))
+
+
+def test_a_worker_killed_mid_epoch_is_named_and_nothing_is_lost(tmp_path):
+    path = tmp_path / "k.zarr"
+    write_store(path, [Var("x", (400, 8, 8), (1, 8, 8), compressors=BLOSC)])
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    kw = dict(batch_size=8, block_chunks=16, seed=3)
+    with ib.build_loader(src, m, "train", workers=0, **kw) as ref:
+        want = [b["x"].numpy().copy() for b in ref]
+    with ib.build_loader(src, m, "train", workers=2, **kw) as ld:
+        it = iter(ld)
+        got = [next(it)["x"].numpy().copy() for _ in range(2)]
+        engine = engine_of(ld)
+        for pid in engine.pids:  # freeze both, so their jobs stay theirs
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        victim = max(engine.procs, key=lambda p: len(p.jobs))
+        assert victim.jobs, "the frozen workers hold no job: the test proves nothing"
+        pid = victim.popen.pid
+        os.kill(pid, signal.SIGKILL)
+        for other in engine.pids:
+            if other != pid:
+                os.kill(other, signal.SIGCONT)
+        errors = []
+        while True:
+            try:
+                got.append(next(it)["x"].numpy().copy())
+            except StopIteration:
+                break
+            except WorkerError as e:
+                errors.append(str(e))
+        assert len(errors) == 1, errors
+        assert f"pid {pid}" in errors[0] and "SIGKILL" in errors[0], errors[0]
+        assert wait_gone([pid]) == []
+        assert pid not in engine_of(ld).pids and len(engine_of(ld).pids) == 2  # restarted
+        # every batch once, as an uninterrupted run has them
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        again = [b["x"].numpy().copy() for b in ld]  # the next epoch runs on the new worker
+        assert sum(len(b) for b in again) == 400
+
+
+# -- nothing left behind -----------------------------------------------------------------
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_close_shutdown_and_gc_leave_no_process(weather):
+    src, m = weather
+    shm = _shm()
+    ld = ib.build_loader(src, m, "train", batch_size=5, workers=2)
+    next(iter(ld))
+    pids = engine_of(ld).pids
+    assert all(alive(p) for p in pids)
+    ld.close()  # restartable: the workers stop, and start again with the next epoch
+    assert wait_gone(pids) == []
+    next(iter(ld))
+    pids = engine_of(ld).pids
+    ld.shutdown()
+    assert wait_gone(pids) == []
+    ld = ib.build_loader(src, m, "train", batch_size=5, workers=2)
+    next(iter(ld))
+    pids = engine_of(ld).pids
+    del ld
+    gc.collect()
+    assert wait_gone(pids) == []
+    assert _shm() <= shm  # no named segment, ever
+
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import insitubatch_nodes as ib
+    src = ib.open_source(sys.argv[1])
+    ld = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=5, workers=2)
+    it = iter(ld)
+    next(it)
+    print(" ".join(map(str, ld.node(ib.AsyncFetchNode).engine.pids)), flush=True)
+    if sys.argv[2] == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(10**6):  # until interrupted
+        for b in ld:
+            pass
+""")
+
+
+@pytest.mark.parametrize("how", ["crash", "ctrl-c"])
+def test_a_crash_or_ctrl_c_of_the_training_process_leaves_no_worker(weather, tmp_path, how):
+    src, _ = weather
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    shm = _shm()
+    proc = subprocess.Popen([sys.executable, str(script), src.url.removeprefix("file://"),
+                             how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[1])
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2, proc.stderr.read()
+    if how == "ctrl-c":
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert code != 0
+    if how == "ctrl-c":
+        assert "KeyboardInterrupt" in err
+        assert err.count("Traceback") == 1, err  # the workers print nothing
+    assert wait_gone(pids) == [], f"workers {pids} outlived the training process"
+    assert _shm() <= shm
+
+
+# -- configuration -----------------------------------------------------------------------
+def test_workers_are_checked(weather):
+    src, m = weather
+    for bad in (-1, "many", 1.5, True):
+        with pytest.raises(ValueError, match="fetch.workers must be 'auto' or an integer"):
+            ib.build_loader(src, m, "train", workers=bad)
+    with pytest.raises(ValueError, match="in_place=False"):
+        ib.build_loader(src, m, "train", workers=2, in_place=False)
+    with pytest.raises(ValueError, match="only some levels"):
+        ib.build_loader(src, m, "train", workers=2, channels=[("z", 850), "t2m"])
+    with ib.build_loader(src, m, "train", workers=0) as ld:
+        assert ld.workers == 0 and engine_of(ld) is None
