@@ -155,8 +155,17 @@ class FakeOps:
         self.pinned_allocs.append(buf)
         return buf
 
+    def register_host(self, address, nbytes):
+        """Page-lock memory mapped elsewhere (the decode workers' shared batches): here, a
+        buffer that counts as pinned from now on."""
+        import ctypes
+
+        view = (ctypes.c_uint8 * nbytes).from_address(address)
+        self.pinned_allocs.append(torch.from_numpy(np.ctypeslib.as_array(view)))
+
     def is_pinned(self, tensor):
-        """Inside a buffer ``pinned`` made (what cudaHostAlloc'd memory is to CUDA)."""
+        """Inside a buffer ``pinned`` or ``register_host`` made (what cudaHostAlloc'd or
+        registered memory is to CUDA)."""
         p = tensor.data_ptr()
         return any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b in self.pinned_allocs)
 
@@ -456,7 +465,7 @@ def test_ring_never_hands_out_a_slot_with_a_copy_in_flight(size, steps):
 # -- GatherNode writes into the ring slot (CPU, fake ops) ---------------------------------
 
 def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None,
-                    in_place=False):
+                    in_place=False, workers=0):
     """The standard graph (graph.py) with the CUDA calls of PinOrCudaNode replaced by ``ops``:
     the window-and-gather path unless ``in_place`` (None: as ``build_loader`` decides)."""
     from insitubatch_nodes.graph import build_graph, resolve
@@ -464,7 +473,7 @@ def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None,
     stats = ib.compute_stats(src, m, "train") if normalize_dtype is not None else None
     cfg = ib.LoaderConfig.of(seed=4, rank=0, world_size=1, block_chunks=2, max_inflight=4,
                              batch_size=6, window=window, ring_size=ring_size, stats=stats,
-                             dtype=normalize_dtype, in_place=in_place)
+                             dtype=normalize_dtype, in_place=in_place, workers=workers)
     return build_graph(src, m, "train", resolve(src, m, "train", cfg), ops=ops).root
 
 
@@ -599,15 +608,19 @@ def one_step(tmp_path_factory):
     return src, ib.split_by_chunk(src, (1.0,)), data
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["threads", "workers"])
 @pytest.mark.parametrize("event_cls", [FakeEvent, LyingEvent])
-def test_in_place_batches_go_to_the_gpu_from_the_pinned_arena(one_step, event_cls):
-    """One sample per chunk: chunks are decoded into pinned batch memory and copied to the
-    device from there (no host copy of a variable), through a slow fake GPU; the arena's
-    memory is recycled only after its copy ran. Control: with events that claim completion
-    too early, the arena reuses memory whose copy still waits, and the batches differ."""
+def test_in_place_batches_go_to_the_gpu_from_the_pinned_arena(one_step, event_cls, workers):
+    """One sample per chunk: chunks are decoded into pinned batch memory (by decode threads,
+    or by worker processes into shared memory page-locked a segment at a time) and copied
+    to the device from there (no host copy of a variable), through a slow fake GPU; the
+    arena's memory is recycled only after its copy ran. Control: with events that claim
+    completion too early, the arena reuses memory whose copy still waits, and the batches
+    differ."""
     src, m, data = one_step
     ops = FakeOps(eager=False, event_cls=event_cls)
-    node = fake_cuda_graph(src, m, ops, 5)  # copies deferred up to 5 batches: a window
+    # copies deferred up to 5 batches: a window
+    node = fake_cuda_graph(src, m, ops, 5, in_place=None if workers else False, workers=workers)
     got = run_graph(node, epochs=3)  # in which the arena reuses memory freed too early
     want = run_graph(_cpu_graph(src, m, None, None), epochs=3)
     assert len(got) == len(want) == 3 * 9

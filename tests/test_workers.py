@@ -356,3 +356,22 @@ def test_workers_are_checked(weather):
         ib.build_loader(src, m, "train", workers=2, channels=[("z", 850), "t2m"])
     with ib.build_loader(src, m, "train", workers=0) as ld:
         assert ld.workers == 0 and engine_of(ld) is None
+
+
+@pytest.mark.parametrize(("cores", "in_place", "want"), [
+    (2, True, 0), (3, True, 0), (4, True, 3), (16, True, 15), (128, True, 32), (16, False, 0),
+])
+def test_auto_starts_processes_from_four_cores(cores, in_place, want):
+    from insitubatch_nodes.graph import default_workers
+
+    assert default_workers(in_place, cores) == want
+
+
+def test_auto_shares_the_cores_between_the_ranks_of_a_node(monkeypatch):
+    from insitubatch_nodes.graph import cores_per_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cores_per_rank() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert cores_per_rank() == 64

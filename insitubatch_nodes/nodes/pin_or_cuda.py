@@ -31,6 +31,7 @@ CPU with a fake ``CudaOps`` that defers the "device" copies until their event is
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from typing import Any
 
@@ -41,6 +42,8 @@ from torchdata.nodes import BaseNode
 from ..ring import HostRing, Lease
 from ..staging import StagingSeam
 from .state import require, shutdown_source
+
+log = logging.getLogger("insitubatch_nodes")
 
 DEFAULT_RING_SIZE = 3
 
@@ -90,10 +93,11 @@ class CudaOps:
         """Page-lock host memory mapped elsewhere (the decode workers' shared batch memory,
         ``workers/shared_memory``), once per segment, so batches copy to the device from
         where the workers decoded them."""
-        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared batch memory "
-                               f"failed with CUDA error {int(err)}")
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        if err != 0:  # the stager then copies those batches through its pinned ring
+            log.warning("insitubatch: cudaHostRegister of %d bytes of shared batch memory "
+                        "failed (CUDA error %d): batches go to the GPU through a pinned copy",
+                        nbytes, err)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Allocate on the current (side) stream and copy asynchronously from pinned memory."""
