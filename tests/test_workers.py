@@ -333,13 +333,21 @@ def test_a_crash_or_ctrl_c_of_the_training_process_leaves_no_worker(weather, tmp
     assert len(pids) == 2, proc.stderr.read()
     if how == "ctrl-c":
         time.sleep(0.3)
-        proc.send_signal(signal.SIGINT)
+        # again until it stops, as a user would: an interrupt that lands in a weakref
+        # callback (a batch buffer given back) is printed and dropped by Python itself
+        for _ in range(20):
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=3)
+                break
+            except subprocess.TimeoutExpired:
+                pass
     code = proc.wait(timeout=60)
     err = proc.stderr.read()
     assert code != 0
     if how == "ctrl-c":
         assert "KeyboardInterrupt" in err
-        assert err.count("Traceback") == 1, err  # the workers print nothing
+        assert "workers/child.py" not in err, err  # the workers print nothing
     assert wait_gone(pids) == [], f"workers {pids} outlived the training process"
     assert _shm() <= shm
 
