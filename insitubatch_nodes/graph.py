@@ -57,6 +57,7 @@ from .split import SplitManifest
 from .staging import StagingSeam
 from .stats import Stats
 from .windows import SampleWindow, chunks_reaching, chunks_touching, default_run_chunks
+from .workers.engine import CREDIT
 from .workers.shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
@@ -130,6 +131,15 @@ def default_workers(in_place: bool, cores: int | None = None) -> int:
     if cores < WORKERS_FROM_CORES:
         return 0
     return min(MAX_WORKERS, cores - 1)
+
+
+def workers_prefetch(workers: int, batch_size: int, window_samples: int) -> int:
+    """Windows ahead that keep ``workers`` processes busy: each holds up to ``CREDIT`` jobs
+    of about a batch, so at least that many batches must be planned (on 16 cores, 15
+    workers want 30 batches in flight; two windows of 256 one-sample chunks ahead hold 24).
+    The resident bound counts the windows ahead, so it grows with them."""
+    want = CREDIT * workers * batch_size
+    return -(-want // max(1, window_samples))
 
 
 def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
@@ -232,6 +242,9 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     workers = asked if f.workers != "auto" else default_workers(in_place)
     contiguous = steps is not None
     block_chunks, run_chunks = _window_size(source, s, steps, in_place)
+    if workers and f.prefetch_windows is None:
+        prefetch = max(prefetch, workers_prefetch(workers, s.batch_size,
+                                                  block_chunks * grid.chunk_size))
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, contiguous,
                           run_chunks)
     units = n_units(ctx)

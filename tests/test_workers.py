@@ -383,3 +383,20 @@ def test_auto_shares_the_cores_between_the_ranks_of_a_node(monkeypatch):
     assert cores_per_rank() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert cores_per_rank() == 64
+
+
+def test_enough_windows_ahead_to_keep_every_worker_busy(weather):
+    """Each worker holds up to CREDIT jobs of about a batch: with many workers, more windows
+    go ahead (and the resident bound counts them); a given prefetch_windows is kept."""
+    from insitubatch_nodes.graph import resolve
+
+    src, m = weather
+    few = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4, workers=1))
+    many = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4, workers=6))
+    chunk = src.grid.chunk_size
+    assert few.prefetch_windows == 2
+    assert many.prefetch_windows * 4 * chunk >= 2 * 6 * 8 > 2 * 4 * chunk
+    assert many.resident_bound > few.resident_bound
+    given_ = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4,
+                                                         workers=6, prefetch_windows=1))
+    assert given_.prefetch_windows == 1
