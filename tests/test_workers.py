@@ -393,9 +393,10 @@ def test_enough_windows_ahead_to_keep_every_worker_busy(weather):
     src, m = weather
     few = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4, workers=1))
     many = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4, workers=6))
-    chunk = src.grid.chunk_size
-    assert few.prefetch_windows == 2
-    assert many.prefetch_windows * 4 * chunk >= 2 * 6 * 8 > 2 * 4 * chunk
+    window = 4 * src.grid.chunk_size  # samples per window
+    for r, workers in ((few, 1), (many, 6)):
+        assert r.prefetch_windows == max(2, -(-2 * workers * 8 // window))
+    assert many.prefetch_windows > few.prefetch_windows
     assert many.resident_bound > few.resident_bound
     given_ = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4,
                                                          workers=6, prefetch_windows=1))
