@@ -329,6 +329,15 @@ def test_a_crash_or_ctrl_c_of_the_training_process_leaves_no_worker(weather, tmp
     proc = subprocess.Popen([sys.executable, str(script), src.url.removeprefix("file://"),
                              how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).parents[1])
+    try:
+        _stop_training(proc, how, shm)
+    finally:
+        if proc.poll() is None:  # a failed test must not leave it running
+            proc.kill()
+            proc.wait()
+
+
+def _stop_training(proc, how, shm):
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2, proc.stderr.read()
     if how == "ctrl-c":
