@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .layout import BatchLayout
+from .layout import BatchLayout, Placement
 from .memory import BufferPool
 from .windows import SampleWindow
 
@@ -75,6 +75,17 @@ class BatchArena:
             return key, None
         h = self.steps.history
         return (key, step) if step < h else (f"target/{key}", step - h)
+
+    def where(self, n_vars: int, n_steps: int) -> list[tuple[tuple[str, int | None, Placement],
+                                                             ...]]:
+        """Per variable and time step, where its part of a slot is: (batch key, time-step
+        column, placement); every variable is decoded whole into its placement."""
+        table = []
+        for v in range(n_vars):
+            pl = self.layout.direct(v)
+            assert pl is not None, f"variable {v} is not decoded whole into the batch"
+            table.append(tuple((*self.slot(pl.key, k), pl) for k in range(n_steps)))
+        return table
 
     def _allocate(self, n: int) -> dict[str, np.ndarray]:
         out = {}

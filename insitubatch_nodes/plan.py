@@ -80,3 +80,33 @@ def max_window_nbytes(grid: SampleGrid, variables: Sequence[VariableGeometry],
         stripes = min(block_chunks * per_chunk, v.n_sample_chunks)
         total += stripes * v.stripe_nbytes
     return total
+
+
+@dataclass(frozen=True, eq=False)
+class KeptSlots:
+    """The slots a decoded-in-place window fills, in draw order (time steps inner): each
+    (sample, step) read by a draw neither dropped (``drop_last``) nor delivered before a
+    restore, with its batch, row and step."""
+
+    sample: np.ndarray
+    batch: np.ndarray
+    row: np.ndarray
+    step: np.ndarray
+    n_steps: int
+
+
+def kept_slots(plan: ReadPlan, skip: int) -> KeptSlots:
+    """``plan``'s slots (it has ``slots``) without its first ``skip`` draws (delivered
+    before a restore) and the draws of a short last batch that ``drop_last`` drops (-1)."""
+    slots = plan.slots
+    assert slots is not None, "an in-place window has batch slots"
+    keep = slots.batch >= 0
+    keep[:skip] = False
+    steps = np.asarray(plan.offsets, dtype=np.int64)
+    n_steps = int(steps.size)
+    draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
+    return KeptSlots(sample=(draws[:, None] + steps[None, :]).ravel(),
+                     batch=np.repeat(slots.batch[keep], n_steps),
+                     row=np.repeat(slots.row[keep], n_steps),
+                     step=np.tile(np.arange(n_steps, dtype=np.int64), draws.size),
+                     n_steps=n_steps)

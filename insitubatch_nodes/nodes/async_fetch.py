@@ -296,11 +296,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         assert self.arena is not None and self.shared is not None
         arena = self.arena
         n_steps = arena.writes_per_row // len(arena.layout.placements)
-        where = []
-        for v in range(len(self.readers)):
-            pl = arena.layout.direct(v)
-            assert pl is not None, f"variable {v} is not decoded whole into the batch"
-            where.append(tuple((*arena.slot(pl.key, k), pl) for k in range(n_steps)))
+        where = arena.where(len(self.readers), n_steps)
         cache, snapshot = self._cache_scope if self._cache_scope is not None else (None, None)
         setup = WorkerSetup(tuple(self.dataset.arrays), tuple(self.dataset.variables),
                             self.dataset.url, self.retry, cache, snapshot, tuple(where),

@@ -21,7 +21,7 @@ from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..items import DecodedWindow
 from ..layout import Placement, row_view
-from ..plan import ReadPlan
+from ..plan import ReadPlan, kept_slots
 
 
 class DirectWindow:
@@ -184,7 +184,7 @@ class LazyRows:
     longer makes a view per sample."""
 
     arena: BatchArena
-    where: list[list[tuple[str, int | None, Placement]]]  # per variable and step
+    where: list[tuple[tuple[str, int | None, Placement], ...]]  # per variable and step
     generation: int
 
     def resolve(self, items: list[Item]) -> list[Item]:
@@ -243,7 +243,7 @@ class _Slots:
     step: np.ndarray
     n_steps: int
     arrays: dict[int, dict[str, np.ndarray]]
-    where: list[list[tuple[str, int | None, Placement]]]  # per variable and step
+    where: list[tuple[tuple[str, int | None, Placement], ...]]  # per variable and step
     unique: bool  # each sample in one slot: the batches are expected, not allocated
 
     def views(self, v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[np.ndarray]:
@@ -271,14 +271,9 @@ def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slo
     batch to ``None``)."""
     slots = plan.slots
     assert slots is not None
-    keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
-    keep[: arena.take_skip()] = False  # restored mid-window: delivered before
-    steps = np.asarray(plan.offsets, dtype=np.int64)
-    n_steps = int(steps.size)
-    draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
-    sample = (draws[:, None] + steps[None, :]).ravel()
+    kept = kept_slots(plan, arena.take_skip())
+    sample, batch, n_steps = kept.sample, kept.batch, kept.n_steps
     unique = lazy and len(set(sample.tolist())) == sample.size
-    batch = np.repeat(slots.batch[keep], n_steps)
     arrays: dict[int, Any] = {}
     for b in sorted(set(batch.tolist())):
         if unique:
@@ -286,13 +281,8 @@ def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slo
             arrays[b] = None
         else:
             arrays[b] = arena.rows(b, slots.rows_in(b))
-    where = []
-    for v in range(len(plan.reads)):
-        pl = arena.layout.direct(v)
-        assert pl is not None, f"variable {v} is not decoded whole into the batch"
-        where.append([(*arena.slot(pl.key, k), pl) for k in range(n_steps)])
-    return _Slots(sample=sample, batch=batch, row=np.repeat(slots.row[keep], n_steps),
-                  step=np.tile(np.arange(n_steps, dtype=np.int64), draws.size),
+    where = arena.where(len(plan.reads), n_steps)
+    return _Slots(sample=sample, batch=batch, row=kept.row, step=kept.step,
                   n_steps=n_steps, arrays=arrays, where=where, unique=unique)
 
 

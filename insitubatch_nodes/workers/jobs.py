@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..arena import BatchArena
-from ..plan import ReadPlan
+from ..plan import ReadPlan, kept_slots
 
 # (row of the stripe, batch, row of the batch, time step): one slot a stripe fills
 Target = tuple[int, int, int, int]
@@ -65,15 +65,8 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
     it writes into one slot."""
     slots = plan.slots
     assert slots is not None, "an in-place window has batch slots"
-    keep = slots.batch >= 0  # -1: a short last batch that drop_last drops
-    keep[: arena.take_skip()] = False  # restored mid-window: delivered before
-    steps = np.asarray(plan.offsets, dtype=np.int64)
-    n_steps = int(steps.size)
-    draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
-    sample = (draws[:, None] + steps[None, :]).ravel()
-    batch = np.repeat(slots.batch[keep], n_steps)
-    row = np.repeat(slots.row[keep], n_steps)
-    step = np.tile(np.arange(n_steps, dtype=np.int64), draws.size)
+    kept = kept_slots(plan, arena.take_skip())
+    sample, batch, row, step = kept.sample, kept.batch, kept.row, kept.step
     batches = sorted(set(batch.tolist()))
     for b in batches:
         arena.expect(b, slots.rows_in(b))
