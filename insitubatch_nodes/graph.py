@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,6 +134,17 @@ def default_workers(in_place: bool, cores: int | None = None) -> int:
     return min(MAX_WORKERS, cores - 1)
 
 
+def _unsendable(source: Source) -> str | None:
+    """Why the source's arrays cannot reach a worker process (each worker opens its own
+    readers from the pickled arrays: store and path), or ``None``."""
+    try:
+        pickle.dumps(tuple(source.arrays))
+    except Exception as e:
+        return (f"the arrays of {source.url} cannot be sent to a worker process "
+                f"(pickling their store failed: {type(e).__name__}: {e})")
+    return None
+
+
 def workers_prefetch(workers: int, batch_size: int, window_samples: int) -> int:
     """Windows ahead that keep ``workers`` processes busy: each holds up to ``CREDIT`` jobs
     of about a batch, so at least that many batches must be planned (on 16 cores, 15
@@ -240,6 +252,14 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     in_place = f.in_place is not False and why_not is None and (
         bool(f.in_place) or bool(asked) or _in_place_by_default(source))
     workers = asked if f.workers != "auto" else default_workers(in_place)
+    if workers:
+        unsendable = _unsendable(source)
+        if unsendable is not None and f.workers != "auto":
+            raise ValueError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
+                             "threads in this process).")
+        if unsendable is not None:
+            log.info("insitubatch: decode threads, not worker processes: %s", unsendable)
+            workers = 0
     contiguous = steps is not None
     block_chunks, run_chunks = _window_size(source, s, steps, in_place)
     if workers and f.prefetch_windows is None:
@@ -496,6 +516,10 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     if f.cache is not None:
         for reader in fetch.readers:
             reader.use_cache(f.cache, source.snapshot_id)
+    if fetch.workers:
+        # Worker processes import (~0.3 s) while the training script builds its model,
+        # instead of before the first batch.
+        fetch.start()
     node = fetch
     if done("fetch", node):
         return Graph(node, stages, ledger)

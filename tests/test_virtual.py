@@ -109,7 +109,10 @@ def archive(request, tmp_path):
     return paths, prefix, tmp_path / "repo"
 
 
-def test_every_sample_once_and_bit_identical_to_the_files(archive):
+@pytest.mark.parametrize("workers", [0, 2], ids=["threads", "workers"])
+def test_every_sample_once_and_bit_identical_to_the_files(archive, workers):
+    """Through decode threads, or worker processes that each open the repository's
+    session (its virtual chunk containers and credentials) themselves."""
     paths, prefix, repo = archive
     src = ib.open_icechunk(str(repo), virtual_chunk_access={prefix: None})
     assert set(src.names) == {"t2m", "z"} and src.n_samples == sum(STEPS)
@@ -119,8 +122,10 @@ def test_every_sample_once_and_bit_identical_to_the_files(archive):
         assert v.read_mode == "zarr-store"
     ref = on_files(paths)
     manifest = ib.split_by_chunk(src, (1.0,))
-    loader = ib.build_loader(src, manifest, "train", batch_size=5, block_chunks=3, seed=3)
+    loader = ib.build_loader(src, manifest, "train", batch_size=5, block_chunks=3, seed=3,
+                             workers=workers, in_place=True if workers else None)
     batches = [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+    loader.shutdown()
     seen = np.concatenate([b["sample_index"] for b in batches])
     assert sorted(seen.tolist()) == list(range(sum(STEPS)))
     assert not np.array_equal(seen, np.sort(seen))  # shuffled, not read in file order

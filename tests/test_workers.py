@@ -410,3 +410,27 @@ def test_enough_windows_ahead_to_keep_every_worker_busy(weather):
     given_ = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4,
                                                          workers=6, prefetch_windows=1))
     assert given_.prefetch_windows == 1
+
+
+def test_a_store_that_cannot_reach_a_worker_is_named(weather, monkeypatch):
+    """Workers open their readers from the pickled arrays: a store that does not pickle is
+    an error naming it with workers=N, and the decode threads with "auto"."""
+    import insitubatch_nodes.graph as graph
+
+    src, m = weather
+
+    class Unpicklable:
+        """The last array, as a store holding a live connection would pickle."""
+
+        def __getattr__(self, name):
+            return getattr(src.arrays[-1], name)
+
+        def __reduce__(self):
+            raise TypeError("this store holds a live connection")
+
+    monkeypatch.setattr(graph, "default_workers", lambda in_place: 2)
+    fake = type(src)(**{**src.__dict__, "arrays": (*src.arrays[:-1], Unpicklable())})
+    with pytest.raises(ValueError, match="cannot be sent to a worker process.*live connection"):
+        graph.resolve(fake, m, "train", ib.LoaderConfig.of(workers=2))
+    assert graph.resolve(fake, m, "train", ib.LoaderConfig.of(workers="auto")).workers == 0
+    assert graph.resolve(src, m, "train", ib.LoaderConfig.of(workers="auto")).workers == 2

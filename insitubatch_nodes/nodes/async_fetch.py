@@ -286,6 +286,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                                                       False)
         return self._lt
 
+    def start(self) -> None:
+        """Start the loop thread and the decode workers now rather than at the first
+        ``next()`` (``build_graph`` does, so the workers' start overlaps the training
+        script's own set-up)."""
+        self._ensure_loop()
+
     @property
     def engine(self) -> WorkerEngine | None:
         """The decode worker processes while they run (``workers``), else ``None``."""
