@@ -300,14 +300,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def _start_workers(self) -> WorkerEngine:
         """The decode worker processes (``workers/engine``), for this node's lifetime."""
         assert self.arena is not None and self.shared is not None
-        arena = self.arena
-        n_steps = arena.writes_per_row // len(arena.layout.placements)
-        where = arena.where(len(self.readers), n_steps)
-        cache, snapshot = self._cache_scope if self._cache_scope is not None else (None, None)
-        setup = WorkerSetup(tuple(self.dataset.arrays), tuple(self.dataset.variables),
-                            self.dataset.url, self.retry, cache, snapshot, tuple(where),
-                            self.max_inflight)
-        return WorkerEngine(self.workers, setup, arena, self.shared, self.stats,
+        setup = WorkerSetup.of(self.dataset, self.arena, self.retry, self._cache_scope,
+                               self.max_inflight)
+        return WorkerEngine(self.workers, setup, self.arena, self.shared, self.stats,
                             [r.geom.stripe_nbytes for r in self.readers])
 
     def shutdown(self) -> None:

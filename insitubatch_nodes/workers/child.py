@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,10 @@ from ..io.thread_buffer import ThreadBuffer
 from ..layout import Placement, row_view
 from .jobs import Read
 from .shared_memory import Place, Segment, array_at, map_segment
+
+if TYPE_CHECKING:  # the worker itself imports neither (the source layer pulls in xarray)
+    from ..arena import BatchArena
+    from ..source import Source
 
 # where one variable's step lands in a batch: (key, time-step column, placement)
 Where = tuple[str, "int | None", Placement]
@@ -53,6 +57,17 @@ class WorkerSetup:
     snapshot_id: str | None
     where: tuple[tuple[Where, ...], ...]
     max_inflight: int
+
+    @classmethod
+    def of(cls, source: Source, arena: BatchArena, retry: RetryPolicy,
+           cache: tuple[tuple[str, int], str | None] | None, max_inflight: int) -> WorkerSetup:
+        """A setup for ``source``'s variables decoded into ``arena``'s batches; ``cache``:
+        the chunk cache's (directory, max_bytes) and the snapshot id it is keyed by."""
+        n_steps = arena.writes_per_row // len(arena.layout.placements)
+        where = arena.where(len(source.variables), n_steps)
+        dirsize, snapshot = cache if cache is not None else (None, None)
+        return cls(tuple(source.arrays), tuple(source.variables), source.url, retry, dirsize,
+                   snapshot, tuple(where), max_inflight)
 
 
 # Messages, training process -> worker: ("segment", index, nbytes) followed by its
