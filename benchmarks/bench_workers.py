@@ -46,7 +46,7 @@ def epoch(loader: Any) -> tuple[float, float, int]:
 
 
 def run(store: Path, variants: list[int | str], rounds: int, batch_size: int,
-        block_chunks: int | None) -> dict[str, Any]:
+        block_chunks: int | None, stack: bool = False) -> dict[str, Any]:
     src = ib.open_source(str(store))
     manifest = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
     loaders = {}
@@ -54,6 +54,8 @@ def run(store: Path, variants: list[int | str], rounds: int, batch_size: int,
         kw: dict[str, Any] = {"workers": v}
         if block_chunks is not None:
             kw["block_chunks"] = block_chunks
+        if stack:
+            kw["channels"] = list(src.names)
         loaders[v] = ib.build_loader(src, manifest, "train", batch_size=batch_size, seed=0,
                                      **kw)
         epoch(loaders[v])  # warm: workers started, page cache, pools
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--block-chunks", type=int, default=None)
+    ap.add_argument("--stack", action="store_true",
+                    help="stack every variable into 'channels' (the WB2 store: 83 channels)")
     ap.add_argument("--small", action="store_true", help="a tiny store, 2 rounds (smoke)")
     ap.add_argument("--out", type=Path, default=None, help="folder for results.json")
     a = ap.parse_args(argv)
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                                     time_chunk=1, seed=0, variables=("t2m",)), zarr_format=2)
     variants = [_variant(x) for x in a.workers.split(",")]
     result = run(store, variants, 2 if a.small else a.rounds, 8 if a.small else a.batch_size,
-                 a.block_chunks)
+                 a.block_chunks, a.stack)
     base = variants[0]
     print(f"{result['store']}: {result['cores']} cores, {result['rounds']} rounds, "
           f"batch {result['batch_size']}")
