@@ -88,7 +88,7 @@ def kind(request, tmp_path_factory):
     return request.param, src, ib.split_by_chunk(src, (0.8, 0.2)), data
 
 
-@settings(max_examples=2, deadline=None,
+@settings(max_examples=1, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.integers(1, 40), block=st.integers(2, 20), seed=st.integers(0, 99),
        drop_last=st.booleans(), workers=st.integers(1, 3))
@@ -168,7 +168,7 @@ def test_several_samples_per_chunk_on_s3(tmp_path):
 
 
 # -- exactly once, exact resume ----------------------------------------------------------
-@settings(max_examples=6, deadline=None,
+@settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.integers(2, 17), block=st.integers(1, 9), stop=st.floats(0, 0.999),
        epoch=st.integers(0, 1), before=st.integers(0, 3), after=st.integers(0, 3))
