@@ -865,13 +865,15 @@ def test_cuda_loader_batches_equal_cpu_batches_bit_for_bit(store):
 
 
 @needs_cuda
-def test_cuda_in_place_batches_are_copied_from_pinned_arena_memory(one_step):
-    """One sample per chunk on a real GPU: chunks are decoded into pinned batch memory and
-    copied from there; only ``sample_index`` goes through the ring."""
+@pytest.mark.parametrize("workers", [0, 2], ids=["threads", "workers"])
+def test_cuda_in_place_batches_are_copied_from_pinned_arena_memory(one_step, workers):
+    """One sample per chunk on a real GPU: chunks are decoded into pinned batch memory (by
+    worker processes: shared memory page-locked with cudaHostRegister) and copied from
+    there; only ``sample_index`` goes through the ring."""
     src, m, data = one_step
     kw = dict(batch_size=6, block_chunks=3, seed=5, rank=0, world_size=1)
-    with ib.build_loader(src, m, "train", device=None, **kw) as cpu, \
-            ib.build_loader(src, m, "train", device="cuda", **kw) as gpu:
+    with ib.build_loader(src, m, "train", device=None, workers=0, **kw) as cpu, \
+            ib.build_loader(src, m, "train", device="cuda", workers=workers, **kw) as gpu:
         assert gpu.node(ib.AsyncFetchNode).arena is not None
         for _ in range(3):
             want = epoch(cpu)
