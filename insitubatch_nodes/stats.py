@@ -3,6 +3,9 @@
 Per variable: mean, std, min and max, reduced over every axis except the ones named in
 ``keep_dims`` (e.g. ``level`` for per-level channels). Sums are combined per chunk with
 Chan's parallel formula in float64, so the result matches numpy on the whole split.
+Missing values (NaN, as ERA5's sea-surface temperature over land) are left out: the
+statistics are those of the finite values (numpy's ``nanmean``/``nanstd``), and the
+fraction of values left out is recorded; a variable with no finite value is an error.
 """
 
 from __future__ import annotations
@@ -36,17 +39,19 @@ class VariableStats:
     std: np.ndarray
     min: np.ndarray
     max: np.ndarray
-    count: int
+    count: int  # finite values the statistics are over
+    nan_fraction: float = 0.0  # of the variable's values in the split, missing (not finite)
 
     def to_dict(self) -> dict:
         return {"kept_dims": list(self.kept_dims), "count": self.count,
+                "nan_fraction": self.nan_fraction,
                 **{k: np.asarray(getattr(self, k)).tolist() for k in ("mean", "std", "min", "max")}}
 
     @classmethod
     def from_dict(cls, name: str, d: Mapping) -> VariableStats:
         return cls(name, tuple(d["kept_dims"]), *(np.asarray(d[k], dtype=np.float64)
                                                   for k in ("mean", "std", "min", "max")),
-                   count=int(d["count"]))
+                   count=int(d["count"]), nan_fraction=float(d.get("nan_fraction", 0.0)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,26 +111,59 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     for c in it:
         a, b = source.grid.chunk_range(c)
         for name, arr, _, axes, _ in plans:
-            x = np.asarray(arr[a:b], dtype=np.float64)
-            n = int(np.prod([x.shape[i] for i in axes]))
-            m = x.mean(axis=axes)
-            m2 = ((x - np.expand_dims(m, axes)) ** 2).sum(axis=axes)
-            lo, hi = x.min(axis=axes), x.max(axis=axes)
-            prev = acc[name]
-            if prev is None:
-                acc[name] = [n, m, m2, lo, hi]
-                continue
-            n0, m0, s0, lo0, hi0 = prev
-            tot = n0 + n
-            delta = m - m0
-            acc[name] = [tot, m0 + delta * n / tot, s0 + m2 + delta ** 2 * n0 * n / tot,
-                         np.minimum(lo0, lo), np.maximum(hi0, hi)]
+            part = _moments(np.asarray(arr[a:b], dtype=np.float64), axes)
+            acc[name] = part if acc[name] is None else _combine(acc[name], part)
     out = []
     for name, _, _, _, kept_names in plans:
-        n, m, m2, lo, hi = acc[name]
-        out.append(VariableStats(name, kept_names, np.asarray(m), np.sqrt(np.asarray(m2) / n),
-                                 np.asarray(lo), np.asarray(hi), int(n)))
+        n, m, m2, lo, hi, total = acc[name]
+        empty = np.asarray(n) == 0
+        if empty.any():
+            where = (f" at {list(kept_names)} index {np.argwhere(empty)[0].tolist()}"
+                     if kept_names else "")
+            raise ValueError(f"variable {name!r} has no finite value in split {split!r}{where} "
+                             "(every value is NaN or infinite): it cannot be normalized; "
+                             "leave it out (variables=[...]) or fill it in the store")
+        count = int(np.sum(n))
+        out.append(VariableStats(name, kept_names, np.asarray(m),
+                                 np.sqrt(np.asarray(m2) / np.asarray(n)), np.asarray(lo),
+                                 np.asarray(hi), count,
+                                 nan_fraction=float(1.0 - count / max(1, total))))
     return Stats(split, tuple(out))
+
+
+# (finite count, mean, sum of squared deviations, min, max) per kept element, and the number
+# of values, of what one chunk holds; an element with no finite value has count 0, mean 0
+Moments = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
+
+
+def _moments(x: np.ndarray, axes: tuple[int, ...]) -> Moments:
+    """The finite values' moments of ``x`` over ``axes``."""
+    finite = np.isfinite(x)
+    n = finite.sum(axis=axes)
+    if finite.all():  # the common case, without the masks' extra passes
+        m = x.mean(axis=axes)
+        m2 = ((x - np.expand_dims(m, axes)) ** 2).sum(axis=axes)
+        return n, m, m2, x.min(axis=axes), x.max(axis=axes), x.size
+    xs = np.where(finite, x, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = np.where(n > 0, xs.sum(axis=axes) / n, 0.0)
+    m2 = (np.where(finite, x - np.expand_dims(m, axes), 0.0) ** 2).sum(axis=axes)
+    lo = np.min(x, axis=axes, where=finite, initial=np.inf)
+    hi = np.max(x, axis=axes, where=finite, initial=-np.inf)
+    return n, m, m2, lo, hi, x.size
+
+
+def _combine(a: Moments, b: Moments) -> Moments:
+    """Chan's parallel formula, element by element; an element with no finite value on one
+    side takes the other's."""
+    n0, m0, s0, lo0, hi0, t0 = a
+    n1, m1, s1, lo1, hi1, t1 = b
+    tot = n0 + n1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(tot > 0, n1 / np.maximum(tot, 1), 0.0)
+    delta = m1 - m0
+    return (tot, m0 + delta * frac, s0 + s1 + delta ** 2 * n0 * frac,
+            np.minimum(lo0, lo1), np.maximum(hi0, hi1), t0 + t1)
 
 
 def dataset_stats(source: Source) -> Stats:

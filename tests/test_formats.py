@@ -406,20 +406,24 @@ def test_static_and_patch_options_are_checked_by_name(arco, kw, err, match):
 
 
 def test_statistics_that_do_not_fit_the_variables_are_refused_by_name(tmp_path):
-    """A scheme for a variable the statistics lack was silently not applied; statistics
-    kept over another level count, or over a dim the variable lacks (another store's),
-    failed deep in torch. Each is refused at build time naming the variable."""
+    """A variable the statistics lack was silently served raw next to normalized ones;
+    statistics kept over another level count, or over a dim the variable lacks (another
+    store's), failed deep in torch. Each is refused at build time naming the variable."""
     from insitubatch_nodes.stats import Stats, VariableStats
 
     path = write_wb2_store(tmp_path / "wb2.zarr", WB2Spec.small(n_times=4), progress=False)
     src = ib.open_source(path, variables=["temperature", "2m_temperature"])
     m = ib.split_by_chunk(src, (1.0,))
     only_t = Stats("train", (ib.compute_stats(src, m, progress=False)["temperature"],))
-    with pytest.raises(ValueError, match=r"schemes are given for \['2m_temperature'\], but "
-                       r"the statistics have no entry for '2m_temperature'"):
-        ib.build_loader(src, m, "train", stats=only_t, normalize={"2m_temperature": "max"})
-    # without a scheme named for it, a variable without statistics is served as stored
-    ib.build_loader(src, m, "train", stats=only_t).close()
+    for schemes in (None, {"2m_temperature": "max"}):
+        with pytest.raises(ValueError, match=r"no entry for '2m_temperature'.*they have "
+                           r"\['temperature'\]"):
+            ib.build_loader(src, m, "train", stats=only_t, normalize=schemes)
+    # served as stored only when asked for by name
+    raw = ib.build_loader(src, m, "train", stats=only_t, normalize={"2m_temperature": "none"})
+    b = next(iter(raw))
+    assert float(b["2m_temperature"].mean()) > 200  # kelvin, not standardised
+    raw.close()
     five = tuple(np.full(5, v, float) for v in (0.0, 1.0, 0.0, 1.0))
     n_levels = src.variables[0].shape[1]
     for name, kept, match in [
@@ -428,8 +432,9 @@ def test_statistics_that_do_not_fit_the_variables_are_refused_by_name(tmp_path):
             ("2m_temperature", ("level",), r"statistics of '2m_temperature' are kept over "
              r"'level', which is not a dim of its samples")]:
         bad = Stats("train", (VariableStats(name, kept, *five, 1),))
+        other = ({"temperature", "2m_temperature"} - {name}).pop()
         with pytest.raises(ValueError, match=match):
-            ib.build_loader(src, m, "train", stats=bad)
+            ib.build_loader(src, m, "train", stats=bad, normalize={other: "none"})
 
 
 def test_static_fields_take_the_loaders_dtype(arco):

@@ -515,8 +515,11 @@ def test_dtype_alone_casts_every_variable(tmp_path):
     assert b["x"].dtype == b["y"].dtype == torch.bfloat16
     assert b["sample_index"].dtype == torch.int64
     stats = ib.compute_stats(ib.open_source(path, variables=["x"]), m, "train")
+    # statistics that miss a served variable: refused, naming it and both ways out
+    with pytest.raises(ValueError, match=r"no entry for 'y'.*\['x'\].*normalize=\{'y': 'none'\}"):
+        ib.build_loader(src, m, "train", batch_size=4, stats=stats, dtype=torch.float16)
     b = next(iter(ib.build_loader(src, m, "train", batch_size=4, stats=stats,
-                                  dtype=torch.float16)))
+                                  dtype=torch.float16, normalize={"y": "none"})))
     assert b["x"].dtype == b["y"].dtype == torch.float16
 
 

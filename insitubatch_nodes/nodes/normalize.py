@@ -86,14 +86,18 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         for var in variables:
             try:
                 st = stats[var.name]
-            except KeyError as e:
-                named = sorted(n for n in (var.name, *(var.labels or ()))
-                               if self.schemes.get(n, "none") != "none")
-                if named:  # served raw although a scheme was asked for it
-                    raise ValueError(f"normalization schemes are given for {named}, but the "
-                                     f"statistics have no entry for {var.name!r}: {e.args[0]}"
-                                     ) from None
-                continue
+            except KeyError:
+                if not stats.variables or self._raw(var):  # no statistics: a cast only
+                    continue
+                # Served raw next to normalized channels (a mean of 290 among zeros) is a
+                # silent training bug: refused, with both ways out.
+                have = [v.name for v in stats.variables]
+                raise ValueError(
+                    f"the statistics (split {stats.split!r}) have no entry for {var.name!r}, "
+                    f"which would be served raw while the others are normalized; they have "
+                    f"{have}. Compute them over every served variable (ib.compute_stats("
+                    f"source, manifest)), or serve it raw on purpose with "
+                    f"normalize={{{var.name!r}: 'none'}}") from None
             dims = var.dimension_names or ()
             shape = [1] * (len(var.shape) - 1)
             for d in st.kept_dims:  # a kept dim keeps its length (several may be kept)
@@ -121,6 +125,15 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             scale = np.where(np.abs(scale) < eps, eps, scale)
             self._exact[var.name] = (torch.as_tensor(offset).reshape(shape),
                                      torch.as_tensor(scale).reshape(shape))
+
+    def _raw(self, var: VariableGeometry) -> bool:
+        """Whether ``var`` is asked to be served raw: scheme ``none`` for it, for every one
+        of its labels, or by default."""
+        default = self.schemes.get(DEFAULT_SCHEME, "mean-std")
+        if self.schemes.get(var.name, default) == "none":
+            return True
+        return bool(var.labels) and all(self.schemes.get(lb, default) == "none"
+                                        for lb in var.labels or ())
 
     def _params_on(self, name: str, device: torch.device, dtype: torch.dtype,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
