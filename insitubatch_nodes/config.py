@@ -152,8 +152,22 @@ class SampleConfig:
     # the stacked channels (or an anemoi dataset's variables) on the last axis, as views
     channels_last: bool = False
     drop_ensemble: bool = False  # anemoi: drop the (single-member) ensemble axis
+    # missing values (NaN, and any non-finite value) replaced by this after normalization
+    fill_nan: float | None = None
+    # True (every variable) or names: batch["mask/<key>"], bool, True where the value is valid
+    mask: bool | tuple[str, ...] = False
 
     def __post_init__(self) -> None:
+        if self.fill_nan is not None and (isinstance(self.fill_nan, bool)
+                                          or not isinstance(self.fill_nan, (int, float))
+                                          or not np.isfinite(self.fill_nan)):
+            raise ValueError(f"sample.fill_nan must be a finite number (0.0 is the usual "
+                             f"choice after normalization) or None, got {self.fill_nan!r}")
+        if not isinstance(self.mask, bool):
+            if isinstance(self.mask, str) or not isinstance(self.mask, Sequence):
+                raise TypeError(f"sample.mask must be True, False or a list of variable "
+                                f"names, got {self.mask!r}")
+            object.__setattr__(self, "mask", tuple(self.mask))
         if self.normalize is not None:
             if not isinstance(self.normalize, Mapping):
                 raise TypeError(f"sample.normalize must map names to schemes, got "

@@ -430,10 +430,12 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
     sm = resolved.config.sample
     layout, channels = resolved.layout, resolved.channels
     between: list[BaseNode] = []
-    if sm.stats is not None or sm.dtype is not None:
+    if (sm.stats is not None or sm.dtype is not None or sm.fill_nan is not None
+            or sm.mask):
         node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
                              source.variables, dtype=sm.dtype, layout=layout,
-                             schemes=sm.normalize, selection=source.selection)
+                             schemes=sm.normalize, selection=source.selection,
+                             fill_nan=sm.fill_nan, mask=sm.mask)
         between.append(node)
     if sm.static:
         check_static(sm.static, {v.name: v.sample_shape for v in source.variables},

@@ -177,6 +177,12 @@ def dataset_stats(source: Source) -> Stats:
     names = data.labels  # the variable axis, as read when the source was opened
     assert names is not None
     stored = stored_statistics(source.group, names, source.url)
+    bad = sorted({names[i] for k in ("mean", "stdev", "minimum", "maximum")
+                  for i in np.flatnonzero(~np.isfinite(np.asarray(stored[k], np.float64)))})
+    if bad:  # normalizing with them would turn every value of those variables into NaN
+        raise ValueError(f"the statistics stored in {source.url!r} are not finite for "
+                         f"{bad} (a variable with missing values counted them); compute "
+                         "them over the finite values with ib.compute_stats(source, manifest)")
     count = (np.asarray(source.group["count"][:], dtype=np.int64)
              if "count" in source.group.array_keys() else np.zeros(len(names), dtype=np.int64))
     assert data.dimension_names is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -51,11 +51,19 @@ def _offset_scale(st: VariableStats, schemes: Mapping[str, str], name: str,
     return offset, scale
 
 
+MASK_PREFIX = "mask/"  # batch["mask/sst"]: where the values of batch["sst"] are valid
+
+
 class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
     """``(x - mean) / std`` for every variable with statistics (inputs and ``target/``
     tensors alike), then a cast of every variable to ``dtype`` (e.g. ``torch.bfloat16``) if
     asked, with statistics or without. ``schemes`` (``{name or "default": scheme}``) picks
     another of anemoi-training's schemes per variable or label: std, min-max, max, none.
+
+    Missing values (NaN, as sea-surface temperature over land) stay NaN through the
+    normalization; ``mask`` (True, or variable names) adds ``batch["mask/<key>"]`` (bool,
+    True where the value is finite: for a stacked variable, over its channels), and
+    ``fill_nan`` then replaces every non-finite value by that number (0.0: the mean).
 
     Statistics kept per channel (a ``level`` dim) broadcast over that axis of the sample.
     Other keys (``sample_index``, coordinates) pass through untouched. Stateless.
@@ -65,8 +73,16 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                  variables: tuple[VariableGeometry, ...], dtype: torch.dtype | None = None,
                  eps: float = 1e-12, layout: BatchLayout | None = None,
                  schemes: Mapping[str, str] | None = None,
-                 selection: tuple[str, ...] | None = None) -> None:
+                 selection: tuple[str, ...] | None = None, fill_nan: float | None = None,
+                 mask: bool | Sequence[str] = False) -> None:
         super().__init__(source)
+        names = [var.name for var in variables]
+        masked = names if mask is True else list(mask or ())
+        unknown = sorted(set(masked) - set(names))
+        if unknown:
+            raise KeyError(f"mask names {unknown}, which are not served; variables: {names}")
+        self.masked = frozenset(masked)
+        self.fill_nan = None if fill_nan is None else float(fill_nan)
         # Variables the gather stacked into "channels" (or, split up, into their own key):
         # normalised there, slice by slice.
         self._stacked: dict[str, list[tuple[str, Placement]]] = {}
@@ -76,7 +92,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                     if pl.key != var.name or not pl.whole:
                         self._stacked.setdefault(pl.key, []).append((var.name, pl))
         self.dtype = dtype
-        self.keeps_batch_memory = dtype is None  # float32 is standardised in place
+        # float32 is standardised (and filled) in place; masks are new tensors beside it
+        self.keeps_batch_memory = dtype is None
         self._names = {var.name for var in variables}
         self.schemes = check_schemes(schemes, variables, selection)
         # float64 parameters; the per-(device, dtype) copies batches use are made once.
@@ -162,24 +179,46 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
         return x if x.dtype == out else x.to(out)
 
+    def _masks(self, batch: dict[str, torch.Tensor], key: str, value: torch.Tensor,
+               name: str) -> None:
+        """``mask/<key>`` for the masked variables in ``value`` (batch key ``key``)."""
+        if name in self._stacked:
+            for var, pl in self._stacked[name]:
+                if var in self.masked:
+                    part = key.replace(name, var, 1) if key.endswith(name) else var
+                    batch[MASK_PREFIX + part] = torch.isfinite(value[..., pl.channel, :, :])
+        elif name in self.masked:
+            batch[MASK_PREFIX + key] = torch.isfinite(value)
+
+    def _fill(self, value: torch.Tensor) -> torch.Tensor:
+        if self.fill_nan is None or not value.is_floating_point():
+            return value
+        return value.masked_fill_(~torch.isfinite(value), self.fill_nan)
+
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
         for key, value in list(batch.items()):
             name = key[len("target/"):] if key.startswith("target/") else key
-            if name in self._stacked:
-                batch[key] = self._stacked_key(value, self._stacked[name])
-                continue
-            if name not in self._exact:
-                if self.dtype is not None and name in self._names:
-                    batch[key] = value.to(self.dtype)
-                continue
-            work = _working_dtype(value.dtype)
-            p = self._params_on(name, value.device, work)
-            x = value if value.dtype == work else value.to(work)
-            x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
-            out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
-            batch[key] = x if x.dtype == out else x.to(out)
+            if name not in self._names and name not in self._stacked:
+                continue  # sample_index, coordinates, static fields
+            if self.masked:
+                self._masks(batch, key, value, name)
+            batch[key] = self._fill(self._normalized(value, name))
         return batch
+
+    def _normalized(self, value: torch.Tensor, name: str) -> torch.Tensor:
+        """``value`` (a tensor of variable ``name``, or of the stacked key ``name``)
+        standardised and cast as asked; in place where it stays float32."""
+        if name in self._stacked:
+            return self._stacked_key(value, self._stacked[name])
+        if name not in self._exact:
+            return value.to(self.dtype) if self.dtype is not None else value
+        work = _working_dtype(value.dtype)
+        p = self._params_on(name, value.device, work)
+        x = value if value.dtype == work else value.to(work)
+        x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
+        out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
+        return x if x.dtype == out else x.to(out)
 
 
 def _working_dtype(stored: torch.dtype) -> torch.dtype:
