@@ -330,13 +330,15 @@ def cmd_make_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def _make_wb2(parser: argparse.ArgumentParser, args: argparse.Namespace, path: Path,
               n_times: int | None, n_lat: int, n_lon: int) -> int:
-    from .synthetic import WB2_VARIABLES, WB2Spec, write_wb2_store
+    from .synthetic import WB2Spec, write_wb2_store
 
-    kw = dict(n_lon=n_lon, n_lat=n_lat, seed=args.seed)
+    # as ERA5 has it: sea-surface temperature is NaN over land (README "Missing values")
+    kw = dict(n_lon=n_lon, n_lat=n_lat, seed=args.seed, sea_surface_temperature=True)
     spec = WB2Spec(n_times=n_times, **kw) if n_times else WB2Spec.for_size(args.size_mb, **kw)
     write_wb2_store(path, spec, progress=not args.quiet)
-    print(f"wrote {path}: WeatherBench2 layout, {len(WB2_VARIABLES)} variables = "
-          f"{spec.channels} channels on (time, [level], longitude, latitude) = "
+    print(f"wrote {path}: WeatherBench2 layout, {len(spec.variables)} variables = "
+          f"{spec.channels} channels (sea_surface_temperature NaN over land) on "
+          "(time, [level], longitude, latitude) = "
           f"({spec.n_times}, [13], {spec.n_lon}, {spec.n_lat}) float32, one time step per "
           f"chunk, {spec.sample_nbytes / 1e6:,.2f} MB per step, {spec.nbytes / 1e6:,.0f} MB "
           "decoded")

@@ -190,13 +190,15 @@ WB2_LEVEL_VARIABLES = ("geopotential", "temperature", "u_component_of_wind",
 WB2_SURFACE_VARIABLES = ("2m_temperature", "10m_u_component_of_wind", "10m_v_component_of_wind",
                          "mean_sea_level_pressure", "total_precipitation_6hr")
 WB2_VARIABLES = WB2_LEVEL_VARIABLES + WB2_SURFACE_VARIABLES
+# NaN over land, as ERA5's is (WB2Spec.sea_surface_temperature): the store's missing values
+WB2_SST = "sea_surface_temperature"
 WB2_TIME_UNITS = "hours since 1959-01-01"
 WB2_SMALL = {"n_lon": 24, "n_lat": 12}  # the test preset: every channel, a tiny grid
 _WB2_UNITS = {"geopotential": "m**2 s**-2", "temperature": "K", "u_component_of_wind": "m s**-1",
               "v_component_of_wind": "m s**-1", "specific_humidity": "kg kg**-1",
               "vertical_velocity": "Pa s**-1", "2m_temperature": "K",
               "10m_u_component_of_wind": "m s**-1", "10m_v_component_of_wind": "m s**-1",
-              "mean_sea_level_pressure": "Pa", "total_precipitation_6hr": "m"}
+              "mean_sea_level_pressure": "Pa", "total_precipitation_6hr": "m", WB2_SST: "K"}
 # noise per variable, in its units (a few percent of its variation: smooth, not constant)
 _WB2_NOISE = {"geopotential": 20.0, "temperature": 0.3, "u_component_of_wind": 0.8,
               "v_component_of_wind": 0.8, "specific_humidity": 1e-4, "vertical_velocity": 0.05,
@@ -215,6 +217,9 @@ class WB2Spec:
     n_lon: int = 240
     n_lat: int = 121
     seed: int = 0
+    # also write sea_surface_temperature, NaN over land (land_sea_mask >= 0.5) as in ERA5:
+    # one more variable and channel, with missing values (make-demo --layout wb2 writes it)
+    sea_surface_temperature: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_times", "n_lon", "n_lat"):
@@ -223,8 +228,13 @@ class WB2Spec:
                 raise ValueError(f"WB2Spec.{name} must be an integer >= 1, got {value!r}")
 
     @property
+    def variables(self) -> tuple[str, ...]:
+        return WB2_VARIABLES + ((WB2_SST,) if self.sea_surface_temperature else ())
+
+    @property
     def channels(self) -> int:
-        return len(WB2_LEVEL_VARIABLES) * len(WB2_LEVELS) + len(WB2_SURFACE_VARIABLES)
+        return (len(WB2_LEVEL_VARIABLES) * len(WB2_LEVELS) + len(WB2_SURFACE_VARIABLES)
+                + self.sea_surface_temperature)
 
     @property
     def sample_nbytes(self) -> int:
@@ -318,6 +328,20 @@ def wb2_fields(spec: WB2Spec, t0: int, t1: int) -> dict[str, np.ndarray]:
     return out
 
 
+def wb2_sea_surface_temperature(spec: WB2Spec, t0: int, t1: int) -> np.ndarray:
+    """``(steps, lon, lat)`` float32: warm at the equator, near freezing at the poles, a
+    slow seasonal swing, and NaN wherever ``wb2_land_sea_mask`` is 0.5 or more (land)."""
+    lon, lat = wb2_grid(spec)
+    sinlat = np.sin(np.deg2rad(lat)).astype(np.float32)[None, None, :]
+    hours = (np.arange(t0, t1, dtype=np.float32) * 6.0)[:, None, None]
+    season = np.sin(2 * np.pi * hours / (24 * 365.25))
+    noise = np.stack([np.random.default_rng((spec.seed, t, 1)).standard_normal(
+        (spec.n_lon, spec.n_lat), dtype=np.float32) for t in range(t0, t1)])
+    sst = 301.0 - 29.0 * sinlat ** 2 + 1.5 * season * sinlat + 0.2 * noise
+    land = wb2_land_sea_mask(spec) >= 0.5
+    return np.where(land[None], np.float32(np.nan), sst).astype(np.float32)
+
+
 def wb2_land_sea_mask(spec: WB2Spec) -> np.ndarray:
     """A static (lon, lat) field in [0, 1]: smooth continents, sharp coasts."""
     lon, lat = (np.deg2rad(a) for a in wb2_grid(spec))
@@ -340,7 +364,8 @@ def write_wb2_store(path: str | Path, spec: WB2Spec, *, progress: bool = True) -
     variable with ``_ARRAY_DIMENSIONS``, dims ``(time, level, longitude, latitude)`` (WB2's
     240x121 grid is lon-major), one time step per chunk, blosc lz4 + byte shuffle, float32
     with NaN fill; int64 ``time`` (CF units, 6-hourly) and ``level``, float64 ``latitude``
-    and ``longitude``, and the static ``land_sea_mask (longitude, latitude)``.
+    and ``longitude``, and the static ``land_sea_mask (longitude, latitude)``; with
+    ``spec.sea_surface_temperature``, that variable too, NaN over land as in ERA5.
     """
     import zarr
 
@@ -357,7 +382,7 @@ def write_wb2_store(path: str | Path, spec: WB2Spec, *, progress: bool = True) -
                               attributes={_V2_DIMS: list(dims), **attrs})
 
     arrays = {}
-    for name in WB2_VARIABLES:
+    for name in spec.variables:
         levels = (len(WB2_LEVELS),) if name in WB2_LEVEL_VARIABLES else ()
         dims = ("time", *(("level",) if levels else ()), "longitude", "latitude")
         arrays[name] = array(name, dims, (spec.n_times, *levels, *plane),
@@ -384,6 +409,8 @@ def write_wb2_store(path: str | Path, spec: WB2Spec, *, progress: bool = True) -
             t1 = min(t0 + step, spec.n_times)
             for name, values in wb2_fields(spec, t0, t1).items():
                 arrays[name][t0:t1] = values
+            if spec.sea_surface_temperature:
+                arrays[WB2_SST][t0:t1] = wb2_sea_surface_temperature(spec, t0, t1)
             bar.update(t1 - t0)
     zarr.consolidate_metadata(path, zarr_format=2)
     return path

@@ -116,14 +116,15 @@ def test_make_demo_wb2_small(capsys, tmp_path):
     path = tmp_path / "wb2.zarr"
     assert cli.main(["make-demo", str(path), "--layout", "wb2", "--small", "--n-times", "5",
                      "--quiet"]) == 0
-    assert "83 channels" in capsys.readouterr().out
+    assert "84 channels (sea_surface_temperature NaN over land)" in capsys.readouterr().out
     assert (path / ".zmetadata").exists()
     src = ib.open_source(path, variables=list(WB2_VARIABLES))
     assert src.n_samples == 5
     assert src.variable("temperature").shape == (5, 13, 24, 12)  # small: grid shrinks only
     assert cli.main(["inspect", str(path), "--json"]) == 0  # static land_sea_mask set aside
     rep = json.loads(capsys.readouterr().out)
-    assert sorted(v["name"] for v in rep["variables"]) == sorted(WB2_VARIABLES)
+    names = sorted(v["name"] for v in rep["variables"])
+    assert names == sorted([*WB2_VARIABLES, "sea_surface_temperature"])
 
 
 def test_bench_batch_larger_than_store(capsys, demo):
