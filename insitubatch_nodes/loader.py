@@ -400,11 +400,34 @@ class InSituLoader(Loader):
             raise LookupError(f"no {kind.__name__} in this loader's graph")
         return found
 
+    def __len__(self) -> int:
+        """Batches of this rank in the epoch ``loader.epoch`` names (before the first
+        ``iter()``, the first): for learning-rate schedules and progress bars. With
+        ``uneven="pad"`` or ``"drop"`` (equal steps on every rank) epochs differ by at most
+        a chunk's samples; ``drop_last`` drops a short last batch."""
+        permute = first_node(self.nodes(), ChunkPermuteNode)
+        shuffle = first_node(self.nodes(), ShuffleBufferNode)
+        if permute is None or shuffle is None:  # TypeError: list() then does without
+            raise TypeError("this loader's graph has no ChunkPermuteNode and "
+                            "ShuffleBufferNode, so its length is not known")
+        draws = permute.draws_in(self.epoch)
+        size = shuffle.batch_size
+        return draws // size if shuffle.drop_last else -(-draws // size)
+
+    def __bool__(self) -> bool:
+        return True  # not len() == 0: a loader is a loader, whatever its epoch holds
+
     @property
     def epoch(self) -> int:
         """The epoch being served: the current pass's; between passes the one just finished
-        (the next ``iter()`` starts the next); before the first ``iter()``, the first."""
+        (the next ``iter()`` starts the next); before the first ``iter()``, the first; after
+        ``load_state_dict``, the loaded state's (it applies at the next ``iter()``)."""
         self.node(ChunkPermuteNode)  # a clear error for a graph without one
+        pending = self._next_iter_state_dict
+        if pending is not None:
+            progress = state_progress(self.nodes(), pending[LoaderIterator.ROOT_KEY])
+            if progress is not None:
+                return int(progress["epoch"])
         return current_epoch(self.nodes())
 
     def shutdown(self) -> None:

@@ -724,3 +724,47 @@ def test_state_dict_at_answers_only_for_the_current_epoch(medium):
     fresh.load_state_dict(loader.state_dict_at(1))
     nxt = next(iter(fresh))
     assert nxt["sample_index"].tolist() != []
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(5, 60), chunk=st.integers(1, 6), batch=st.integers(1, 9),
+       drop_last=st.booleans(), world=st.integers(1, 3), rank_seed=st.integers(0, 2),
+       uneven=st.sampled_from(["pad", "drop", "none"]), block=st.integers(1, 5),
+       windowed=st.booleans(), stop=st.floats(0, 0.99))
+def test_len_is_the_batches_of_the_epoch_being_served(tmp_path_factory, n, chunk, batch,
+                                                      drop_last, world, rank_seed, uneven,
+                                                      block, windowed, stop):
+    """len(loader): the batches this rank yields in the epoch ``loader.epoch`` names, over
+    ranks, equal-steps policies, drop_last, windows and time windows; after a restore, the
+    restored epoch's (batches before the state included)."""
+    path = tmp_path_factory.mktemp("len") / "s.zarr"
+    write_store(path, [Var("x", (n, 3), (chunk, 3))])
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    window = ib.SampleWindow(1, (1,)) if windowed else None
+    if world > -(-n // chunk) or (window is not None and n < 3):
+        return  # more ranks than chunks, or no anchor: refused at build (tested elsewhere)
+    kw = dict(batch_size=batch, drop_last=drop_last, rank=rank_seed % world, world_size=world,
+              uneven=uneven, block_chunks=block, window=window, seed=1)
+    try:
+        ld = ib.build_loader(src, m, "train", **kw)
+    except ValueError:
+        return  # e.g. more ranks than runs of chunks with time windows
+    with ld:
+        before = len(ld)
+        for epoch in range(2):
+            it = iter(ld)
+            got = list(it)
+            if epoch == 0:
+                assert before == len(got)
+            assert len(ld) == len(got), (epoch, ld.epoch)  # after the pass: the same epoch
+        k = int(stop * len(got))
+        it = iter(ld)
+        for _ in range(k):
+            next(it)
+        state = ld.state_dict()
+        total = k + sum(1 for _ in it)
+    with ib.build_loader(src, m, "train", **kw) as again:
+        again.load_state_dict(state)
+        assert len(again) == total

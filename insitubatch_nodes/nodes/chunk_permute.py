@@ -133,6 +133,15 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
                         "in that epoch: the state was edited (merge the ranks' own states "
                         "again with merge_rank_states)")
 
+    def draws_in(self, epoch: int) -> int:
+        """Draws (samples, or anchors with time windows) this rank yields in ``epoch``:
+        the current schedule's for its epoch (a resumed one's included), else a fresh
+        epoch's; after equal steps (``uneven``)."""
+        if self.schedule is not None and epoch == self.epoch:
+            return self.schedule.target
+        ctx = self._ctx if self._ctx is not None else self._context()
+        return rank_schedule(ctx, epoch, self.rank, self.world_size).target
+
     def __len__(self) -> int:
         return 0 if self.schedule is None else len(self.schedule.windows)
 
