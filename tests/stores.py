@@ -72,3 +72,19 @@ def stores_on_s3(folder: Path, stores: dict[str, list[Var]],
     data = {name: write_store(local[name], variables) for name, variables in stores.items()}
     with serving(folder, bucket, local) as server:
         yield server, data
+
+
+def write_weather(path: Path, steps_per_chunk: int) -> Path:
+    """A small ERA5-like store: t2m (80, 6, 8) and z (80, 3, 6, 8) on levels 500, 850 and
+    1000, ``steps_per_chunk`` time steps per chunk, blosc."""
+    n = steps_per_chunk
+    dims = ("time", "lat", "lon")
+    write_store(path, [
+        Var("t2m", (80, 6, 8), (n, 6, 8), compressors=BLOSC,
+            extra=dict(dimension_names=dims)),
+        Var("z", (80, 3, 6, 8), (n, 3, 6, 8), compressors=BLOSC,
+            extra=dict(dimension_names=("time", "level", *dims[1:])))])
+    g = zarr.open_group(path)
+    g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
+        [500, 850, 1000]
+    return path

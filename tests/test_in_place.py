@@ -11,7 +11,7 @@ import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numcodecs import Blosc
-from stores import BLOSC, Var, write_store
+from stores import BLOSC, Var, write_store, write_weather
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.arena import BatchArena
@@ -103,17 +103,7 @@ def test_fill_values_of_missing_chunks(tmp_path):
 @pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
 def weather(tmp_path_factory, request):
     """A small ERA5-like store, one time step per chunk, or four (scattered in place)."""
-    n = request.param
-    path = tmp_path_factory.mktemp("wx") / "w.zarr"
-    dims = ("time", "lat", "lon")
-    write_store(path, [
-        Var("t2m", (80, 6, 8), (n, 6, 8), compressors=BLOSC,
-            extra=dict(dimension_names=dims)),
-        Var("z", (80, 3, 6, 8), (n, 3, 6, 8), compressors=BLOSC,
-            extra=dict(dimension_names=("time", "level", *dims[1:])))])
-    g = zarr.open_group(path)
-    g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
-        [500, 850, 1000]
+    path = write_weather(tmp_path_factory.mktemp("wx") / "w.zarr", request.param)
     src = ib.open_source(path, variables=["t2m", "z"])
     return src, ib.split_by_chunk(src, (1.0,))
 

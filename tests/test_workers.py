@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stores import BLOSC, Var, stores_on_s3, write_store
+from stores import BLOSC, Var, stores_on_s3, write_store, write_weather
 from test_in_place import GATHERED_BY_DEFAULT, KINDS, assert_same, epochs
 
 import insitubatch_nodes as ib
@@ -110,19 +110,8 @@ def test_equal_to_the_decode_threads_over_store_kinds(kind, batch, block, seed, 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
 def weather(tmp_path_factory, request):
-    """A small ERA5-like store, one time step per chunk, or four."""
-    import zarr
-
-    n = request.param
-    path = tmp_path_factory.mktemp("wx") / "w.zarr"
-    dims = ("time", "lat", "lon")
-    write_store(path, [
-        Var("t2m", (80, 6, 8), (n, 6, 8), compressors=BLOSC, extra=dict(dimension_names=dims)),
-        Var("z", (80, 3, 6, 8), (n, 3, 6, 8), compressors=BLOSC,
-            extra=dict(dimension_names=("time", "level", *dims[1:])))])
-    g = zarr.open_group(path)
-    g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
-        [500, 850, 1000]
+    """A small ERA5-like store, one time step per chunk, or four (scattered in place)."""
+    path = write_weather(tmp_path_factory.mktemp("wx") / "w.zarr", request.param)
     src = ib.open_source(path, variables=["t2m", "z"])
     return src, ib.split_by_chunk(src, (1.0,))
 
