@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
@@ -38,6 +39,7 @@ from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
     GatherNode,
+    NormalizeNode,
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
@@ -194,6 +196,10 @@ class InSituLoader(Loader):
         self.run_chunks: int | None = resolved.run_chunks if resolved is not None else None
         # decode worker processes (fetch.workers resolved; 0: decode threads)
         self.workers: int | None = resolved.workers if resolved is not None else None
+        # what each channel of the stacked key is (e.g. "geopotential@500"), in order
+        self.channel_names: tuple[str, ...] | None = (
+            tuple(c.label or c.variable for c in resolved.channels)
+            if resolved is not None and resolved.channels else None)
         self.ledger: MemoryLedger | None = ledger
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
@@ -413,6 +419,18 @@ class InSituLoader(Loader):
         draws = permute.draws_in(self.epoch)
         size = shuffle.batch_size
         return draws // size if shuffle.drop_last else -(-draws // size)
+
+    def denormalize(self, x: torch.Tensor, key: str = "channels") -> torch.Tensor:
+        """``x`` (a prediction shaped like batch key ``key``: a variable, ``"channels"``,
+        or their ``target/``) back in the units of the store: ``x * scale + offset`` with
+        the statistics and schemes the loader normalized that key with (a new tensor, on
+        ``x``'s device and dtype)."""
+        norm = first_node(self.nodes(), NormalizeNode)
+        if norm is None:
+            raise ValueError("this loader does not normalize (no stats=): its batches are "
+                             "in the store's units already")
+        offset, scale = norm.parameters(key)
+        return x * scale.to(x.device, x.dtype) + offset.to(x.device, x.dtype)
 
     def __bool__(self) -> bool:
         return True  # not len() == 0: a loader is a loader, whatever its epoch holds

@@ -190,3 +190,30 @@ def test_stored_statistics_that_are_not_finite_are_refused(tmp_path):
 def test_wb2_variables_are_unchanged_without_sst():
     assert SST not in WB2_VARIABLES and SPEC.channels == 83
     assert WB2Spec(**{**SPEC.__dict__, "sea_surface_temperature": True}).channels == 84
+
+
+@pytest.mark.parametrize("keep", [(), ("level",)], ids=["scalar-stats", "per-level"])
+def test_channel_names_and_denormalize_give_back_the_stored_values(wb2, keep):
+    src, m, g, land = wb2
+    stats = ib.compute_stats(src, m, "train", keep_dims=keep, progress=False)
+    channels = ["2m_temperature", "temperature", SST]
+    with ib.build_loader(src, m, "train", batch_size=3, stats=stats, channels=channels,
+                         normalize={"2m_temperature": "min-max"}) as ld:
+        b = next(iter(ld))
+        names = ld.channel_names
+        assert names[0] == "2m_temperature" and names[-1] == SST
+        assert names[1:14] == tuple(f"temperature@{lv}" for lv in g["level"][:])
+        back = ld.denormalize(b["channels"].double())
+        assert back.dtype == torch.float64
+        idx = b["sample_index"].numpy()
+        np.testing.assert_allclose(back[:, 0].numpy(), g["2m_temperature"][idx], rtol=1e-6)
+        np.testing.assert_allclose(back[:, 1:14].numpy(), g["temperature"][idx], rtol=1e-6)
+        sst = back[:, 14].numpy()
+        np.testing.assert_allclose(sst[~np.isnan(sst)], g[SST][idx][~np.isnan(sst)],
+                                   rtol=1e-6)
+        with pytest.raises(KeyError, match="not normalized here"):
+            ld.denormalize(b["channels"], key="nope")
+    with ib.build_loader(src, m, "train", batch_size=3) as raw:
+        assert raw.channel_names is None
+        with pytest.raises(ValueError, match="does not normalize"):
+            raw.denormalize(torch.zeros(1))

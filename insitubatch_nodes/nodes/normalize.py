@@ -86,6 +86,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         # Variables the gather stacked into "channels" (or, split up, into their own key):
         # normalised there, slice by slice.
         self._stacked: dict[str, list[tuple[str, Placement]]] = {}
+        self._layout = layout
         if layout is not None:
             for var, placements in zip(variables, layout.placements, strict=True):
                 for pl in placements:
@@ -178,6 +179,33 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             view.sub_(mean).div_(std)
         out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
         return x if x.dtype == out else x.to(out)
+
+    def parameters(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offset, scale), float64, that batch key ``key`` (a variable, a stacked key such
+        as ``"channels"``, or their ``target/``) was normalized with: ``x * scale + offset``
+        undoes it. Shaped to broadcast over the key's trailing axes (a stacked key's:
+        ``(channels, 1, 1)``); a variable served raw has 0 and 1."""
+        name = key[len("target/"):] if key.startswith("target/") else key
+        if name in self._stacked:
+            assert self._layout is not None
+            channels = self._layout.key(name).row_shape[0]
+            offset = torch.zeros(channels, 1, 1, dtype=torch.float64)
+            scale = torch.ones(channels, 1, 1, dtype=torch.float64)
+            for var, pl in self._stacked[name]:
+                if var not in self._exact:
+                    continue
+                o, sc = self._exact[var]
+                if pl.levels is not None and o.dim() == 3 and o.shape[0] > 1:
+                    o, sc = o[pl.levels], sc[pl.levels]
+                offset[pl.channel] = o  # broadcast: one channel, or the variable's range
+                scale[pl.channel] = sc
+            return offset, scale
+        if name in self._exact:
+            return self._exact[name]
+        if name in self._names:
+            return torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
+        raise KeyError(f"batch key {key!r} is not normalized here; keys: "
+                       f"{sorted([*self._names, *self._stacked])}")
 
     def _masks(self, batch: dict[str, torch.Tensor], key: str, value: torch.Tensor,
                name: str) -> None:
