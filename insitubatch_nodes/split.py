@@ -79,8 +79,12 @@ class SplitManifest:
             return np.empty(0, dtype=np.int64)
         return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
 
-    def n_samples_in(self, name: str) -> int:
-        return self.grid.n_samples_of(self.chunk_ids(name))
+    def n_samples_in(self, name: str, window: SampleWindow | None = None) -> int:
+        """Samples of split ``name``; with a time ``window``, its anchors: the samples
+        whose every step lies on the axis (what a loader with that window serves, less the
+        chunks it leaves out next to other splits and missing dates)."""
+        grid = self.grid if window is None else window.grid(self.grid)
+        return grid.n_samples_of(self.chunk_ids(name))
 
     def to_dict(self) -> dict:
         return {

@@ -543,3 +543,14 @@ def test_a_window_takes_whole_steps_only(kw, match):
     with pytest.raises(ValueError, match=match):
         SampleWindow(**kw)
     assert SampleWindow(lead=3).lead == (3,) and SampleWindow(lead=[1, 6]).lead == (1, 6)
+
+
+@pytest.mark.parametrize("window", [ib.SampleWindow(2, (1,)), ib.SampleWindow(1, (2, 6), stride=2)])
+def test_n_samples_in_counts_the_anchors_a_loader_serves(tmp_path, window):
+    write_store(tmp_path / "s.zarr", [Var("x", (50, 3), (4, 3))])
+    src = ib.open_source(tmp_path / "s.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    with ib.build_loader(src, m, "train", batch_size=5, window=window) as ld:
+        served = sum(len(b["sample_index"]) for b in ld)
+    assert m.n_samples_in("train") == 50
+    assert m.n_samples_in("train", window=window) == served == 50 - window.span + 1
