@@ -56,9 +56,14 @@ class SamplingConfig:
     uneven: str = "pad"
     rank: int | None = None
     world_size: int | None = None
+    # anchors kept: every k-th step (an int), or a duration such as "6h" on a time axis
+    # (the steps whose time is a multiple of it: 00, 06, 12, 18 UTC); None: every step
+    every: int | str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("sampling", "batch_size", self.batch_size)
+        if self.every is not None and not isinstance(self.every, str):
+            _positive_int("sampling", "every", self.every)
         if self.block_chunks is not None:
             _positive_int("sampling", "block_chunks", self.block_chunks)
         if self.run_chunks is not None:

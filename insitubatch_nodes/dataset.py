@@ -196,10 +196,11 @@ class SampleDataset(Dataset):
                  cache_bytes: int | str = DEFAULT_CACHE_BYTES, **options: Any) -> None:
         cfg = (config if config is not None else LoaderConfig()).replace(**options)
         # one sample at a time, on this process, decoded on the CPU: nothing else applies
-        cfg = dataclasses.replace(cfg, sampling=SamplingConfig(batch_size=1, rank=0,
-                                                               world_size=1),
+        cfg = dataclasses.replace(cfg, sampling=SamplingConfig(
+                                      batch_size=1, rank=0, world_size=1,
+                                      every=cfg.sampling.every),
                                   fetch=FetchConfig(retry=cfg.fetch.retry, in_place=False,
-                                                    cache=cfg.fetch.cache))
+                                                    cache=cfg.fetch.cache, workers=0))
         self.source = source
         self.split = split
         self.config = cfg

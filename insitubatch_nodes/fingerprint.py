@@ -31,7 +31,7 @@ RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # state loaded under another policy was refused as "edited").
 MERGED_FREE: tuple[str, ...] = RANK_FIELDS
 # Recorded since a later version: a state without it loads, the field unknown.
-OPTIONAL_FIELDS: tuple[str, ...] = ("in_place",)
+OPTIONAL_FIELDS: tuple[str, ...] = ("in_place", "every", "phase")
 
 _HOW = {
     "manifest": "load it into a loader built with the split manifest it was saved with "
@@ -48,6 +48,10 @@ _HOW = {
              "window= the state was saved with",
     "end": "the valid samples changed (another time window's lead): resume with the "
            "window= the state was saved with",
+    "every": "the anchors kept (sampling.every) changed: build the loader with the saved "
+             "every=",
+    "phase": "the anchors kept (sampling.every) fall on other steps: build the loader with "
+             "the saved every=",
     "block_chunks": "windows are cut by block_chunks: build the loader with the saved value",
     "uneven": "the equal-steps policy changes every rank's share: build with the saved value",
     "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
@@ -103,6 +107,9 @@ class StateFingerprint:
     # Whether the saving loader decoded into batches planned from the epoch's start; None in
     # states saved before this field was recorded (then not compared).
     in_place: bool | None = None
+    # The anchors kept: indices ≡ phase (mod every) (sampling.every); None in older states.
+    every: int | None = None
+    phase: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()

@@ -75,20 +75,36 @@ class SampleGrid:
     """The common sample axis of all variables and its split into chunks (stripes).
 
     ``first``/``last`` bound the indices that are samples: with time windows, a sample is an
-    anchor step whose whole window (history before, leads after) lies on the axis.
+    anchor step whose whole window (history before, leads after) lies on the axis. With
+    ``every`` > 1 only every ``every``-th index is one (those ``≡ phase`` modulo ``every``:
+    6-hourly anchors of an hourly archive).
     """
 
     n_samples: int
     chunk_size: int
     first: int = 0
     last: int | None = None  # exclusive; None = n_samples
+    every: int = 1
+    phase: int = 0  # in [0, every)
 
     @property
     def end(self) -> int:
         return self.n_samples if self.last is None else self.last
 
     def with_valid(self, first: int, last: int) -> SampleGrid:
-        return SampleGrid(self.n_samples, self.chunk_size, max(0, first), min(self.n_samples, last))
+        return SampleGrid(self.n_samples, self.chunk_size, max(0, first),
+                          min(self.n_samples, last), self.every, self.phase)
+
+    def with_every(self, every: int, phase: int) -> SampleGrid:
+        """This grid with only indices ``≡ phase`` (mod ``every``) as samples."""
+        if every < 1 or not 0 <= phase < every:
+            raise ValueError(f"every must be >= 1 and phase in [0, every), got every={every}, "
+                             f"phase={phase}")
+        return SampleGrid(self.n_samples, self.chunk_size, self.first, self.last, every, phase)
+
+    def _count_below(self, x: np.ndarray) -> np.ndarray:
+        """Indices ``i < x`` (``x >= 0``) with ``i ≡ phase`` (mod ``every``)."""
+        return np.maximum(0, (x - self.phase + self.every - 1) // self.every)
 
     @property
     def n_chunks(self) -> int:
@@ -110,6 +126,13 @@ class SampleGrid:
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if chunk_ids.size == 0:
             return np.empty(0, dtype=np.int64)
+        if self.every > 1:
+            every = self._all_samples_of(chunk_ids)
+            return every[(every - self.phase) % self.every == 0]
+        return self._all_samples_of(chunk_ids)
+
+    def _all_samples_of(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """``samples_of`` as if ``every`` were 1."""
         cs = self.chunk_size
         if cs == 1:  # the valid ids themselves (asked once per window, on the hot path)
             return chunk_ids[(chunk_ids >= self.first) & (chunk_ids < self.end)]
@@ -124,6 +147,8 @@ class SampleGrid:
     def n_samples_each(self, chunk_ids: np.ndarray) -> np.ndarray:
         """Valid samples (anchors, with time windows) in each of the given chunks."""
         starts, stops = self._bounds(np.asarray(chunk_ids, dtype=np.int64))
+        if self.every > 1:
+            return self._count_below(stops) - self._count_below(starts)
         return stops - starts
 
     def n_samples_of(self, chunk_ids: np.ndarray) -> int:

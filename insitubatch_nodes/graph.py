@@ -90,6 +90,39 @@ class Resolved:
     workers: int  # decode worker processes (0: decode threads in this process)
 
 
+def every_steps(source: Source, every: int | str) -> tuple[int, int]:
+    """``sampling.every`` as (k, phase): keep the steps ``i ≡ phase`` (mod k). An int keeps
+    every k-th step from the first; a duration (``"6h"``, ``"1D"``) keeps the steps whose
+    time is a whole multiple of it, on a regular time axis (anemoi's ``frequency``)."""
+    if not isinstance(every, str):
+        return int(every), 0
+    import pandas as pd
+
+    times = source.sample_coord
+    if times is None or not np.issubdtype(np.asarray(times).dtype, np.datetime64):
+        raise ValueError(f"sampling.every={every!r} is a duration, but {source.url} has no "
+                         "time coordinate on its sample axis; give a number of steps instead")
+    try:
+        period = pd.Timedelta(every).to_timedelta64().astype("timedelta64[ns]")
+    except ValueError as e:
+        raise ValueError(f"sampling.every={every!r} is not a duration such as '6h' or '1D' "
+                         f"({e})") from None
+    t = np.asarray(times).astype("datetime64[ns]")
+    steps = np.unique(np.diff(t))
+    if t.size < 2 or steps.size != 1:
+        raise ValueError(f"sampling.every={every!r} needs a regular time axis; {source.url}'s "
+                         f"steps are {steps[:4]} (give a number of steps instead)")
+    k, rest = divmod(int(period.astype(np.int64)), int(steps[0].astype(np.int64)))
+    if k < 1 or rest:
+        raise ValueError(f"sampling.every={every!r} is not a whole number of the time axis' "
+                         f"steps ({np.timedelta64(steps[0], 'm')})")
+    aligned = np.flatnonzero(t[:k].astype(np.int64) % int(period.astype(np.int64)) == 0)
+    if aligned.size == 0:
+        raise ValueError(f"sampling.every={every!r}: no step among the first {k} of "
+                         f"{source.url} falls on a multiple of {every} (times from {t[0]})")
+    return k, int(aligned[0])
+
+
 def default_prefetch_windows(source: Source) -> int:
     """2 windows ahead of the one being drawn, on every store. On object stores one would
     expose a round trip at each window edge (README "Latency"); on local disks the decode
@@ -189,6 +222,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     manifest.check_source(source, config.checkpoint.allow_snapshot_change)
     steps = config.sample.time_steps
     grid = source.grid if steps is None else steps.grid(source.grid)
+    if s.every is not None:
+        grid = grid.with_every(*every_steps(source, s.every))
     if steps is not None and grid.end <= grid.first:
         raise ValueError(f"the time window {steps} spans {steps.span} steps, more than the "
                          f"{source.grid.n_samples} steps of {source.url}: no sample has "
@@ -196,12 +231,14 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     chunk_ids = manifest.chunk_ids(split)
     excluded = chunks_touching(source.missing, source.grid, steps)
     anchorless = np.empty(0, dtype=np.int64)
-    if steps is not None:
+    if steps is not None or grid.every > 1:
         # Chunks at the ends of the axis may hold no anchor (every step's window would run
-        # off the axis): they serve nothing, so dealt to a rank they would leave it empty.
+        # off the axis), nor, with ``every``, chunks between kept steps: they serve nothing,
+        # so dealt to a rank they would leave it empty.
         ids = np.asarray(chunk_ids, dtype=np.int64)
         anchorless = ids[grid.n_samples_each(ids) == 0]
         excluded = np.union1d(excluded, anchorless)
+    if steps is not None:
         others = [manifest.chunk_ids(n) for n in manifest.names if n != split]
         others_ids = np.concatenate(others) if others else np.empty(0, dtype=np.int64)
         across = chunks_reaching(chunk_ids, others_ids, grid, steps)
@@ -214,6 +251,9 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         had = len(chunk_ids)
         chunk_ids = np.setdiff1d(chunk_ids, excluded)
         if had and len(chunk_ids) == 0:
+            if anchorless.size == had and steps is None:
+                raise ValueError(f"split {split!r} holds no step kept by every={s.every!r}: "
+                                 "give it more of the axis or keep more steps")
             if anchorless.size == had:
                 raise ValueError(
                     f"split {split!r} holds no sample of the time window {steps}: its "

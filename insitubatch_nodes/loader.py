@@ -678,7 +678,8 @@ def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
         contiguous=permute.contiguous, run_chunks=permute.run_chunks or 0,
         excluded=_excluded_hash(split.exclude), batch_size=shuffle.batch_size,
         drop_last=shuffle.drop_last, rank=permute.rank, world_size=permute.world_size,
-        in_place=fetch is not None and fetch.arena is not None)
+        in_place=fetch is not None and fetch.arena is not None, every=grid.every,
+        phase=grid.phase)
 
 
 def _excluded_hash(excluded: tuple[int, ...]) -> str:

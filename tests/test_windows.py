@@ -554,3 +554,78 @@ def test_n_samples_in_counts_the_anchors_a_loader_serves(tmp_path, window):
         served = sum(len(b["sample_index"]) for b in ld)
     assert m.n_samples_in("train") == 50
     assert m.n_samples_in("train", window=window) == served == 50 - window.span + 1
+
+
+@pytest.fixture(scope="module")
+def hourly(tmp_path_factory):
+    """An hourly archive starting at 03 UTC, one step per chunk (as ARCO-ERA5), and a
+    second store chunked 5 steps at a time."""
+    out = {}
+    for chunk in (1, 5):
+        path = tmp_path_factory.mktemp("hourly") / f"h{chunk}.zarr"
+        g = zarr.open_group(path, mode="w")
+        n = 100
+        g.create_array("x", shape=(n, 2), chunks=(chunk, 2), dtype="float32",
+                       dimension_names=("time", "c"))[:] = np.arange(2 * n).reshape(n, 2)
+        t = g.create_array("time", shape=(n,), dtype="int64", dimension_names=("time",),
+                           attributes={"units": "hours since 2000-01-01 03:00",
+                                       "calendar": "standard"})
+        t[:] = np.arange(n)
+        out[chunk] = ib.open_source(path, sample_dim="time")
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize(("every", "window"), [
+    ("6h", None), (4, None), ("6h", SampleWindow(2, (1,))), ("1D", None)])
+def test_every_keeps_those_anchors_each_once_and_resumes_exactly(hourly, chunk, every, window):
+    src = hourly[chunk]
+    m = ib.split_by_chunk(src, (1.0,))
+    hours = (np.arange(100) + 3) % 24  # the store starts at 03 UTC
+    if every == "6h":
+        kept = np.flatnonzero(hours % 6 == 0)
+    elif every == "1D":
+        kept = np.flatnonzero(hours == 0)
+    else:
+        kept = np.arange(0, 100, every)
+    if window is not None:
+        kept = kept[(kept >= window.before) & (kept < 100 - window.after)]
+    kw = dict(batch_size=3, seed=2, every=every, window=window, block_chunks=4)
+    with ib.build_loader(src, m, "train", **kw) as ld:
+        assert len(ld) == -(-kept.size // 3)
+        epochs = [[b["sample_index"].tolist() for b in ld] for _ in range(2)]
+    for e in epochs:
+        assert sorted(i for b in e for i in b) == kept.tolist()  # exactly once
+    assert epochs[0] != epochs[1]  # reshuffled
+    k = len(epochs[0]) // 2  # mid-epoch
+    with ib.build_loader(src, m, "train", **kw) as a:
+        it = iter(a)
+        for _ in range(k):
+            next(it)
+        state = a.state_dict()
+    with ib.build_loader(src, m, "train", **kw) as b:
+        b.load_state_dict(state)
+        assert [x["sample_index"].tolist() for x in b] == epochs[0][k:]
+    # a state saved keeping other anchors is refused, naming the field
+    with ib.build_loader(src, m, "train", **{**kw, "every": None}) as other, \
+            pytest.raises(ValueError, match="every: saved"):
+        other.load_state_dict(state)
+
+
+def test_every_is_checked(hourly, tmp_path):
+    src = hourly[1]
+    m = ib.split_by_chunk(src, (1.0,))
+    for bad, match in [("90min", "not a whole number"), ("soon", "not a duration"),
+                       (0, "sampling.every must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            ib.build_loader(src, m, "train", every=bad)
+    data = write_store(tmp_path / "plain.zarr", [Var("x", (30, 2), (1, 2))])  # no time axis
+    plain = ib.open_source(tmp_path / "plain.zarr")
+    with pytest.raises(ValueError, match="no time coordinate"):
+        ib.build_loader(plain, ib.split_by_chunk(plain, (1.0,)), "train", every="6h")
+    m = ib.split_by_chunk(plain, (1.0,))
+    with ib.build_loader(plain, m, "train", every=7) as ld:
+        assert sorted(i for b in ld for i in b["sample_index"].tolist()) == [0, 7, 14, 21, 28]
+    ds = ib.SampleDataset(plain, m, "train", every=7)  # random access keeps the same ones
+    assert ds.sample_indices.tolist() == [0, 7, 14, 21, 28]
+    np.testing.assert_array_equal(ds[1]["x"], data["x"][14])
