@@ -424,3 +424,15 @@ def test_a_store_that_cannot_reach_a_worker_is_named(weather, monkeypatch):
         graph.resolve(fake, m, "train", ib.LoaderConfig.of(workers=2))
     assert graph.resolve(fake, m, "train", ib.LoaderConfig.of(workers="auto")).workers == 0
     assert graph.resolve(src, m, "train", ib.LoaderConfig.of(workers="auto")).workers == 2
+
+
+def test_a_worker_that_cannot_start_fails_the_batches_with_why(weather, monkeypatch):
+    """A worker that dies before it is ready (here: Python cannot even find the module) is
+    not started again and again: the batches fail with a WorkerError saying so."""
+    src, m = weather
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with ib.build_loader(src, m, "train", batch_size=5, workers=1) as ld:
+        with pytest.raises(WorkerError, match="before it started"):
+            next(iter(ld))
+        engine = engine_of(ld)
+        assert engine.broken and len(engine.pids) == 1

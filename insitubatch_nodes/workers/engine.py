@@ -129,7 +129,10 @@ class WorkerEngine:
             child.close()
         conn = Connection(os.dup(parent.fileno()))
         parent.close()
-        conn.send(self.setup)
+        # a worker that died at once (its Python or import failed) shows as its socket's end
+        # on the engine thread, which then says why (``_died``)
+        with contextlib.suppress(OSError):
+            conn.send(self.setup)
         proc = _Proc(number, popen, conn)
         self._selector.register(conn.fileno(), selectors.EVENT_READ, proc)
         return proc
@@ -311,14 +314,24 @@ class WorkerEngine:
 
     def _died(self, proc: _Proc) -> None:
         """``proc`` closed its socket: it died (a kill, an out-of-memory kill, a crash in a
-        codec). Fail the windows it held, naming it, and start it again."""
-        code = proc.popen.wait()
+        codec). Fail the windows it held, naming it, and start it again; one that dies
+        before it said it was ready (an import or setup that fails every time) is not
+        started again: every later window fails with why."""
+        try:
+            code = proc.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # closed its socket but lives on: end it
+            proc.popen.kill()
+            code = proc.popen.wait()
         how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
                else f"exited with status {code}")
         held = list(proc.jobs.values())
         proc.jobs.clear()
         self._selector.unregister(proc.conn.fileno())
         proc.conn.close()
+        if not proc.ready and self.broken is None:
+            self.broken = (f"decode worker {proc.number} (pid {proc.popen.pid}) {how} before "
+                           "it started (its error is printed above, on stderr); use workers=0")
+            self._fail_all(WorkerError(self.broken))
         for run, job in held:
             chunks = sorted({(v, s) for v, s, _ in job.reads})[:8]
             err = WorkerError(
