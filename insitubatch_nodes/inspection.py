@@ -59,6 +59,8 @@ class VariableReport:
     read_mode: str
     read_path: str
     gpu_decode: str  # what decode="gpu" does with this variable, and why
+    # of the values in the sampled stripes, missing (NaN or infinite); None: none sampled
+    nan_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class StoreReport:
     sample_nbytes: int
     variables: tuple[VariableReport, ...]
     recommendation: Recommendation | None
+    # the sample axis in its own terms: "time 2000-01-01T03:00 .. 2000-01-05T06:00, every 1h"
+    sample_axis: str | None = None
+    coordinates: dict[str, str] | None = None  # other 1-D coordinates: name -> values
+    static: tuple[str, ...] = ()  # fields without the sample axis (open_static)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,6 +123,7 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
     decoded_chunk = chunk_items * geom.dtype.itemsize
     per_stripe = int(np.prod(geom.inner_grid, dtype=np.int64)) if geom.inner_grid else 1
     sizes, missing = _measure_sizes(reader, sample_objects)
+    nan_fraction = _sampled_nan_fraction(reader, sample_objects)
     per_object = 1
     if geom.shards:
         per_object = int(np.prod([s // c for s, c in zip(geom.shards, geom.chunks, strict=True)]))
@@ -134,8 +141,81 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
         fast_decoder=reader.decoder.chain if reader.decoder else None,
         decoded_by=reader.decoder.libraries if reader.decoder else None,
         read_mode=reader.mode, read_path=READ_PATHS.get(reader.mode, reader.mode),
-        gpu_decode=_gpu_verdict(reader),
+        gpu_decode=_gpu_verdict(reader), nan_fraction=nan_fraction,
     )
+
+
+def _sampled_nan_fraction(reader: StripeReader, samples: int) -> float | None:
+    """The missing (non-finite) fraction of up to ``samples`` stripes, evenly spaced along
+    the sample axis, decoded as the loader would: a hint (ERA5's sea-surface temperature is
+    NaN over land), not a statistic (``compute_stats`` records the split's)."""
+    geom = reader.geom
+    if geom.dtype.kind != "f" or samples < 1:
+        return None
+    from zarr.core.sync import sync
+
+    picks = np.unique(np.linspace(0, geom.n_sample_chunks - 1,
+                                  min(samples, geom.n_sample_chunks)).astype(int))
+    bad = total = 0
+    out = np.empty(geom.stripe_shape, geom.dtype)
+    for i in picks.tolist():
+        sync(_read_once(reader, i, out))
+        rows = reader.rows(i)
+        valid = out[: rows.stop - rows.start]
+        bad += int(valid.size - np.isfinite(valid).sum())
+        total += valid.size
+    return bad / total if total else None
+
+
+async def _read_once(reader: StripeReader, index: int, out: np.ndarray) -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        await reader.read(index, out, asyncio.get_running_loop(), pool)
+
+
+def _sample_axis(source: Source) -> str | None:
+    """The sample axis in its own terms: ISO dates, their range and step for a time axis."""
+    values = source.sample_coord
+    dim = source.sample_dim or "sample"
+    if values is None or len(values) == 0:
+        return None
+    v = np.asarray(values)
+    if np.issubdtype(v.dtype, np.datetime64):
+        first, last = (np.datetime_as_string(x, unit="m") for x in (v[0], v[-1]))
+        steps = np.unique(np.diff(v.astype("datetime64[m]"))) if v.size > 1 else []
+        every = (f", every {_duration(steps[0])}" if len(steps) == 1
+                 else f", irregular steps ({len(steps)} kinds)" if len(steps) else "")
+        return f"{dim} {first} .. {last}{every}"
+    return f"{dim} {v[0]} .. {v[-1]}"
+
+
+def _duration(step: np.timedelta64) -> str:
+    minutes = int(step.astype("timedelta64[m]").astype(np.int64))
+    for unit, size in (("D", 1440), ("h", 60)):
+        if minutes % size == 0:
+            return f"{minutes // size}{unit}"
+    return f"{minutes}min"
+
+
+def _coordinates(source: Source) -> dict[str, str]:
+    """The 1-D coordinate arrays beside the variables (levels, latitude...), in short."""
+    out: dict[str, str] = {}
+    if source.group is None:
+        return out
+    dims = {d for v in source.variables for d in (v.dimension_names or ())[1:] if d}
+    for name in sorted(dims):
+        try:
+            values = source.coordinate(name)
+        except (KeyError, ValueError):
+            continue
+        if values.ndim != 1:
+            continue
+        text = [f"{x:g}" if isinstance(x, float) else str(x) for x in values.tolist()]
+        out[name] = (", ".join(text) if len(text) <= 16 else
+                     f"{text[0]} .. {text[-1]} ({len(text)} values)")
+    return out
 
 
 def _gpu_verdict(reader: StripeReader) -> str:
@@ -219,7 +299,8 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
     return StoreReport(url=source.url, n_samples=source.n_samples,
                        samples_per_chunk=source.grid.chunk_size, n_chunks=source.grid.n_chunks,
                        sample_nbytes=source.sample_nbytes, variables=variables,
-                       recommendation=rec)
+                       recommendation=rec, sample_axis=_sample_axis(source),
+                       coordinates=_coordinates(source), static=tuple(source.static))
 
 
 def _mb(n: float | None) -> str:
@@ -234,8 +315,14 @@ def _mb(n: float | None) -> str:
 def format_report(r: StoreReport) -> str:
     lines = [f"store {r.url}",
              f"  {r.n_samples} samples along the sample axis, {_mb(r.sample_nbytes)} per sample "
-             f"(all variables); loader chunks of {r.samples_per_chunk} samples: {r.n_chunks}",
-             ""]
+             f"(all variables); loader chunks of {r.samples_per_chunk} samples: {r.n_chunks}"]
+    if r.sample_axis:
+        lines.append(f"  {r.sample_axis}")
+    for name, values in (r.coordinates or {}).items():
+        lines.append(f"  {name}: {values}")
+    if r.static:
+        lines.append(f"  static fields (ib.open_static): {', '.join(r.static)}")
+    lines.append("")
     for v in r.variables:
         dims = ", ".join(str(d) for d in v.dims) if v.dims else "-"
         lines += [
@@ -254,6 +341,9 @@ def format_report(r: StoreReport) -> str:
             + (f"; fast decoder: {v.fast_decoder} ({v.decoded_by})" if v.fast_decoder
                else ""),
             f"  read path: {v.read_mode} ({v.read_path})",
+            *([f"  missing values: {v.nan_fraction:.1%} NaN in the stripes sampled "
+               "(compute_stats leaves them out; fill_nan= / mask= serve them)"]
+              if v.nan_fraction else []),
             f"  decode='gpu': {v.gpu_decode}",
             "",
         ]

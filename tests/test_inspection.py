@@ -181,3 +181,28 @@ def test_recommendation_for_time_windows_gives_runs_and_windows(tmp_path):
                          memory_budget="200kB") as ld:
         assert ld.resident_bound == capped.resident_bound_bytes
         assert ld.node(ib.AsyncFetchNode).arena is not None
+
+
+def test_the_report_speaks_in_the_terms_of_the_data(tmp_path):
+    """ISO dates, their range and step, the levels and other coordinates, the static
+    fields, and the share of missing values of a variable that has them."""
+    from insitubatch_nodes.synthetic import WB2_SST, WB2Spec, wb2_land_sea_mask, write_wb2_store
+
+    spec = WB2Spec(n_times=6, n_lon=24, n_lat=12, sea_surface_temperature=True)
+    path = write_wb2_store(tmp_path / "wb2.zarr", spec, progress=False)
+    src = ib.open_source(path, variables=["temperature", WB2_SST])
+    r = inspect_source(src, quality=None, sample_objects=3)
+    assert r.sample_axis == "time 1959-01-01T00:00 .. 1959-01-02T06:00, every 6h"
+    assert r.coordinates["level"].startswith("50, 100, 150") and "1000" in r.coordinates["level"]
+    lat = r.coordinates["latitude"]
+    assert lat.startswith("-90, ") and lat.endswith(", 90")
+    assert r.static == ("land_sea_mask",)
+    by = {v.name: v for v in r.variables}
+    assert by["temperature"].nan_fraction == 0.0
+    land = (wb2_land_sea_mask(spec) >= 0.5).mean()
+    assert by[WB2_SST].nan_fraction == pytest.approx(land)
+    text = format_report(r)
+    for line in ("time 1959-01-01T00:00 .. 1959-01-02T06:00, every 6h", "  level: 50, 100",
+                 "static fields (ib.open_static): land_sea_mask",
+                 f"missing values: {land:.1%} NaN"):
+        assert line in text, line
