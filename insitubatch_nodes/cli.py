@@ -407,7 +407,7 @@ def _inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, s
             value = value.astype("datetime64[s]")
         where += f" ({source.sample_dim} {value})"
     keys = summarize_sample(sample)
-    plotted = (_plot_sample(parser, sample, args.plot, args.plot_key, where)
+    plotted = (_plot_sample(parser, sample, args.plot, args.plot_key, where, source)
                if args.plot is not None else None)
     if args.json:
         print(json.dumps({"sample": args.sample, "where": where,
@@ -419,10 +419,16 @@ def _inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     def num(x: float | None, exact: bool) -> str:
         return "-" if x is None else str(int(x)) if exact else f"{x:.6g}"
 
+    dated = (source.sample_coord is not None
+             and np.issubdtype(np.asarray(source.sample_coord).dtype, np.datetime64))
     for k in keys:
         ints = k.dtype.startswith(("int", "uint"))
         if not k.shape:  # one value: the sample index, a coordinate
-            print(f"  {k.key:<20} shape {'()':<18} {k.dtype:<9} value {num(k.min, ints)}")
+            value = num(k.min, ints)
+            if dated and k.key == source.sample_dim and k.min is not None:
+                # served as int64 nanoseconds (torch has no datetime): shown as the date
+                value = f"{np.datetime64(int(k.min), 'ns').astype('datetime64[s]')} ({value})"
+            print(f"  {k.key:<20} shape {'()':<18} {k.dtype:<9} value {value}")
             continue
         print(f"  {k.key:<20} shape {str(k.shape):<18} {k.dtype:<9} min {num(k.min, ints):<11} "
               f"max {num(k.max, ints):<11} mean {num(k.mean, False):<11} NaN {k.nan}")
@@ -431,10 +437,33 @@ def _inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     return 0
 
 
+def _plot_axes(source: Any, key: str) -> list[tuple[str, Any]]:
+    """(dim, coordinate values or None) of the last two axes of variable ``key``'s samples
+    (``target/`` too), as the store names them; [] for another key."""
+    name = key.removeprefix("target/")
+    if name not in source.names:
+        return []
+    dims = source.variable(name).dimension_names or ()
+    out = []
+    for d in list(dims)[-2:]:
+        try:
+            values = source.coordinate(d) if d else None
+        except (KeyError, ValueError):
+            values = None
+        out.append((str(d), values))
+    return out if len(out) == 2 else []
+
+
 def _plot_sample(parser: argparse.ArgumentParser, sample: dict[str, Any], path: Path,
-                 key: str | None, where: str) -> str:
+                 key: str | None, where: str, source: Any = None) -> str:
     """One field of ``sample`` as a PNG at ``path`` (axes of size 1 dropped, further leading
-    axes at index 0, a 1-D field as a line); returns what was drawn."""
+    axes at index 0, a 1-D field as a line); returns what was drawn. A map is drawn on its
+    coordinates: latitude up the page (north up, whichever way the store orders it or
+    which of its axes comes first, as WB2's lon-major grid), longitude across."""
+    import textwrap
+
+    import numpy as np
+
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -458,13 +487,33 @@ def _plot_sample(parser: argparse.ArgumentParser, sample: dict[str, Any], path: 
         what += f"[{', '.join(taken)}]"
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
+    drawn = ""
     if x.ndim == 2:
-        fig.colorbar(ax.imshow(x, aspect="auto", interpolation="nearest"), ax=ax)
+        axes = _plot_axes(source, key) if source is not None else []
+        if axes and tuple(x.shape) != tuple(len(v) for _, v in axes if v is not None):
+            axes = []  # patched, or no coordinates: index axes
+        if axes and "lat" in axes[1][0].lower():  # (lon, lat): latitude to the rows
+            x, axes = x.T, axes[::-1]
+        if axes:
+            (ydim, yv), (xdim, xv) = axes
+            north_up = bool(yv[-1] >= yv[0])  # ascending: first row at the bottom
+            extent = [float(xv[0]), float(xv[-1]), float(yv[0]), float(yv[-1])]
+            im = ax.imshow(x, aspect="auto", interpolation="nearest",
+                           origin="lower" if north_up else "upper",
+                           extent=extent if north_up else [extent[0], extent[1], extent[3],
+                                                           extent[2]])
+            ax.set_xlabel(xdim)
+            ax.set_ylabel(ydim)
+            drawn = f", {ydim} up x {xdim} across"
+        else:
+            im = ax.imshow(x, aspect="auto", interpolation="nearest")
+        fig.colorbar(im, ax=ax)
     else:
-        ax.plot(x.reshape(-1))
-    ax.set_title(f"{what}, {where}", fontsize=9)
+        ax.plot(np.asarray(x).reshape(-1))
+    ax.set_title("\n".join(textwrap.wrap(f"{what}, {where}", 80)), fontsize=9)
+    fig.tight_layout()
     fig.savefig(path, dpi=100)
-    return f"{what}, shape {tuple(x.shape)}"
+    return f"{what}, shape {tuple(x.shape)}{drawn}"
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

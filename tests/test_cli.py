@@ -245,3 +245,20 @@ def test_inspect_plot_writes_a_png_of_one_field(capsys, demo, tmp_path):
     err = _fails(capsys, ["inspect", str(demo), "--sample", "3", "--plot",
                           str(tmp_path / "no" / "s.png")])
     assert "does not exist" in err
+
+
+def test_inspect_sample_shows_dates_and_plots_a_map_north_up(capsys, tmp_path):
+    """WB2's grid is lon-major with latitude ascending: the map is drawn latitude up the
+    page (south at the bottom), longitude across; the time is shown as a date."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "wb2.zarr"
+    assert cli.main(["make-demo", str(path), "--layout", "wb2", "--small", "--n-times", "4",
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    png = tmp_path / "sst.png"
+    assert cli.main(["inspect", str(path), "--sample", "3", "--plot", str(png),
+                     "--plot-key", "sea_surface_temperature"]) == 0
+    out = capsys.readouterr().out
+    assert "value 1959-01-01T18:00:00" in out
+    assert "sea_surface_temperature, shape (12, 24), latitude up x longitude across" in out
+    assert png.stat().st_size > 1000
