@@ -217,3 +217,28 @@ def test_channel_names_and_denormalize_give_back_the_stored_values(wb2, keep):
         assert raw.channel_names is None
         with pytest.raises(ValueError, match="does not normalize"):
             raw.denormalize(torch.zeros(1))
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["threads", "workers"])
+def test_masks_and_filled_values_go_to_the_gpu_path(wb2, workers):
+    """The CUDA path (PinOrCudaNode staging through the pinned ring; CPU fakes for the CUDA
+    calls): the bool masks and the filled values arrive as on the CPU."""
+    from test_pin_or_cuda import FakeOps
+
+    from insitubatch_nodes.graph import build_graph, resolve
+
+    src, m, _, land = wb2
+    stats = ib.compute_stats(src, m, "train", progress=False)
+    kw = dict(batch_size=3, stats=stats, fill_nan=0.0, mask=[SST], seed=4)
+    cfg = ib.LoaderConfig.of(ring_size=2, workers=workers, **kw)
+    node = build_graph(src, m, "train", resolve(src, m, "train", cfg), ops=FakeOps(eager=True)).root
+    node.reset(None)
+    with ib.build_loader(src, m, "train", workers=0, **kw) as cpu:
+        for want in cpu:
+            got = next(node)
+            assert got.keys() == want.keys()
+            for k in want:
+                np.testing.assert_array_equal(got[k].numpy(), want[k].numpy(), err_msg=k)
+            np.testing.assert_array_equal(got[f"mask/{SST}"].numpy(),
+                                          np.broadcast_to(~land, got[SST].shape))
+    node.shutdown()
