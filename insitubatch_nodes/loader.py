@@ -213,6 +213,8 @@ class InSituLoader(Loader):
         self.allow_state_change: bool = (resolved is not None and
                                          resolved.config.checkpoint.allow_state_change)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
+        # (epoch, draws) a loaded state resumes in, until the iter() that applies it
+        self._pending: tuple[int, int | None] | None = None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
             self.log_stats_every(log_every_s)
@@ -386,6 +388,7 @@ class InSituLoader(Loader):
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
         super().load_state_dict(state_dict)
+        self._pending = resumed_epoch(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
 
     # -- graph ------------------------------------------------------------------------
     def nodes(self) -> list[BaseNode]:
@@ -416,7 +419,9 @@ class InSituLoader(Loader):
         if permute is None or shuffle is None:  # TypeError: list() then does without
             raise TypeError("this loader's graph has no ChunkPermuteNode and "
                             "ShuffleBufferNode, so its length is not known")
-        draws = permute.draws_in(self.epoch)
+        pending = self._pending_resume()
+        draws = (pending[1] if pending is not None and pending[1] is not None
+                 else permute.draws_in(self.epoch))
         size = shuffle.batch_size
         return draws // size if shuffle.drop_last else -(-draws // size)
 
@@ -441,12 +446,15 @@ class InSituLoader(Loader):
         (the next ``iter()`` starts the next); before the first ``iter()``, the first; after
         ``load_state_dict``, the loaded state's (it applies at the next ``iter()``)."""
         self.node(ChunkPermuteNode)  # a clear error for a graph without one
-        pending = self._next_iter_state_dict
-        if pending is not None:
-            progress = state_progress(self.nodes(), pending[LoaderIterator.ROOT_KEY])
-            if progress is not None:
-                return int(progress["epoch"])
-        return current_epoch(self.nodes())
+        pending = self._pending_resume()
+        return pending[0] if pending is not None else current_epoch(self.nodes())
+
+    def _pending_resume(self) -> tuple[int, int | None] | None:
+        """(epoch, its draws or None) a loaded state resumes in, until the ``iter()`` that
+        applies it (``resumed_epoch``)."""
+        if self._next_iter_state_dict is None:
+            return None
+        return self._pending
 
     def shutdown(self) -> None:
         """Stop the graph's background threads now (instead of at garbage collection).
@@ -498,6 +506,21 @@ def _levels(nodes: list[BaseNode], root_state: Any) -> Iterator[tuple[BaseNode, 
         if key is None:
             return
         d = d.get(key)
+
+
+def resumed_epoch(nodes: list[BaseNode], root_state: dict[str, Any],
+                  ) -> tuple[int, int | None] | None:
+    """The epoch a loaded (checked) state resumes in and its draws on this rank (its
+    schedule's, an elastic history included); ``None`` without the standard stages."""
+    offset = None
+    for node, d in _levels(nodes, root_state):
+        if isinstance(node, ShuffleBufferNode):
+            offset = d.get(node.OFFSET_KEY)
+        if isinstance(node, ChunkPermuteNode):
+            if offset is None:
+                return None
+            return int(d[node.EPOCH_KEY]), node.check_state(d, offset).target
+    return None
 
 
 def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:

@@ -751,20 +751,23 @@ def test_len_is_the_batches_of_the_epoch_being_served(tmp_path_factory, n, chunk
         ld = ib.build_loader(src, m, "train", **kw)
     except ValueError:
         return  # e.g. more ranks than runs of chunks with time windows
+    counts = []
     with ld:
         before = len(ld)
-        for epoch in range(2):
-            it = iter(ld)
-            got = list(it)
+        for epoch in range(3):
+            got = list(iter(ld))
+            counts.append(len(got))
             if epoch == 0:
                 assert before == len(got)
             assert len(ld) == len(got), (epoch, ld.epoch)  # after the pass: the same epoch
-        k = int(stop * len(got))
-        it = iter(ld)
+    k = int(stop * counts[2])  # a state mid-way through the third epoch
+    with ib.build_loader(src, m, "train", **kw) as a:
+        for _ in range(2):
+            list(a)
+        it = iter(a)
         for _ in range(k):
             next(it)
-        state = ld.state_dict()
-        total = k + sum(1 for _ in it)
+        state = a.state_dict()
     with ib.build_loader(src, m, "train", **kw) as again:
         again.load_state_dict(state)
-        assert len(again) == total
+        assert again.epoch == 2 and len(again) == counts[2]
