@@ -508,35 +508,40 @@ def _levels(nodes: list[BaseNode], root_state: Any) -> Iterator[tuple[BaseNode, 
         d = d.get(key)
 
 
-def resumed_epoch(nodes: list[BaseNode], root_state: dict[str, Any],
-                  ) -> tuple[int, int | None] | None:
-    """The epoch a loaded (checked) state resumes in and its draws on this rank (its
-    schedule's, an elastic history included); ``None`` without the standard stages."""
+def _permute_level(nodes: list[BaseNode], root_state: dict[str, Any],
+                   ) -> tuple[ChunkPermuteNode, dict[str, Any], int] | None:
+    """The scheduler, its nested state in ``root_state`` and the shuffle buffer's draws into
+    the head window; ``None`` when the graph lacks a stage that says so."""
     offset = None
     for node, d in _levels(nodes, root_state):
         if isinstance(node, ShuffleBufferNode):
             offset = d.get(node.OFFSET_KEY)
         if isinstance(node, ChunkPermuteNode):
-            if offset is None:
-                return None
-            return int(d[node.EPOCH_KEY]), node.check_state(d, offset).target
+            return None if offset is None else (node, d, offset)
     return None
+
+
+def resumed_epoch(nodes: list[BaseNode], root_state: dict[str, Any],
+                  ) -> tuple[int, int | None] | None:
+    """The epoch a loaded (checked) state resumes in and its draws on this rank (its
+    schedule's, an elastic history included); ``None`` without the standard stages."""
+    found = _permute_level(nodes, root_state)
+    if found is None:
+        return None
+    node, d, offset = found
+    return int(d[node.EPOCH_KEY]), node.check_state(d, offset).target
 
 
 def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
     """Epoch, windows finished, draws taken in the head window and the elastic history,
     read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
     the graph lacks a stage that says so."""
-    offset = None
-    for node, d in _levels(nodes, root_state):
-        if isinstance(node, ShuffleBufferNode):
-            offset = d.get(node.OFFSET_KEY)
-        if isinstance(node, ChunkPermuteNode):
-            if offset is None:
-                return None
-            return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
-                    "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
-    return None
+    found = _permute_level(nodes, root_state)
+    if found is None:
+        return None
+    node, d, offset = found
+    return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
+            "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
 
 
 def check_top_level(state: dict[str, Any]) -> None:
