@@ -552,12 +552,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
                            first=first, prefetch_next_epoch=f.prefetch_next_epoch,
-                           workers=resolved.workers if arena is not None else 0, shared=shared,
-                           cache_scope=None if f.cache is None else (
-                               (str(f.cache.directory), f.cache.max_bytes), source.snapshot_id))
-    if f.cache is not None:
-        for reader in fetch.readers:
-            reader.use_cache(f.cache, source.snapshot_id)
+                           workers=resolved.workers, shared=shared, cache=f.cache)
     if fetch.workers:
         # Worker processes import (~0.3 s) while the training script builds its model,
         # instead of before the first batch.

@@ -109,6 +109,25 @@ def test_hits_are_the_stores_bytes_and_are_counted(s3, tmp_path):
     loader.close()
 
 
+def test_decode_workers_share_the_loaders_cache(s3, tmp_path):
+    """Workers open the loader's cache (it pickles to a handle on the same directory): what
+    they fetch lands there, and later epochs are served exactly from it."""
+    import time
+
+    server, data, _ = s3
+    cache = ib.ChunkCache(tmp_path / "cache", max_bytes="1GB")
+    src = open_s3(server)
+    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
+                         cache=cache, workers=2, in_place=True, **ONE_EPOCH) as loader:
+        check_exact(epoch(loader), data)
+        chunks = stored_chunks(server)
+        end = time.monotonic() + 20  # the workers write their entries in the background
+        while cache.entries() < len(chunks) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert cache.entries() == len(chunks) and cache.verify() == 0
+        check_exact(epoch(loader), data)
+
+
 def test_a_warm_window_goes_straight_to_the_pool_and_refetches_what_went_missing(
         s3, tmp_path, monkeypatch):
     """Windows whose chunks are all cached are read on the pool from the consumer thread

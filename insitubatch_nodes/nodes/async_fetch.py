@@ -21,6 +21,7 @@ from torchdata.nodes import BaseNode
 from ..arena import BatchArena
 from ..counters import FetchStats
 from ..first_batch import FirstBatch
+from ..io.chunk_cache import ChunkCache
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.loop_thread import LoopThread
@@ -159,7 +160,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  arena: BatchArena | None = None, first: FirstBatch | None = None,
                  prefetch_next_epoch: bool = True, workers: int = 0,
                  shared: SharedMemoryArena | None = None,
-                 cache_scope: tuple[tuple[str, int], str | None] | None = None) -> None:
+                 cache: ChunkCache | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -186,14 +187,18 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                              "need an arena (in-place decoding) and a SharedMemoryArena")
         self.workers = int(workers)
         self.shared = shared
-        self._cache_scope = cache_scope  # ((directory, max_bytes), snapshot id) for workers
         self._engine: WorkerEngine | None = None
         self.stats = FetchStats()
         self._pid: int | None = None
         self.readers = tuple(StripeReader(a, g, dataset.url)
                              for a, g in zip(dataset.arrays, dataset.variables, strict=True))
+        # stored chunks of object stores and icechunk through the local chunk cache
+        # (the workers open the same cache)
+        self.cache = cache
         for r in self.readers:
             r.times = self.stats.read
+            if cache is not None:
+                r.use_cache(cache, dataset.snapshot_id)
         self._sample_chunks = tuple(r.geom.sample_chunk for r in self.readers)
         self._row_bytes = tuple(arena.layout.row_nbytes(v) for v in range(len(self.readers))
                                 ) if arena is not None else ()
@@ -300,7 +305,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def _start_workers(self) -> WorkerEngine:
         """The decode worker processes (``workers/engine``), for this node's lifetime."""
         assert self.arena is not None and self.shared is not None
-        setup = WorkerSetup.of(self.dataset, self.arena, self.retry, self._cache_scope,
+        setup = WorkerSetup.of(self.dataset, self.arena, self.retry, self.cache,
                                self.max_inflight)
         return WorkerEngine(self.workers, setup, self.arena, self.shared, self.stats,
                             [r.geom.stripe_nbytes for r in self.readers])

@@ -46,28 +46,27 @@ Where = tuple[str, "int | None", Placement]
 class WorkerSetup:
     """What a worker needs to read the loader's variables into its batches: the zarr
     arrays (they pickle: store and path), their geometry, the store URL for error
-    messages, the retry policy, the chunk cache (directory and size) and ``where``: per
-    variable and time step, the batch key, column and placement of its slot."""
+    messages, the retry policy, the loader's chunk cache (it pickles to a handle on the
+    same directory) and ``where``: per variable and time step, the batch key, column and
+    placement of its slot."""
 
     arrays: tuple[Any, ...]
     variables: tuple[VariableGeometry, ...]
     url: str
     retry: RetryPolicy
-    cache: tuple[str, int] | None
+    cache: ChunkCache | None
     snapshot_id: str | None
     where: tuple[tuple[Where, ...], ...]
     max_inflight: int
 
     @classmethod
     def of(cls, source: Source, arena: BatchArena, retry: RetryPolicy,
-           cache: tuple[tuple[str, int], str | None] | None, max_inflight: int) -> WorkerSetup:
-        """A setup for ``source``'s variables decoded into ``arena``'s batches; ``cache``:
-        the chunk cache's (directory, max_bytes) and the snapshot id it is keyed by."""
+           cache: ChunkCache | None, max_inflight: int) -> WorkerSetup:
+        """A setup for ``source``'s variables decoded into ``arena``'s batches."""
         n_steps = arena.writes_per_row // len(arena.layout.placements)
         where = arena.where(len(source.variables), n_steps)
-        dirsize, snapshot = cache if cache is not None else (None, None)
-        return cls(tuple(source.arrays), tuple(source.variables), source.url, retry, dirsize,
-                   snapshot, tuple(where), max_inflight)
+        return cls(tuple(source.arrays), tuple(source.variables), source.url, retry, cache,
+                   source.snapshot_id, tuple(where), max_inflight)
 
 
 # Messages, training process -> worker: ("segment", index, nbytes) followed by its
@@ -96,11 +95,10 @@ class Worker:
         self.readers = [StripeReader(a, g, setup.url)
                         for a, g in zip(setup.arrays, setup.variables, strict=True)]
         times = self.readers[0].times
-        cache = ChunkCache(*setup.cache) if setup.cache is not None else None
         for r in self.readers:
             r.times = times
-            if cache is not None:
-                r.use_cache(cache, setup.snapshot_id)
+            if setup.cache is not None:
+                r.use_cache(setup.cache, setup.snapshot_id)
         self.times = times
         self.local = all(r.groups_reads for r in self.readers)
         self.segments: dict[int, Segment] = {}
