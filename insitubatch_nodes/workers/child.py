@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,7 +32,7 @@ from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..layout import Placement, row_view
-from .jobs import Read
+from .jobs import Read, Target
 from .shared_memory import Place, Segment, array_at, map_segment
 
 if TYPE_CHECKING:  # the worker itself imports neither (the source layer pulls in xarray)
@@ -69,10 +70,10 @@ class WorkerSetup:
                    source.snapshot_id, tuple(where), max_inflight)
 
 
-# Messages, training process -> worker: ("segment", index, nbytes) followed by its
-# descriptor (SCM_RIGHTS); ("job", id, reads, places: {batch: {key: Place}}); ("stop",).
-# Worker -> training process: ("ready", pid); ("done", id, read times); ("error", id,
-# exception); ("fatal", text) when it cannot start.
+# Messages, training process -> worker: the setup, then ("segment", index, nbytes) followed
+# by its descriptor (SCM_RIGHTS) and ("job", id, reads, places: {batch: {key: Place}}); the
+# socket closing is the stop. Worker -> training process: ("ready",); ("done", id, read
+# times or None); ("error", id, exception); ("fatal", text) when it cannot start.
 
 _SCRATCH = ThreadBuffer()
 # How often a worker's read counters (store/decode seconds, retries, cache hits) reach the
@@ -120,19 +121,10 @@ class Worker:
         return [_slot(arrays[b], where[k], r) for _, b, r, k in read[2]]
 
     def _read_local(self, read: Read, arrays: dict[int, dict[str, np.ndarray]]) -> None:
-        v, index, targets = read
-        reader = self.readers[v]
-        dsts = self._targets(read, arrays)
-        if reader.geom.sample_chunk == 1:
-            # a one-sample stripe decodes straight into its first slot; more slots copy it
-            reader.read_local_retrying([index], [dsts[0]], self.setup.retry)
-            for dst in dsts[1:]:
-                np.copyto(dst, dsts[0])
-            return
-        stripe = _SCRATCH.array(reader.geom.stripe_shape, reader.geom.dtype)
-        reader.read_local_retrying([index], [stripe], self.setup.retry)
-        for (off, _, _, _), dst in zip(targets, dsts, strict=True):
-            np.copyto(dst, stripe[off : off + 1])
+        reader, dsts = self.readers[read[0]], self._targets(read, arrays)
+        buf = _decode_target(reader, dsts, _SCRATCH.array)
+        reader.read_local_retrying([read[1]], [buf], self.setup.retry)
+        _fill_slots(read[2], dsts, buf)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -148,17 +140,12 @@ class Worker:
         gate = asyncio.Semaphore(self.setup.max_inflight)
 
         async def one(read: Read) -> None:
-            v, index, targets = read
-            reader = self.readers[v]
-            dsts = self._targets(read, arrays)
-            one_sample = reader.geom.sample_chunk == 1
-            buf = (dsts[0] if one_sample else
-                   np.empty(reader.geom.stripe_shape, reader.geom.dtype))
+            # a buffer per stripe: reads interleave on this loop (no scratch survives them)
+            reader, dsts = self.readers[read[0]], self._targets(read, arrays)
+            buf = _decode_target(reader, dsts, np.empty)
             async with gate:
-                await reader.read(index, buf, loop, pool, self.setup.retry)
-            for (off, _, _, _), dst in zip(targets, dsts, strict=True):
-                if dst is not buf:
-                    np.copyto(dst, buf if one_sample else buf[off : off + 1])
+                await reader.read(read[1], buf, loop, pool, self.setup.retry)
+            _fill_slots(read[2], dsts, buf)
 
         tasks = [asyncio.ensure_future(one(rd)) for rd in reads]
         try:
@@ -168,6 +155,23 @@ class Worker:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+
+def _decode_target(reader: StripeReader, dsts: list[np.ndarray],
+                   scratch: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
+    """Where a stripe decodes: a one-sample stripe straight into its first slot, one of
+    several samples into ``scratch(shape, dtype)``."""
+    if reader.geom.sample_chunk == 1:
+        return dsts[0]
+    return scratch(reader.geom.stripe_shape, reader.geom.dtype)
+
+
+def _fill_slots(targets: tuple[Target, ...], dsts: list[np.ndarray], buf: np.ndarray) -> None:
+    """Copy each target's row of the decoded stripe ``buf`` into its slot (the slot ``buf``
+    is, when it is one, already holds it)."""
+    for (off, _, _, _), dst in zip(targets, dsts, strict=True):
+        if dst is not buf:
+            np.copyto(dst, buf[off : off + 1])
 
 
 def _sendable(e: BaseException) -> BaseException:
@@ -190,7 +194,7 @@ def serve(conn: Connection) -> None:
     except Exception as e:
         conn.send(("fatal", "".join(traceback.format_exception(e))))
         return
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready",))
     sent = time.perf_counter()  # read counters go back every TIMES_EVERY_S, not every job
     while True:
         try:
@@ -200,7 +204,6 @@ def serve(conn: Connection) -> None:
         kind = msg[0]
         if kind == "job":
             _, ident, reads, places = msg
-            t0 = time.perf_counter()
             try:
                 worker.run(reads, places)
             except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
@@ -210,14 +213,12 @@ def serve(conn: Connection) -> None:
             times = None
             if now - sent >= TIMES_EVERY_S:
                 times, sent = worker.times.take(), now
-            conn.send(("done", ident, times, now - t0))
+            conn.send(("done", ident, times))
         elif kind == "segment":
             _, index, nbytes = msg
             fd = recv_handle(conn)
             worker.segments[index] = map_segment(index, fd, nbytes)
             os.close(fd)  # the mapping stays
-        elif kind == "stop":
-            return
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import send_handle
+from multiprocessing.reduction import ForkingPickler, send_handle
 from pathlib import Path
 
 from ..arena import BatchArena, StaleBatch
@@ -97,7 +97,9 @@ class WorkerEngine:
                  name: str = "insitubatch-workers") -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1 for a WorkerEngine, got {workers}")
-        self.setup, self.arena, self.shared, self.stats = setup, arena, shared, stats
+        self.arena, self.shared, self.stats = arena, shared, stats
+        # pickled once, sent to every worker (and to one started again)
+        self._setup = ForkingPickler.dumps(setup)
         self.stripe_nbytes = stripe_nbytes
         self._lock = threading.Lock()
         self._queue: deque[tuple[WindowRun, ReadJob]] = deque()
@@ -132,7 +134,7 @@ class WorkerEngine:
         # a worker that died at once (its Python or import failed) shows as its socket's end
         # on the engine thread, which then says why (``_died``)
         with contextlib.suppress(OSError):
-            conn.send(self.setup)
+            conn.send_bytes(self._setup)
         proc = _Proc(number, popen, conn)
         self._selector.register(conn.fileno(), selectors.EVENT_READ, proc)
         return proc
@@ -199,7 +201,7 @@ class WorkerEngine:
         except BaseException as e:  # a bug here must not hang the training loop
             log.exception("insitubatch: the decode workers' thread failed")
             self.broken = f"the decode workers' thread failed: {e!r}"
-            self._fail_all(WorkerError(self.broken))
+            self._fail_all()
         finally:
             self._shut()
 
@@ -262,7 +264,7 @@ class WorkerEngine:
             self.broken = (f"decode worker {proc.number} (pid {proc.popen.pid}) could not "
                            f"start: {msg[1].strip().splitlines()[-1]}")
             log.error("insitubatch: %s\n%s", self.broken, msg[1])
-            self._fail_all(WorkerError(self.broken))
+            self._fail_all()
             return
         run, job = proc.jobs.pop(msg[1])
         if kind == "done":
@@ -301,16 +303,20 @@ class WorkerEngine:
         self.arena.fail(w.batches, err, w.generation)
         self.cancel(run)
 
-    def _fail_all(self, err: BaseException) -> None:
+    def _fail_all(self) -> None:
+        """The engine is ``broken``: every window given to it fails, each with a
+        ``WorkerError`` of its own saying why (one error object would collect every
+        window's note)."""
+        assert self.broken is not None
         for proc in self.procs:
             for run, _ in list(proc.jobs.values()):
-                self._fail(run, err)
+                self._fail(run, WorkerError(self.broken))
                 self._answered(run, finished=False)
             proc.jobs.clear()
         with self._lock:
             queued, self._queue = self._queue, deque()
         for run, _ in queued:
-            self._fail(run, err)
+            self._fail(run, WorkerError(self.broken))
 
     def _died(self, proc: _Proc) -> None:
         """``proc`` closed its socket: it died (a kill, an out-of-memory kill, a crash in a
@@ -331,7 +337,7 @@ class WorkerEngine:
         if not proc.ready and self.broken is None:
             self.broken = (f"decode worker {proc.number} (pid {proc.popen.pid}) {how} before "
                            "it started (its error is printed above, on stderr); use workers=0")
-            self._fail_all(WorkerError(self.broken))
+            self._fail_all()
         for run, job in held:
             chunks = sorted({(v, s) for v, s, _ in job.reads})[:8]
             err = WorkerError(

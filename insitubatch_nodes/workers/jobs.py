@@ -35,10 +35,6 @@ class ReadJob:
     writes: dict[int, int]
     per_variable: dict[int, int]  # stripes read of each variable (the fetch's counters)
 
-    @property
-    def batches(self) -> list[int]:
-        return list(self.writes)
-
 
 @dataclass(frozen=True, eq=False)
 class WorkerWindow:

@@ -33,9 +33,8 @@ class Segment:
     index: int
     fd: int
     nbytes: int
-    memory: mmap.mmap
     address: int
-    whole: np.ndarray  # the segment as bytes, the base of every block of it
+    whole: np.ndarray  # the segment as bytes (its base the mapping), every block a slice
 
 
 def _anonymous_fd(nbytes: int) -> int:
@@ -55,7 +54,7 @@ def map_segment(index: int, fd: int, nbytes: int) -> Segment:
     in a worker when its descriptor arrives."""
     memory = mmap.mmap(fd, nbytes)
     whole = np.frombuffer(memory, dtype=np.uint8)
-    return Segment(index, fd, nbytes, memory, int(whole.ctypes.data), whole)
+    return Segment(index, fd, nbytes, int(whole.ctypes.data), whole)
 
 
 def array_at(segments: dict[int, Segment] | list[Segment], place: Place) -> np.ndarray:
