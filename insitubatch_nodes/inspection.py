@@ -155,11 +155,10 @@ def _sampled_nan_fraction(reader: StripeReader, samples: int) -> float | None:
     from zarr.core.sync import sync
 
     picks = np.unique(np.linspace(0, geom.n_sample_chunks - 1,
-                                  min(samples, geom.n_sample_chunks)).astype(int))
+                                  min(samples, geom.n_sample_chunks)).astype(int)).tolist()
+    stripes = sync(_read_stripes(reader, picks))
     bad = total = 0
-    out = np.empty(geom.stripe_shape, geom.dtype)
-    for i in picks.tolist():
-        sync(_read_once(reader, i, out))
+    for i, out in zip(picks, stripes, strict=True):
         rows = reader.rows(i)
         valid = out[: rows.stop - rows.start]
         bad += int(valid.size - np.isfinite(valid).sum())
@@ -167,12 +166,18 @@ def _sampled_nan_fraction(reader: StripeReader, samples: int) -> float | None:
     return bad / total if total else None
 
 
-async def _read_once(reader: StripeReader, index: int, out: np.ndarray) -> None:
+async def _read_stripes(reader: StripeReader, indices: list[int]) -> list[np.ndarray]:
+    """Stripes ``indices`` through the reader's own read path, one decode thread for all."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
+    geom = reader.geom
+    outs = [np.empty(geom.stripe_shape, geom.dtype) for _ in indices]
+    loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(1) as pool:
-        await reader.read(index, out, asyncio.get_running_loop(), pool)
+        for i, out in zip(indices, outs, strict=True):
+            await reader.read(i, out, loop, pool)
+    return outs
 
 
 def _sample_axis(source: Source) -> str | None:
