@@ -88,6 +88,7 @@ class SharedMemoryArena:
         self._by_start: list[int] = []  # segment index of each address in _starts
         self._used = 0  # bytes used of the last segment
         self._free: dict[int, list[tuple[int, int]]] = {}  # block size -> (segment, offset)
+        self.allocated = 0  # bytes asked for in fresh blocks (a reused block not again)
         self.closed = False
         self._fds: list[int] = []
         weakref.finalize(self, _close_all, self._fds)
@@ -110,6 +111,7 @@ class SharedMemoryArena:
                 seg, offset = free.pop()
             else:
                 seg, offset = self._bump(size)
+                self.allocated += n
             block = self.segments[seg].whole[offset:offset + n]
         arr = block.view(dt).reshape(shape)
         weakref.finalize(arr, self._give_back, size, seg, offset)
