@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stores import BLOSC, Var, write_store
+from stores import BLOSC, Var, write_store, write_weather
 
 import insitubatch_nodes as ib
 
@@ -42,4 +42,13 @@ def corrupt(tmp_path: Path):
     write_store(path, [Var("x", (64, 4), (8, 4), compressors=BLOSC)])
     (path / "x" / "c" / "5" / "0").write_bytes(b"garbage, not blosc")
     src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (1.0,))
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
+def weather(tmp_path_factory, request):
+    """A small ERA5-like store (``stores.write_weather``), one time step per chunk or four,
+    and a manifest of one split. Modules with a ``weather`` of their own use theirs."""
+    path = write_weather(tmp_path_factory.mktemp("wx") / "w.zarr", request.param)
+    src = ib.open_source(path, variables=["t2m", "z"])
     return src, ib.split_by_chunk(src, (1.0,))

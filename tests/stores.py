@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,3 +89,22 @@ def write_weather(path: Path, steps_per_chunk: int) -> Path:
     g.create_array("level", shape=(3,), dtype="int64", dimension_names=("level",))[:] = \
         [500, 850, 1000]
     return path
+
+
+def assert_rows_stored(batches: list[dict[str, Any]], data: dict[str, np.ndarray]) -> None:
+    """Every row of ``batches`` is the stored sample its ``sample_index`` names."""
+    for b in batches:
+        for name, arr in data.items():
+            np.testing.assert_array_equal(b[name], arr[b["sample_index"]], err_msg=name)
+
+
+def state_after(loader: Any, batches: int, epochs: int = 0) -> dict[str, Any]:
+    """``loader``'s state after ``epochs`` whole epochs and ``batches`` batches of the next,
+    through JSON as a checkpoint keeps it."""
+    for _ in range(epochs):
+        for _ in loader:
+            pass
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    return json.loads(json.dumps(loader.state_dict()))

@@ -2,7 +2,6 @@
 thread's scratch stripe) gives bit for bit the batches of the window-and-gather path, over
 every store kind, with exactly-once and exact resume."""
 
-import json
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numcodecs import Blosc
-from stores import BLOSC, Var, write_store, write_weather
+from stores import BLOSC, Var, assert_rows_stored, state_after, write_store
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.arena import BatchArena
@@ -82,9 +81,7 @@ def test_equal_to_the_gather_path_over_store_kinds(kind, batch, block, seed, dro
         assert is_in_place(new) and not is_in_place(old)
         got, want = epochs(new), epochs(old)
     assert_same(got, want)
-    for b in got[0]:  # and the rows are the stored samples
-        for name, arr in data.items():
-            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+    assert_rows_stored(got[0], data)  # and the rows are the stored samples
 
 
 def test_fill_values_of_missing_chunks(tmp_path):
@@ -100,12 +97,20 @@ def test_fill_values_of_missing_chunks(tmp_path):
     assert any((b["x"] == -7.5).any() for b in got[0])
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
-def weather(tmp_path_factory, request):
-    """A small ERA5-like store, one time step per chunk, or four (scattered in place)."""
-    path = write_weather(tmp_path_factory.mktemp("wx") / "w.zarr", request.param)
-    src = ib.open_source(path, variables=["t2m", "z"])
-    return src, ib.split_by_chunk(src, (1.0,))
+def sample_kwargs(src, m, options):
+    """``build_loader`` keywords for the ``weather`` store with ``options``, ``"stats"``
+    and ``"static"`` standing for the split's statistics and a land-sea mask."""
+    kw = dict(batch_size=7, block_chunks=5, seed=1, **options)
+    if kw.get("stats") == "stats":
+        kw["stats"] = ib.compute_stats(src, m, "train")
+    if kw.get("static") == "static":
+        kw["static"] = {"lsm": np.ones((6, 8), np.float32)}
+    return kw
+
+
+def float_epochs(loader, n=2):
+    """``epochs``, every tensor as float32 (bfloat16 has no numpy type)."""
+    return [[{k: v.float().numpy() for k, v in b.items()} for b in loader] for _ in range(n)]
 
 
 @pytest.mark.parametrize("options", [
@@ -122,16 +127,11 @@ def weather(tmp_path_factory, request):
 ])
 def test_equal_with_sample_options(weather, options):
     src, m = weather
-    kw = dict(batch_size=7, block_chunks=5, seed=1, **options)
-    if kw.get("stats") == "stats":
-        kw["stats"] = ib.compute_stats(src, m, "train")
-    if kw.get("static") == "static":
-        kw["static"] = {"lsm": np.ones((6, 8), np.float32)}
+    kw = sample_kwargs(src, m, options)
     with ib.build_loader(src, m, "train", **kw) as new, \
             ib.build_loader(src, m, "train", in_place=False, **kw) as old:
         assert is_in_place(new)
-        got = [[{k: v.float().numpy() for k, v in b.items()} for b in new] for _ in range(2)]
-        want = [[{k: v.float().numpy() for k, v in b.items()} for b in old] for _ in range(2)]
+        got, want = float_epochs(new), float_epochs(old)
     assert_same(got, want)
 
 
@@ -184,9 +184,7 @@ def test_several_samples_per_chunk_in_place_on_local_files_only_by_default(tmp_p
             assert not is_in_place(gathered) and is_in_place(placed)
             want, got = epochs(gathered), epochs(placed)
     assert_same(got, want)
-    for b in got[0]:
-        for name, arr in stored["s.zarr"].items():
-            np.testing.assert_array_equal(b[name], arr[b["sample_index"]])
+    assert_rows_stored(got[0], stored["s.zarr"])
 
 
 @settings(max_examples=5, deadline=None,
@@ -202,12 +200,7 @@ def test_exact_resume_and_exactly_once(weather, batch, block, stop, epoch):
     assert seen == list(range(80))  # exactly once (the split is the whole store)
     k = int(stop * len(full[epoch]))
     with ib.build_loader(src, m, "train", **kw) as a:
-        for _ in range(epoch):
-            list(a)
-        it = iter(a)
-        for _ in range(k):
-            next(it)
-        state = json.loads(json.dumps(a.state_dict()))
+        state = state_after(a, k, epochs=epoch)
     with ib.build_loader(src, m, "train", **kw) as b:
         b.load_state_dict(state)
         rest = [x["sample_index"].tolist() for x in b]
@@ -293,10 +286,7 @@ def test_time_steps_in_place_resume_exactly_and_cover_every_anchor_once(weather)
     assert anchors == list(range(1, 80 - 3))  # every anchor whose steps fit, once
     k = len(full[0]) // 2
     with ib.build_loader(src, m, "train", **kw) as a:
-        it = iter(a)
-        for _ in range(k):
-            next(it)
-        state = a.state_dict()
+        state = state_after(a, k)
     with ib.build_loader(src, m, "train", **kw) as b:
         b.load_state_dict(state)
         assert [x["sample_index"].tolist() for x in b] == full[0][k:]

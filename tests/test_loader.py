@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stores import BLOSC, Var, write_store
+from stores import BLOSC, Var, state_after, write_store
 
 import insitubatch_nodes as ib
 
@@ -762,12 +762,7 @@ def test_len_is_the_batches_of_the_epoch_being_served(tmp_path_factory, n, chunk
             assert len(ld) == len(got), (epoch, ld.epoch)  # after the pass: the same epoch
     k = int(stop * counts[2])  # a state mid-way through the third epoch
     with ib.build_loader(src, m, "train", **kw) as a:
-        for _ in range(2):
-            list(a)
-        it = iter(a)
-        for _ in range(k):
-            next(it)
-        state = a.state_dict()
+        state = state_after(a, k, epochs=2)
     with ib.build_loader(src, m, "train", **kw) as again:
         again.load_state_dict(state)
         assert again.epoch == 2 and len(again) == counts[2]

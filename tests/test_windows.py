@@ -7,7 +7,7 @@ import pytest
 import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stores import BLOSC, Var, write_store
+from stores import BLOSC, Var, state_after, write_store
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.windows import SampleWindow
@@ -599,10 +599,7 @@ def test_every_keeps_those_anchors_each_once_and_resumes_exactly(hourly, chunk, 
     assert epochs[0] != epochs[1]  # reshuffled
     k = len(epochs[0]) // 2  # mid-epoch
     with ib.build_loader(src, m, "train", **kw) as a:
-        it = iter(a)
-        for _ in range(k):
-            next(it)
-        state = a.state_dict()
+        state = state_after(a, k)
     with ib.build_loader(src, m, "train", **kw) as b:
         b.load_state_dict(state)
         assert [x["sample_index"].tolist() for x in b] == epochs[0][k:]

@@ -3,7 +3,6 @@ the store kinds, exactly once and exact resume with any number of workers, error
 workers that lose nothing, and no process or shared-memory segment left behind."""
 
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -17,8 +16,22 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stores import BLOSC, Var, stores_on_s3, write_store, write_weather
-from test_in_place import GATHERED_BY_DEFAULT, KINDS, assert_same, epochs
+from stores import (
+    BLOSC,
+    Var,
+    assert_rows_stored,
+    state_after,
+    stores_on_s3,
+    write_store,
+)
+from test_in_place import (
+    GATHERED_BY_DEFAULT,
+    KINDS,
+    assert_same,
+    epochs,
+    float_epochs,
+    sample_kwargs,
+)
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.workers.engine import WorkerError
@@ -103,17 +116,7 @@ def test_equal_to_the_decode_threads_over_store_kinds(kind, batch, block, seed, 
         got, want = epochs(new), epochs(old)
         assert len(engine_of(new).pids) == workers
     assert_same(got, want)
-    for b in got[0]:  # and the rows are the stored samples
-        for var, arr in data.items():
-            np.testing.assert_array_equal(b[var], arr[b["sample_index"]])
-
-
-@pytest.fixture(scope="module", params=[1, 4], ids=["1-step", "4-steps"])
-def weather(tmp_path_factory, request):
-    """A small ERA5-like store, one time step per chunk, or four (scattered in place)."""
-    path = write_weather(tmp_path_factory.mktemp("wx") / "w.zarr", request.param)
-    src = ib.open_source(path, variables=["t2m", "z"])
-    return src, ib.split_by_chunk(src, (1.0,))
+    assert_rows_stored(got[0], data)  # and the rows are the stored samples
 
 
 @pytest.mark.parametrize("options", [
@@ -126,15 +129,10 @@ def weather(tmp_path_factory, request):
 ])
 def test_equal_with_sample_options(weather, options):
     src, m = weather
-    kw = dict(batch_size=7, block_chunks=5, seed=1, **options)
-    if kw.get("stats") == "stats":
-        kw["stats"] = ib.compute_stats(src, m, "train")
-    if kw.get("static") == "static":
-        kw["static"] = {"lsm": np.ones((6, 8), np.float32)}
+    kw = sample_kwargs(src, m, options)
     with ib.build_loader(src, m, "train", workers=2, **kw) as new, \
             ib.build_loader(src, m, "train", workers=0, **kw) as old:
-        got = [[{k: v.float().numpy() for k, v in b.items()} for b in new] for _ in range(2)]
-        want = [[{k: v.float().numpy() for k, v in b.items()} for b in old] for _ in range(2)]
+        got, want = float_epochs(new), float_epochs(old)
     assert_same(got, want)
 
 
@@ -151,9 +149,7 @@ def test_several_samples_per_chunk_on_s3(tmp_path):
                 ib.build_loader(src, m, "train", workers=0, in_place=True, **kw) as old:
             got, want = epochs(new, 1), epochs(old, 1)
     assert_same(got, want)
-    for b in got[0]:
-        for var, arr in data["s"].items():
-            np.testing.assert_array_equal(b[var], arr[b["sample_index"]])
+    assert_rows_stored(got[0], data["s"])
 
 
 # -- exactly once, exact resume ----------------------------------------------------------
@@ -173,10 +169,7 @@ def test_exact_resume_and_exactly_once_with_any_workers(weather, batch, block, s
     with ib.build_loader(src, m, "train", workers=before, **kw) as a:
         for _ in range(epoch):
             assert [b["sample_index"].tolist() for b in a] == full[0]
-        it = iter(a)
-        for _ in range(k):
-            next(it)
-        state = json.loads(json.dumps(a.state_dict()))
+        state = state_after(a, k)
     with ib.build_loader(src, m, "train", workers=after, **kw) as b:
         b.load_state_dict(state)
         rest = [x["sample_index"].tolist() for x in b]
