@@ -5,7 +5,9 @@ Every variant is one loader kept across rounds (its workers started once, as in 
 each round runs one epoch of each variant in rotating order and measures its wall time and
 ``time.process_time()`` of this process (every thread of it, the training thread, the
 engine thread and the decode threads alike; the workers' CPU is theirs). Medians over
-rounds; ratios are paired per round. Run on demand, never as a test::
+rounds; ratios are paired per round. First: each variant's fresh loader timed from its
+build to its first batch (the workers' start included), median of 3. Run on demand, never
+as a test::
 
     .venv/bin/python -m benchmarks.bench_workers --store S/t2m-c1.zarr --workers 0,1,2,auto
     .venv/bin/python -m benchmarks.bench_workers --small --out /tmp/bw   # smoke run
@@ -49,15 +51,26 @@ def run(store: Path, variants: list[int | str], rounds: int, batch_size: int,
         block_chunks: int | None, stack: bool = False) -> dict[str, Any]:
     src = ib.open_source(str(store))
     manifest = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
-    loaders = {}
+    options: dict[Any, dict[str, Any]] = {}
     for v in variants:
-        kw: dict[str, Any] = {"workers": v}
+        kw: dict[str, Any] = {"workers": v, "batch_size": batch_size, "seed": 0}
         if block_chunks is not None:
             kw["block_chunks"] = block_chunks
         if stack:
             kw["channels"] = list(src.names)
-        loaders[v] = ib.build_loader(src, manifest, "train", batch_size=batch_size, seed=0,
-                                     **kw)
+        options[v] = kw
+    # a fresh loader's first batch, its build (and the workers' start) included
+    first: dict[Any, list[float]] = {v: [] for v in variants}
+    for _ in range(3):
+        for v in variants:
+            t0 = time.perf_counter()
+            with ib.build_loader(src, manifest, "train", **options[v]) as ld:
+                next(iter(ld))
+                first[v].append(time.perf_counter() - t0)
+            ld.shutdown()
+    loaders = {}
+    for v in variants:
+        loaders[v] = ib.build_loader(src, manifest, "train", **options[v])
         epoch(loaders[v])  # warm: workers started, page cache, pools
     res: dict[Any, list[tuple[float, float, int]]] = {v: [] for v in variants}
     for r in range(rounds):
@@ -76,6 +89,7 @@ def run(store: Path, variants: list[int | str], rounds: int, batch_size: int,
             "resolved": loaders[v].workers,
             "samples_per_s": n / median(walls),
             "main_cpu_us_per_sample": 1e6 * median(c for _, c, _ in res[v]) / n,
+            "first_batch_s": median(first[v]),
             f"epoch_ratio_vs_{base}": median(b[0] / w for (w, _, _), b
                                               in zip(res[v], res[base], strict=True)),
         })
@@ -108,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['store']}: {result['cores']} cores, {result['rounds']} rounds, "
           f"batch {result['batch_size']}")
     print(f"{'workers':>8} {'resolved':>8} {'samples/s':>10} {'main CPU us/sample':>19} "
-          f"{'x ' + str(base):>8}")
+          f"{'x ' + str(base):>8} {'1st batch s':>11}")
     for row in result["rows"]:
         print(f"{row['workers']!s:>8} {row['resolved']:>8} {row['samples_per_s']:>10.0f} "
               f"{row['main_cpu_us_per_sample']:>19.2f} "
-              f"{row[f'epoch_ratio_vs_{base}']:>8.3f}")
+              f"{row[f'epoch_ratio_vs_{base}']:>8.3f} {row['first_batch_s']:>11.3f}")
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "results.json").write_text(json.dumps(result, indent=2, default=str))

@@ -9,7 +9,7 @@ from typing import Any
 
 # Where each public name lives, imported on first use (PEP 562): a decode worker process
 # imports ``insitubatch_nodes.workers.child`` and with it only the IO layer (numpy, zarr,
-# the codecs), not torch and the whole graph: ~0.3 s to start instead of ~2 s.
+# the codecs), not torch and the whole graph.
 _EXPORTS = {
     "parse_bytes": ".budget",
     "CheckpointConfig": ".config",

@@ -156,9 +156,9 @@ def default_workers(in_place: bool, cores: int | None = None) -> int:
     one), from ``WORKERS_FROM_CORES`` cores per rank, where decoding is in place; else 0,
     the decode threads. Threads share one GIL and stop scaling at about 4 cores (16-core
     node: 9.6k samples/s at 4 threads, 4.6k at 16), processes do not (a prototype: 58.6k
-    at 15); on 2 cores both reach about the same rate (DESIGN.md "Worker processes") and
-    threads start at once, where a worker takes ~0.3 s. A free-threaded CPython is not
-    measured yet: it gets the threads."""
+    at 15); on 2 cores 2 workers are 1.06-1.14x the threads (DESIGN.md "Worker processes"), but
+    threads start at once, where workers take 0.3-0.5 s to a first batch. A free-threaded
+    CPython is not measured yet: it gets the threads."""
     if not in_place or not getattr(sys, "_is_gil_enabled", lambda: True)():
         return 0
     cores = cores_per_rank() if cores is None else cores
@@ -554,7 +554,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                            first=first, prefetch_next_epoch=f.prefetch_next_epoch,
                            workers=resolved.workers, shared=shared, cache=f.cache)
     if fetch.workers:
-        # Worker processes import (~0.3 s) while the training script builds its model,
+        # Worker processes import (0.3-0.5 s) while the training script builds its model,
         # instead of before the first batch.
         fetch.start()
     node = fetch

@@ -15,5 +15,6 @@ def test_every_variant_reports_its_rate_cpu_and_paired_ratio(tmp_path, capsys):
     assert rows["0"]["resolved"] == 0 and rows["2"]["resolved"] == 2
     for r in rows.values():
         assert r["samples_per_s"] > 0 and r["main_cpu_us_per_sample"] > 0
+        assert r["first_batch_s"] > 0
     assert rows["0"]["epoch_ratio_vs_0"] == 1.0
     assert "main CPU us/sample" in capsys.readouterr().out
