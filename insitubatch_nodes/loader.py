@@ -214,7 +214,7 @@ class InSituLoader(Loader):
                                          resolved.config.checkpoint.allow_state_change)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         # (epoch, draws) a loaded state resumes in, until the iter() that applies it
-        self._pending: tuple[int, int | None] | None = None
+        self._pending: tuple[int, int] | None = None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
             self.log_stats_every(log_every_s)
@@ -381,14 +381,16 @@ class InSituLoader(Loader):
                           LoaderIterator.NUM_YIELDED_KEY: 0}
         elif fmt == 1:
             upgrade_v1(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
-        found = check_root_state(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
+        checked = check_root_state(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
+        found = checked[0] if checked is not None else None
         if progress is not None and found is not None and progress != found:
             raise ValueError(_progress_mismatch(progress, found))
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
         super().load_state_dict(state_dict)
-        self._pending = resumed_epoch(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
+        self._pending = (None if checked is None
+                         else (int(checked[0]["epoch"]), checked[1]))
 
     # -- graph ------------------------------------------------------------------------
     def nodes(self) -> list[BaseNode]:
@@ -420,8 +422,7 @@ class InSituLoader(Loader):
             raise TypeError("this loader's graph has no ChunkPermuteNode and "
                             "ShuffleBufferNode, so its length is not known")
         pending = self._pending_resume()
-        draws = (pending[1] if pending is not None and pending[1] is not None
-                 else permute.draws_in(self.epoch))
+        draws = pending[1] if pending is not None else permute.draws_in(self.epoch)
         size = shuffle.batch_size
         return draws // size if shuffle.drop_last else -(-draws // size)
 
@@ -449,9 +450,9 @@ class InSituLoader(Loader):
         pending = self._pending_resume()
         return pending[0] if pending is not None else current_epoch(self.nodes())
 
-    def _pending_resume(self) -> tuple[int, int | None] | None:
-        """(epoch, its draws or None) a loaded state resumes in, until the ``iter()`` that
-        applies it (``resumed_epoch``)."""
+    def _pending_resume(self) -> tuple[int, int] | None:
+        """(epoch, its draws on this rank) a loaded state resumes in, until the ``iter()``
+        that applies it (``check_root_state`` computed them at the load)."""
         if self._next_iter_state_dict is None:
             return None
         return self._pending
@@ -508,40 +509,20 @@ def _levels(nodes: list[BaseNode], root_state: Any) -> Iterator[tuple[BaseNode, 
         d = d.get(key)
 
 
-def _permute_level(nodes: list[BaseNode], root_state: dict[str, Any],
-                   ) -> tuple[ChunkPermuteNode, dict[str, Any], int] | None:
-    """The scheduler, its nested state in ``root_state`` and the shuffle buffer's draws into
-    the head window; ``None`` when the graph lacks a stage that says so."""
+def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
+    """Epoch, windows finished, draws taken in the head window and the elastic history,
+    read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
+    the graph lacks a stage that says so."""
     offset = None
     for node, d in _levels(nodes, root_state):
         if isinstance(node, ShuffleBufferNode):
             offset = d.get(node.OFFSET_KEY)
         if isinstance(node, ChunkPermuteNode):
-            return None if offset is None else (node, d, offset)
+            if offset is None:
+                return None
+            return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
+                    "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
     return None
-
-
-def resumed_epoch(nodes: list[BaseNode], root_state: dict[str, Any],
-                  ) -> tuple[int, int | None] | None:
-    """The epoch a loaded (checked) state resumes in and its draws on this rank (its
-    schedule's, an elastic history included); ``None`` without the standard stages."""
-    found = _permute_level(nodes, root_state)
-    if found is None:
-        return None
-    node, d, offset = found
-    return int(d[node.EPOCH_KEY]), node.check_state(d, offset).target
-
-
-def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
-    """Epoch, windows finished, draws taken in the head window and the elastic history,
-    read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
-    the graph lacks a stage that says so."""
-    found = _permute_level(nodes, root_state)
-    if found is None:
-        return None
-    node, d, offset = found
-    return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
-            "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
 
 
 def check_top_level(state: dict[str, Any]) -> None:
@@ -582,24 +563,28 @@ def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
     return epoch, history
 
 
-def check_root_state(nodes: list[BaseNode], root_state: Any) -> dict[str, Any] | None:
+def check_root_state(nodes: list[BaseNode], root_state: Any,
+                     ) -> tuple[dict[str, Any], int] | None:
     """Check ``root_state`` against the graph before anything is read: every nested state
     a dict, counters integers >= 0, the scheduler's position within its epoch's windows and
     the draws taken within the head window's. Errors name the node and field. Returns the
-    progress ``state_progress`` reads (``None`` without the standard stages)."""
+    progress ``state_progress`` reads and the draws of the state's epoch on this rank (its
+    schedule's, an elastic history included); ``None`` without the standard stages."""
     offset = None
     d = root_state
+    draws = None
     for node in nodes:
         if isinstance(node, ShuffleBufferNode):
             offset = require_count(d, node.OFFSET_KEY, node)
         if isinstance(node, ChunkPermuteNode):
-            node.check_state(d, offset)
+            draws = node.check_state(d, offset).target
             break
         key = _nested_key(node)
         if key is None:
             return None  # a foreign node nests its upstream's state its own way
         d = require_dict(d, key, node)
-    return state_progress(nodes, root_state)
+    progress = state_progress(nodes, root_state)
+    return None if progress is None or draws is None else (progress, draws)
 
 
 _PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
