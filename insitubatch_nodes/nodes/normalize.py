@@ -172,9 +172,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         for name, pl in parts:
             if name not in self._exact:
                 continue
-            mean, std = self._params_on(name, x.device, work)
-            if pl.levels is not None and mean.dim() == 3 and mean.shape[0] > 1:
-                mean, std = mean[pl.levels], std[pl.levels]  # per-level statistics
+            mean, std = _of_placement(self._params_on(name, x.device, work), pl)
             view = x[..., pl.channel, :, :]
             view.sub_(mean).div_(std)
         out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
@@ -185,7 +183,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         as ``"channels"``, or their ``target/``) was normalized with: ``x * scale + offset``
         undoes it. Shaped to broadcast over the key's trailing axes (a stacked key's:
         ``(channels, 1, 1)``); a variable served raw has 0 and 1."""
-        name = key[len("target/"):] if key.startswith("target/") else key
+        name = key.removeprefix("target/")
         if name in self._stacked:
             assert self._layout is not None
             channels = self._layout.key(name).row_shape[0]
@@ -194,9 +192,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             for var, pl in self._stacked[name]:
                 if var not in self._exact:
                     continue
-                o, sc = self._exact[var]
-                if pl.levels is not None and o.dim() == 3 and o.shape[0] > 1:
-                    o, sc = o[pl.levels], sc[pl.levels]
+                o, sc = _of_placement(self._exact[var], pl)
                 offset[pl.channel] = o  # broadcast: one channel, or the variable's range
                 scale[pl.channel] = sc
             return offset, scale
@@ -212,8 +208,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         """``mask/<key>`` for the masked variables in ``value`` (batch key ``key``)."""
         if name in self._stacked:
             for var, pl in self._stacked[name]:
-                if var in self.masked:
-                    part = key.replace(name, var, 1) if key.endswith(name) else var
+                if var in self.masked:  # "channels" -> mask/<var>, "target/..." alike
+                    part = key.removesuffix(name) + var
                     batch[MASK_PREFIX + part] = torch.isfinite(value[..., pl.channel, :, :])
         elif name in self.masked:
             batch[MASK_PREFIX + key] = torch.isfinite(value)
@@ -226,7 +222,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
     def next(self) -> dict[str, torch.Tensor]:
         batch = next(self.source)
         for key, value in list(batch.items()):
-            name = key[len("target/"):] if key.startswith("target/") else key
+            name = key.removeprefix("target/")
             if name not in self._names and name not in self._stacked:
                 continue  # sample_index, coordinates, static fields
             if self.masked:
@@ -247,6 +243,16 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         x = x.sub_(p[0]).div_(p[1]) if x is value else (x - p[0]) / p[1]
         out = self.dtype if self.dtype is not None else _served_dtype(value.dtype)
         return x if x.dtype == out else x.to(out)
+
+
+def _of_placement(params: tuple[torch.Tensor, torch.Tensor], pl: Placement,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A variable's (offset, scale) for the levels ``pl`` stacks, where its statistics are
+    per level."""
+    offset, scale = params
+    if pl.levels is not None and offset.dim() == 3 and offset.shape[0] > 1:
+        return offset[pl.levels], scale[pl.levels]
+    return offset, scale
 
 
 def _working_dtype(stored: torch.dtype) -> torch.dtype:
