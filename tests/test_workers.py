@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -232,7 +233,23 @@ def test_a_worker_killed_mid_epoch_is_named_and_nothing_is_lost(tmp_path):
         engine = engine_of(ld)
         for pid in engine.pids:  # freeze both, so their jobs stay theirs
             os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        # The prefetched windows may all be done by now: ask for batches on a thread until
+        # the engine has handed jobs to the frozen workers (they block it, so it stops).
+        errors: list[str] = []
+
+        def consume() -> None:
+            try:
+                while True:
+                    got.append(next(it)["x"].numpy().copy())
+            except WorkerError as e:
+                errors.append(str(e))
+
+        consumer = threading.Thread(target=consume, daemon=True)
+        consumer.start()
+        deadline = time.monotonic() + 30
+        while not any(p.jobs for p in engine.procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # let the engine settle what it hands out to the frozen pair
         victim = max(engine.procs, key=lambda p: len(p.jobs))
         assert victim.jobs, "the frozen workers hold no job: the test proves nothing"
         pid = victim.popen.pid
@@ -240,7 +257,8 @@ def test_a_worker_killed_mid_epoch_is_named_and_nothing_is_lost(tmp_path):
         for other in engine.pids:
             if other != pid:
                 os.kill(other, signal.SIGCONT)
-        errors = []
+        consumer.join(timeout=60)
+        assert not consumer.is_alive(), "the kill did not reach the waiting next()"
         while True:
             try:
                 got.append(next(it)["x"].numpy().copy())
