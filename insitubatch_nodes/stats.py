@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -24,9 +25,14 @@ from .source import Source
 from .split import SplitManifest
 from .windows import chunks_touching
 
+if TYPE_CHECKING:
+    import torch
+
 # Normalisation schemes (anemoi-training's), per variable or label; "default" names the rest.
 SCHEMES = ("mean-std", "std", "min-max", "max", "none")
 DEFAULT_SCHEME = "default"
+# a numpy array or a torch tensor: denormalize gives back the kind it was given
+ArrayT = TypeVar("ArrayT", np.ndarray, "torch.Tensor")
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,17 +47,35 @@ class VariableStats:
     max: np.ndarray
     count: int  # finite values the statistics are over
     nan_fraction: float = 0.0  # of the variable's values in the split, missing (not finite)
+    # The coordinate values along the (single) kept dim, e.g. the levels, when the store
+    # has them: what turns a channel name such as "z@500" into a row of mean/std.
+    coords: tuple[Any, ...] = ()
 
     def to_dict(self) -> dict:
         return {"kept_dims": list(self.kept_dims), "count": self.count,
-                "nan_fraction": self.nan_fraction,
+                "nan_fraction": self.nan_fraction, "coords": list(self.coords),
                 **{k: np.asarray(getattr(self, k)).tolist() for k in ("mean", "std", "min", "max")}}
 
     @classmethod
     def from_dict(cls, name: str, d: Mapping) -> VariableStats:
         return cls(name, tuple(d["kept_dims"]), *(np.asarray(d[k], dtype=np.float64)
                                                   for k in ("mean", "std", "min", "max")),
-                   count=int(d["count"]), nan_fraction=float(d.get("nan_fraction", 0.0)))
+                   count=int(d["count"]), nan_fraction=float(d.get("nan_fraction", 0.0)),
+                   coords=tuple(d.get("coords", ())))
+
+    def at(self, coord: str) -> tuple[float, float]:
+        """(mean, std) at the kept coordinate written ``coord`` (``"500"`` of ``"z@500"``)."""
+        if len(self.kept_dims) != 1:
+            raise KeyError(f"statistics of {self.name!r} keep dims {list(self.kept_dims)}, "
+                           f"so {self.name}@{coord} names no single row; compute them with "
+                           "keep_dims=[<the level dim>]")
+        written = [str(c) for c in self.coords]
+        if coord not in written:
+            raise KeyError(f"{self.name}@{coord}: {coord!r} is not a {self.kept_dims[0]} "
+                           f"these statistics of {self.name!r} hold; they hold "
+                           f"{written or f'{np.size(self.mean)} rows without coordinates'}")
+        k = written.index(coord)
+        return float(np.ravel(self.mean)[k]), float(np.ravel(self.std)[k])
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +90,40 @@ class Stats:
             if v.name == name:
                 return v
         raise KeyError(f"no statistics for {name!r}; have {[v.name for v in self.variables]}")
+
+    def mean_std(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel mean and std (float64, one per name, in the order given) for channel
+        names as ``loader.channel_names`` has them: ``"t2m"``, ``"z@500"`` (a level of
+        statistics kept per level), an anemoi label such as ``"2t"``."""
+        means, stds = [], []
+        for name in names:
+            var, sep, coord = name.partition("@")
+            if sep:
+                m, s = self[var].at(coord)
+            else:
+                v = self[var]
+                if np.size(v.mean) != 1:
+                    raise KeyError(f"statistics of {var!r} have {np.size(v.mean)} rows (kept "
+                                   f"dims {list(v.kept_dims)}): name one, e.g. "
+                                   f"'{var}@{v.coords[0] if v.coords else '<level>'}'")
+                m, s = float(np.ravel(v.mean)[0]), float(np.ravel(v.std)[0])
+            means.append(m)
+            stds.append(s)
+        return np.asarray(means, dtype=np.float64), np.asarray(stds, dtype=np.float64)
+
+    def denormalize(self, x: ArrayT, names: Sequence[str]) -> ArrayT:
+        """``x`` (a prediction, channels on axis -3: ``(..., C, y, x)``, C = ``len(names)``)
+        back in the store's units: ``x * std + mean`` per channel, undoing the default
+        "mean-std" scheme (``loader.denormalize`` undoes whichever scheme the loader used).
+        A torch tensor stays one, on its device and dtype."""
+        if x.ndim < 3 or x.shape[-3] != len(names):
+            raise ValueError(f"denormalize: x has shape {tuple(x.shape)}, but {len(names)} "
+                             "channel names were given for its axis -3 (..., C, y, x)")
+        mean, std = self.mean_std(names)
+        mean, std = mean[:, None, None], std[:, None, None]
+        if isinstance(x, np.ndarray):
+            return x * std + mean
+        return x * x.new_tensor(std) + x.new_tensor(mean)
 
     def to_dict(self) -> dict:
         return {"split": self.split, "variables": {v.name: v.to_dict() for v in self.variables}}
@@ -95,6 +153,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     if ids.size == 0:
         raise ValueError(f"split {split!r} has no chunks to compute statistics over")
     plans = []
+    coords: dict[str, tuple[Any, ...]] = {}
     for name in names:
         g = source.variable(name)
         dims = g.dimension_names or tuple(f"dim_{i}" for i in range(len(g.shape)))
@@ -102,6 +161,11 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
         axes = tuple(i for i in range(len(g.shape)) if i not in kept)
         plans.append((name, source.arrays[source.names.index(name)], kept, axes,
                       tuple(dims[i] for i in kept)))
+        if len(kept) == 1 and dims[kept[0]] not in coords:
+            try:
+                coords[dims[kept[0]]] = tuple(source.coordinate(dims[kept[0]]).tolist())
+            except (KeyError, ValueError):
+                coords[dims[kept[0]]] = ()
     acc = {name: None for name in names}
     it = ids.tolist()
     if progress:
@@ -127,7 +191,9 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
         out.append(VariableStats(name, kept_names, np.asarray(m),
                                  np.sqrt(np.asarray(m2) / np.asarray(n)), np.asarray(lo),
                                  np.asarray(hi), count,
-                                 nan_fraction=float(1.0 - count / max(1, total))))
+                                 nan_fraction=float(1.0 - count / max(1, total)),
+                                 coords=coords.get(kept_names[0], ()) if len(kept_names) == 1
+                                 else ()))
     return Stats(split, tuple(out))
 
 
@@ -188,7 +254,7 @@ def dataset_stats(source: Source) -> Stats:
     assert data.dimension_names is not None
     whole = VariableStats(data.name, (str(data.dimension_names[1]),), stored["mean"],
                           stored["stdev"], stored["minimum"], stored["maximum"],
-                          int(count.sum()))
+                          int(count.sum()), coords=tuple(names))
     each = tuple(VariableStats(name, (), *(np.asarray(stored[k][i]) for k in
                                           ("mean", "stdev", "minimum", "maximum")),
                                count=int(count[i]))

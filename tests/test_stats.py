@@ -219,6 +219,41 @@ def test_channel_names_and_denormalize_give_back_the_stored_values(wb2, keep):
             raw.denormalize(torch.zeros(1))
 
 
+def test_stats_denormalize_by_channel_names_and_through_json(wb2, tmp_path):
+    src, m, g, _ = wb2
+    per_level = ib.compute_stats(src, m, "train", keep_dims=["level"], progress=False)
+    stats = Stats.from_json(_saved(per_level, tmp_path / "s.json"))  # coords survive JSON
+    channels = ["2m_temperature", ("temperature", 850), SST]
+    with ib.build_loader(src, m, "train", batch_size=4, stats=stats, channels=channels) as ld:
+        b = next(iter(ld))
+        names = ld.channel_names
+        assert names == ("2m_temperature", "temperature@850", SST)
+        mean, std = stats.mean_std(names)
+        k = list(g["level"][:]).index(850)
+        assert mean[1] == per_level["temperature"].mean[k]
+        assert std[0] == per_level["2m_temperature"].std
+        x = b["channels"].double()
+        back = stats.denormalize(x, names)
+        assert isinstance(back, torch.Tensor) and back.dtype == torch.float64
+        torch.testing.assert_close(back, ld.denormalize(x), equal_nan=True)
+        np.testing.assert_allclose(stats.denormalize(x.numpy(), names), back.numpy())
+        idx = b["sample_index"].numpy()
+        np.testing.assert_allclose(back[:, 1].numpy(), g["temperature"][idx, k], rtol=1e-6)
+    with pytest.raises(KeyError, match=r"temperature@123.*they hold \['50'"):
+        stats.mean_std(["temperature@123"])
+    with pytest.raises(KeyError, match="13 rows.*temperature@50"):
+        stats.mean_std(["temperature"])
+    with pytest.raises(KeyError, match="no statistics for 'nope'"):
+        stats.mean_std(["nope"])
+    with pytest.raises(ValueError, match=r"shape \(2, 3, 4, 5\).*2 channel names"):
+        stats.denormalize(torch.zeros(2, 3, 4, 5), ["a", "b"])
+
+
+def _saved(stats: Stats, path):
+    stats.to_json(path)
+    return path
+
+
 @pytest.mark.parametrize("workers", [0, 2], ids=["threads", "workers"])
 def test_masks_and_filled_values_go_to_the_gpu_path(wb2, workers):
     """The CUDA path (PinOrCudaNode staging through the pinned ring; CPU fakes for the CUDA
