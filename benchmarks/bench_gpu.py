@@ -44,7 +44,7 @@ from torchdata.nodes import BaseNode
 import insitubatch_nodes as ib
 from insitubatch_nodes.bench.common import print_machine, write_json
 from insitubatch_nodes.io.device_decode import gpu_decode_available
-from insitubatch_nodes.staging import StagingSeam
+from insitubatch_nodes.memory.staging import StagingSeam
 from insitubatch_nodes.synthetic import VARIABLES, DemoSpec, write_store
 
 H2D_TARGET = 0.8

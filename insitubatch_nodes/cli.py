@@ -364,7 +364,7 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     source = _open(parser, args.url, args.variables)
     steps = None
     if args.history is not None or args.lead is not None:
-        from .windows import SampleWindow
+        from .sampling.windows import SampleWindow
 
         try:
             steps = SampleWindow(history=args.history or 1, lead=tuple(args.lead or (1,)))
@@ -391,7 +391,7 @@ def _inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     import numpy as np
 
     from .dataset import SampleDataset, summarize_sample
-    from .split import split_by_chunk
+    from .store.splits import split_by_chunk
 
     try:
         ds = SampleDataset(source, split_by_chunk(source, (1.0,), names=("store",)), "store",

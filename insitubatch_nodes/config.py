@@ -21,9 +21,9 @@ import torch
 from .io.chunk_cache import ChunkCache
 from .io.device_decode import FrameDecoder
 from .io.retry import RetryPolicy
-from .schedule import UNEVEN_POLICIES
-from .stats import SCHEMES, Stats
-from .windows import SampleWindow
+from .sampling.schedule import UNEVEN_POLICIES
+from .sampling.windows import SampleWindow
+from .store.statistics import SCHEMES, Stats
 
 DEFAULT_RING_SIZE = 3
 

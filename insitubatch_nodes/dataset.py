@@ -26,16 +26,16 @@ import zarr.storage
 from torch.utils.data import Dataset
 from torchdata.nodes import BaseNode
 
-from .budget import parse_bytes
 from .config import FetchConfig, LoaderConfig, SamplingConfig
 from .graph import Resolved, resolve, transform_stages
 from .io.loop_thread import LoopThread
 from .io.reader import StripeReader
 from .io.retry import RetryPolicy
-from .items import BatchDraw, GatherPart
+from .memory.budget import parse_bytes
 from .nodes import GatherNode
-from .source import Source
-from .split import SplitManifest
+from .sampling.items import BatchDraw, GatherPart
+from .store.source import Source
+from .store.splits import SplitManifest
 
 __all__ = ["CacheInfo", "KeySummary", "SampleDataset", "summarize_sample"]
 

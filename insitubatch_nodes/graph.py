@@ -24,15 +24,15 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from .arena import BatchArena
-from .budget import check_budget
 from .config import LoaderConfig, SampleConfig, SamplingConfig
-from .first_batch import FirstBatch
-from .geometry import SampleGrid
+from .fetch.first_batch import FirstBatch
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .io.reader import groups_reads
-from .layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
-from .memory import BufferPool, MemoryLedger
+from .memory.arena import BatchArena
+from .memory.budget import check_budget
+from .memory.layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
+from .memory.ledger import BufferPool, MemoryLedger
+from .memory.staging import StagingSeam
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -50,14 +50,14 @@ from .nodes.patches import PatchNode
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .nodes.static import StaticFieldsNode, check_static
 from .nodes.views import ChannelsLastNode
-from .permute import resolve_rank
-from .quality import shuffle_quality
-from .schedule import ScheduleContext, n_units
-from .source import Source
-from .split import SplitManifest
-from .staging import StagingSeam
-from .stats import Stats
-from .windows import SampleWindow, chunks_reaching, chunks_touching, default_run_chunks
+from .sampling.geometry import SampleGrid
+from .sampling.permute import resolve_rank
+from .sampling.quality import shuffle_quality
+from .sampling.schedule import ScheduleContext, n_units
+from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching, default_run_chunks
+from .store.source import Source
+from .store.splits import SplitManifest
+from .store.statistics import Stats
 from .workers.engine import CREDIT
 from .workers.shared_memory import SharedMemoryArena
 

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .budget import largest_block_chunks, parse_bytes, resident_bound
 from .graph import decodes_in_place, default_prefetch_windows
 from .io.device_chain import HostOnly, device_chain_from
 from .io.reader import StripeReader
-from .quality import recommend_block_chunks, shuffle_quality
-from .source import Source
-from .windows import SampleWindow, default_run_chunks
+from .memory.budget import largest_block_chunks, parse_bytes, resident_bound
+from .sampling.quality import recommend_block_chunks, shuffle_quality
+from .sampling.windows import SampleWindow, default_run_chunks
+from .store.source import Source
 
 READ_PATHS = {
     "local": "local file read + decode straight into the window or batch, small stripes "

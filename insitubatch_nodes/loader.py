@@ -20,21 +20,12 @@ import torch
 from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
-from .budget import parse_bytes
 from .config import LoaderConfig
-from .counters import ConsumerMeter, LoaderStats
-from .distributed import (
-    ELASTIC_KEY,
-    FINGERPRINT_KEY,
-    FORMAT_KEY,
-    PROGRESS_KEY,
-    SNAPSHOT_KEY,
-    STATE_FORMAT,
-)
-from .fingerprint import StateFingerprint, check_fingerprint
 from .graph import Resolved, build_graph, default_prefetch_windows, resolve, resolve_decode
-from .memory import MemoryLedger
-from .metrics import collect_stats, current_epoch, first_node, maybe_log
+from .memory.budget import parse_bytes
+from .memory.ledger import MemoryLedger
+from .metrics.collect import collect_stats, current_epoch, first_node, maybe_log
+from .metrics.counters import ConsumerMeter, LoaderStats
 from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
@@ -48,9 +39,18 @@ from .nodes import (
 )
 from .nodes.chunk_permute import parse_history
 from .nodes.state import Resumable, copy_state, require_count, require_dict, shutdown_source
-from .schedule import Resumption
-from .source import Source
-from .split import SplitManifest
+from .sampling.schedule import Resumption
+from .state.fingerprint import StateFingerprint, check_fingerprint
+from .state.ranks import (
+    ELASTIC_KEY,
+    FINGERPRINT_KEY,
+    FORMAT_KEY,
+    PROGRESS_KEY,
+    SNAPSHOT_KEY,
+    STATE_FORMAT,
+)
+from .store.source import Source
+from .store.splits import SplitManifest
 
 __all__ = ["InSituLoader", "build_loader", "default_prefetch_windows", "parse_bytes",
            "resolve_decode"]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from stores import Var, write_store
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.fingerprint import StateFingerprint, check_fingerprint
+from insitubatch_nodes.state.fingerprint import StateFingerprint, check_fingerprint
 
 KW = dict(batch_size=8, block_chunks=2, seed=0)
 K = 3  # batches taken before the state is saved

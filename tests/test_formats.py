@@ -409,7 +409,7 @@ def test_statistics_that_do_not_fit_the_variables_are_refused_by_name(tmp_path):
     """A variable the statistics lack was silently served raw next to normalized ones;
     statistics kept over another level count, or over a dim the variable lacks (another
     store's), failed deep in torch. Each is refused at build time naming the variable."""
-    from insitubatch_nodes.stats import Stats, VariableStats
+    from insitubatch_nodes.store.statistics import Stats, VariableStats
 
     path = write_wb2_store(tmp_path / "wb2.zarr", WB2Spec.small(n_times=4), progress=False)
     src = ib.open_source(path, variables=["temperature", "2m_temperature"])

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from insitubatch_nodes.geometry import SampleGrid, common_chunk_size
+from insitubatch_nodes.sampling.geometry import SampleGrid, common_chunk_size
 
 
 @given(n=st.integers(1, 300), cs=st.integers(1, 40), data=st.data())

@@ -13,7 +13,7 @@ from numcodecs import Blosc
 from stores import BLOSC, Var, assert_rows_stored, state_after, write_store
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.arena import BatchArena
+from insitubatch_nodes.memory.arena import BatchArena
 
 KINDS = {
     "v3-blosc": [Var("x", (97, 6, 5), (1, 6, 5), compressors=BLOSC),
@@ -437,9 +437,9 @@ def test_a_read_of_an_earlier_generation_cannot_take_a_new_batch(weather):
     """After a new epoch or a restore (``clear``), a read prepared before asks for its
     batch's memory and is stopped (``StaleBatch``) instead of writing into the new batch of
     that number; the new generation's reads allocate and fill it."""
-    from insitubatch_nodes.arena import StaleBatch
-    from insitubatch_nodes.layout import build_layout
-    from insitubatch_nodes.memory import BufferPool, MemoryLedger
+    from insitubatch_nodes.memory.arena import StaleBatch
+    from insitubatch_nodes.memory.layout import build_layout
+    from insitubatch_nodes.memory.ledger import BufferPool, MemoryLedger
 
     src, _ = weather
     ledger = MemoryLedger()

@@ -8,10 +8,10 @@ import zarr
 from stores import BLOSC, Var
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.budget import resident_bound
 from insitubatch_nodes.inspection import format_report, inspect_source, recommend
 from insitubatch_nodes.loader import default_prefetch_windows
-from insitubatch_nodes.quality import recommend_block_chunks, shuffle_quality
+from insitubatch_nodes.memory.budget import resident_bound
+from insitubatch_nodes.sampling.quality import recommend_block_chunks, shuffle_quality
 
 VARS = [
     # chunked inside a sample: 2 stored chunks per stripe, blosc-zstd

@@ -11,10 +11,10 @@ from stores import BLOSC
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.graph import build_graph, resolve
-from insitubatch_nodes.layout import CHANNELS_KEY, Channel, Placement, build_layout
+from insitubatch_nodes.memory.layout import CHANNELS_KEY, Channel, Placement, build_layout
 from insitubatch_nodes.nodes import NormalizeNode, PinOrCudaNode
 from insitubatch_nodes.nodes.channels import StackChannelsNode, resolve_channels
-from insitubatch_nodes.stats import Stats
+from insitubatch_nodes.store.statistics import Stats
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def weather(tmp_path_factory):
 
 
 def test_whole_levels_and_picks_become_ranges():
-    from insitubatch_nodes.geometry import VariableGeometry
+    from insitubatch_nodes.sampling.geometry import VariableGeometry
 
     def geom(name, shape):
         return VariableGeometry(name=name, shape=shape, chunks=(1, *shape[1:]),

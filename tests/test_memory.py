@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import torch
 
-from insitubatch_nodes.memory import BufferPool, MemoryLedger
+from insitubatch_nodes.memory.ledger import BufferPool, MemoryLedger
 
 
 def test_a_buffer_comes_back_only_when_every_user_let_go():

@@ -10,7 +10,7 @@ import pytest
 from stores import BLOSC, Var
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.metrics import LoaderStats
+from insitubatch_nodes.metrics.collect import LoaderStats
 from insitubatch_nodes.nodes import ChunkPermuteNode, ReadPlanNode, SplitNode
 
 # Two variables chunked differently along the sample axis (grid chunk = lcm(6, 4) = 12) and
@@ -191,7 +191,7 @@ def test_fetch_counters_change_only_under_their_lock():
     here; what is checked is that every update waits for the counters' lock.)"""
     import threading
 
-    from insitubatch_nodes.counters import FetchStats
+    from insitubatch_nodes.metrics.counters import FetchStats
 
     stats = FetchStats()
     updates = [lambda: stats.slot_taken(0.5), stats.slot_released,
@@ -213,7 +213,7 @@ def test_the_fetch_writes_its_shared_counters_only_under_their_lock(store_factor
     """Every counter that pool threads and the consumer share is written with the lock held,
     on both local paths (a write from a caller that skips ``FetchStats``' methods fails the
     epoch: the assertion raises on the thread that wrote)."""
-    from insitubatch_nodes.counters import FetchStats
+    from insitubatch_nodes.metrics.counters import FetchStats
 
     shared = {"windows", "chunks", "stripes", "bytes_decoded", "in_flight", "peak_in_flight",
               "slot_wait_s"}

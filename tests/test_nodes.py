@@ -11,9 +11,8 @@ from stores import BLOSC, Var, write_store
 from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.first_batch import FirstBatch
+from insitubatch_nodes.fetch.first_batch import FirstBatch
 from insitubatch_nodes.graph import build_graph, resolve
-from insitubatch_nodes.items import BatchDraw, DecodedWindow, ScheduledWindow
 from insitubatch_nodes.nodes import (
     ChunkPermuteNode,
     PinOrCudaNode,
@@ -21,6 +20,7 @@ from insitubatch_nodes.nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
+from insitubatch_nodes.sampling.items import BatchDraw, DecodedWindow, ScheduledWindow
 
 STAGES = ["split", "permute", "plan", "fetch", "shuffle", "gather", "pin"]
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from insitubatch_nodes.permute import epoch_chunk_order, rank_share, resolve_rank
+from insitubatch_nodes.sampling.permute import epoch_chunk_order, rank_share, resolve_rank
 
 
 def test_order_is_a_pure_function_of_seed_and_epoch():

@@ -19,10 +19,10 @@ from stores import BLOSC, Var, write_store
 from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.memory.ring import HostRing
 from insitubatch_nodes.nodes import pin_or_cuda
 from insitubatch_nodes.nodes.pin_or_cuda import CudaStager, PinOrCudaNode, staging_view
 from insitubatch_nodes.nodes.transform import TransformNode
-from insitubatch_nodes.ring import HostRing
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

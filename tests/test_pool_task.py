@@ -29,8 +29,8 @@ def test_a_cancelled_window_lets_go_of_buffers_its_queued_tasks_hold():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from insitubatch_nodes.memory import BufferPool, MemoryLedger
-    from insitubatch_nodes.nodes.fetch_jobs import DirectWindow
+    from insitubatch_nodes.fetch.jobs import DirectWindow
+    from insitubatch_nodes.memory.ledger import BufferPool, MemoryLedger
 
     ledger = MemoryLedger()
     buffers = BufferPool(ledger)  # kept: its give-backs uncount the ledger

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from insitubatch_nodes.geometry import SampleGrid, VariableGeometry, common_chunk_size
-from insitubatch_nodes.plan import max_window_nbytes
-from insitubatch_nodes.schedule import (
+from insitubatch_nodes.sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
+from insitubatch_nodes.sampling.plan import max_window_nbytes
+from insitubatch_nodes.sampling.schedule import (
     Progress,
     Resumption,
     ScheduleContext,
@@ -182,7 +182,7 @@ def test_contiguous_windows_cover_valid_anchors_in_runs(n, cs, block, world, bef
 
 
 def test_window_reads_include_every_step():
-    from insitubatch_nodes.windows import SampleWindow
+    from insitubatch_nodes.sampling.windows import SampleWindow
 
     win = SampleWindow(history=2, lead=(1, 6))
     c = ctx(100, 8, 2, contiguous=True, valid=(1, 94))

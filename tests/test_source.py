@@ -70,7 +70,7 @@ def test_unsupported_scheme(tmp_path):
 
 
 def test_redact_url_drops_credentials():
-    from insitubatch_nodes.source import redact_url
+    from insitubatch_nodes.store.source import redact_url
 
     assert redact_url("https://user:SECRET@host:9000/b/x.zarr?X-Amz-Signature=SECRET") == \
         "https://host:9000/b/x.zarr"

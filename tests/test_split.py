@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from stores import Var
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.split import _apportion
+from insitubatch_nodes.store.splits import _apportion
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.stats import Stats
+from insitubatch_nodes.store.statistics import Stats
 from insitubatch_nodes.synthetic import (
     WB2_SST,
     WB2_VARIABLES,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from stores import BLOSC, Var, state_after, write_store
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.windows import SampleWindow
+from insitubatch_nodes.sampling.windows import SampleWindow
 
 
 @pytest.fixture(scope="module")
@@ -464,8 +464,8 @@ def test_windows_leave_out_exactly_the_chunks_whose_read_steps_touch(n, chunk, h
                                                                      stride, data):
     """A chunk is left out iff one of its anchors *reads* a missing step (or a step of
     another split): its offsets, not its whole span (a stride or sparse leads skip most)."""
-    from insitubatch_nodes.geometry import SampleGrid
-    from insitubatch_nodes.windows import chunks_reaching, chunks_touching
+    from insitubatch_nodes.sampling.geometry import SampleGrid
+    from insitubatch_nodes.sampling.windows import chunks_reaching, chunks_touching
 
     w = SampleWindow(history, tuple(leads), stride)
     if w.span > n:

@@ -31,7 +31,7 @@ import numpy as np
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.io.reader import StripeReader
-from insitubatch_nodes.metrics import LoaderStats
+from insitubatch_nodes.metrics.collect import LoaderStats
 
 from . import BELUGA_MODES, PEER_NAMES
 from .common import (

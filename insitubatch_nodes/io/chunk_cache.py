@@ -37,8 +37,8 @@ try:
 except ImportError:  # Windows: no flock; one process per cache directory there
     fcntl = None  # type: ignore[assignment]
 
-from ..budget import parse_bytes
-from ..storage import redact_urls
+from ..memory.budget import parse_bytes
+from ..store.storage import redact_urls
 
 __all__ = ["CacheScope", "ChunkCache"]
 

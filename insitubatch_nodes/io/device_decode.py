@@ -25,8 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..counters import ReadTimes
-from ..dtypes import bits, torch_dtype
+from ..memory.dtypes import bits, torch_dtype
+from ..metrics.counters import ReadTimes
 from .blosc_frame import HEADER, BloscFrame, UnsupportedFrame, parse_blosc
 from .device_chain import DeviceChain
 from .reader import Frames, StripeReader

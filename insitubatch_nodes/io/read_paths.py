@@ -29,7 +29,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import StorePath, WrapperStore
 
-from ..counters import ReadTimes
+from ..metrics.counters import ReadTimes
 from .chunk_cache import CacheScope, ChunkCache
 from .pool_task import OneShot
 from .retry import DECODE_ERRORS, ChunkDecodeError

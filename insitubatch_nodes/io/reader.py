@@ -22,21 +22,13 @@ from typing import Any, TypeVar
 import numpy as np
 import zarr
 
-from ..counters import ReadTimes
-from ..geometry import VariableGeometry
-from ..storage import redact_urls
+from ..metrics.counters import ReadTimes
+from ..sampling.geometry import VariableGeometry
+from ..store.storage import redact_urls
 from .chunk_cache import CacheScope, ChunkCache
 from .codec_chain import CodecChain, classify
 from .decode import ChunkDecoder, decoder_from
-from .read_paths import (
-    CachedGets,
-    FrameCheck,
-    Frames,
-    LocalFiles,
-    ReadPath,
-    cached,
-    read_path_for,
-)
+from .read_paths import CachedGets, FrameCheck, Frames, LocalFiles, ReadPath, cached, read_path_for
 from .retry import (
     NO_RETRY,
     ChunkDecodeError,

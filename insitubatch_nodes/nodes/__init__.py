@@ -4,8 +4,8 @@ Item types live in ``items`` and counters in ``counters``; they are re-exported 
 code that imported them from the nodes.
 """
 
-from ..counters import FetchStats, GatherStats, ShuffleStats
-from ..items import BatchDraw, DecodedWindow, GatherPart, ScheduledWindow
+from ..metrics.counters import FetchStats, GatherStats, ShuffleStats
+from ..sampling.items import BatchDraw, DecodedWindow, GatherPart, ScheduledWindow
 from .async_fetch import AsyncFetchNode
 from .chunk_permute import ChunkPermuteNode
 from .gather import GatherNode

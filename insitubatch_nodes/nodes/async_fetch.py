@@ -18,25 +18,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..arena import BatchArena
-from ..counters import FetchStats
-from ..first_batch import FirstBatch
-from ..io.chunk_cache import ChunkCache
-from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
-from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
-from ..io.loop_thread import LoopThread
-from ..io.pool_task import OneShot
-from ..io.reader import StripeReader
-from ..io.retry import RetryPolicy
-from ..items import DecodedWindow
-from ..memory import BufferPool, MemoryLedger
-from ..plan import ReadPlan
-from ..source import Source
-from ..workers.child import WorkerSetup
-from ..workers.engine import WindowRun, WorkerEngine
-from ..workers.jobs import prepare_window
-from ..workers.shared_memory import SharedMemoryArena
-from .fetch_jobs import (
+from ..fetch.first_batch import FirstBatch
+from ..fetch.jobs import (
     DirectWindow,
     InPlaceJob,
     Item,
@@ -46,6 +29,23 @@ from .fetch_jobs import (
     read_item,
     read_local_items,
 )
+from ..io.chunk_cache import ChunkCache
+from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
+from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
+from ..io.loop_thread import LoopThread
+from ..io.pool_task import OneShot
+from ..io.reader import StripeReader
+from ..io.retry import RetryPolicy
+from ..memory.arena import BatchArena
+from ..memory.ledger import BufferPool, MemoryLedger
+from ..metrics.counters import FetchStats
+from ..sampling.items import DecodedWindow
+from ..sampling.plan import ReadPlan
+from ..store.source import Source
+from ..workers.child import WorkerSetup
+from ..workers.engine import WindowRun, WorkerEngine
+from ..workers.jobs import prepare_window
+from ..workers.shared_memory import SharedMemoryArena
 from .state import copy_state, require, shutdown_source
 
 log = logging.getLogger("insitubatch_nodes")

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..layout import Channel
-from ..source import Source
+from ..memory.layout import Channel
+from ..store.source import Source
 from .transform import TransformNode
 
 

@@ -8,9 +8,15 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from ..geometry import SampleGrid
-from ..items import ScheduledWindow
-from ..schedule import RankSchedule, Resumption, ScheduleContext, rank_schedule, rank_schedules
+from ..sampling.geometry import SampleGrid
+from ..sampling.items import ScheduledWindow
+from ..sampling.schedule import (
+    RankSchedule,
+    Resumption,
+    ScheduleContext,
+    rank_schedule,
+    rank_schedules,
+)
 from .split_node import SplitNode
 from .state import require_count, shutdown_source
 

@@ -10,14 +10,14 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..counters import GatherStats
-from ..dtypes import bits, torch_dtype
-from ..geometry import VariableGeometry
-from ..items import BatchDraw, GatherPart
-from ..layout import BatchLayout, build_layout, row_view, sample_part
-from ..memory import BufferPool
-from ..staging import StagingSeam
-from ..windows import SampleWindow
+from ..memory.dtypes import bits, torch_dtype
+from ..memory.layout import BatchLayout, build_layout, row_view, sample_part
+from ..memory.ledger import BufferPool
+from ..memory.staging import StagingSeam
+from ..metrics.counters import GatherStats
+from ..sampling.geometry import VariableGeometry
+from ..sampling.items import BatchDraw, GatherPart
+from ..sampling.windows import SampleWindow
 from .state import require, shutdown_source
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..geometry import VariableGeometry
-from ..layout import BatchLayout, Placement
-from ..stats import DEFAULT_SCHEME, SCHEMES, Stats, VariableStats
+from ..memory.layout import BatchLayout, Placement
+from ..sampling.geometry import VariableGeometry
+from ..store.statistics import DEFAULT_SCHEME, SCHEMES, Stats, VariableStats
 from .transform import TransformNode
 
 

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..ring import HostRing, Lease
-from ..staging import StagingSeam
+from ..memory.ring import HostRing, Lease
+from ..memory.staging import StagingSeam
 from .state import require, shutdown_source
 
 log = logging.getLogger("insitubatch_nodes")

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from ..geometry import VariableGeometry
-from ..items import ScheduledWindow
-from ..plan import BatchSlots, ReadPlan
-from ..schedule import batch_slots, plan_window
+from ..sampling.geometry import VariableGeometry
+from ..sampling.items import ScheduledWindow
+from ..sampling.plan import BatchSlots, ReadPlan
+from ..sampling.schedule import batch_slots, plan_window
 from .state import require, shutdown_source
 
 

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from ..arena import BatchArena
-from ..counters import ShuffleStats
-from ..first_batch import FirstBatch
-from ..geometry import VariableGeometry
-from ..items import BatchDraw, DecodedWindow, GatherPart
+from ..fetch.first_batch import FirstBatch
+from ..memory.arena import BatchArena
+from ..metrics.counters import ShuffleStats
+from ..sampling.geometry import VariableGeometry
+from ..sampling.items import BatchDraw, DecodedWindow, GatherPart
 from .state import copy_state, require, require_count, shutdown_source
 
 

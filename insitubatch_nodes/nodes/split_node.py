@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from ..split import SplitManifest
+from ..store.splits import SplitManifest
 from .state import require_count
 
 

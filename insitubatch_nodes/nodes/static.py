@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..source import Source, discover
-from ..storage import explain, open_url
+from ..store.source import Source, discover
+from ..store.storage import explain, open_url
 from .transform import TransformNode
 
 

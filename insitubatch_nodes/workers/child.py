@@ -26,18 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..geometry import VariableGeometry
 from ..io.chunk_cache import ChunkCache
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
-from ..layout import Placement, row_view
+from ..memory.layout import Placement, row_view
+from ..sampling.geometry import VariableGeometry
 from .jobs import Read, Target
 from .shared_memory import Place, Segment, array_at, map_segment
 
 if TYPE_CHECKING:  # the worker itself imports neither (the source layer pulls in xarray)
-    from ..arena import BatchArena
-    from ..source import Source
+    from ..memory.arena import BatchArena
+    from ..store.source import Source
 
 # where one variable's step lands in a batch: (key, time-step column, placement)
 Where = tuple[str, "int | None", Placement]

@@ -26,8 +26,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, send_handle
 from pathlib import Path
 
-from ..arena import BatchArena, StaleBatch
-from ..counters import FetchStats
+from ..memory.arena import BatchArena, StaleBatch
+from ..metrics.counters import FetchStats
 from .child import WorkerSetup
 from .jobs import ReadJob, WorkerWindow
 from .shared_memory import Place, SharedMemoryArena

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arena import BatchArena
-from ..plan import ReadPlan, kept_slots
+from ..memory.arena import BatchArena
+from ..sampling.plan import ReadPlan, kept_slots
 
 # (row of the stripe, batch, row of the batch, time step): one slot a stripe fills
 Target = tuple[int, int, int, int]

@@ -25,8 +25,8 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from ..nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, ShuffleBufferNode
 from .counters import ConsumerMeter, LoaderStats, ReadTimes
-from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, ShuffleBufferNode
 
 
 def first_node(nodes: Sequence[BaseNode], kind: type) -> Any:

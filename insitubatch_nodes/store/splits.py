@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .geometry import SampleGrid
+from ..sampling.geometry import SampleGrid
+from ..sampling.windows import SampleWindow
 from .source import Source
-from .windows import SampleWindow
 
 MANIFEST_VERSION = 1
 _DEFAULT_NAMES = ("train", "val", "test")

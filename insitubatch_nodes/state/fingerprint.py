@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .schedule import UNEVEN_POLICIES
+from ..sampling.schedule import UNEVEN_POLICIES
 
 # Fields whose change leaves the rest of the epoch exactly-once: the counters count windows
 # and draws, never batches, so another batch size (or drop_last) only cuts the remaining

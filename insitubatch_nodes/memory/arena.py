@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
+from ..sampling.windows import SampleWindow
 from .layout import BatchLayout, Placement
-from .memory import BufferPool
-from .windows import SampleWindow
+from .ledger import BufferPool
 
 
 class StaleBatch(RuntimeError):

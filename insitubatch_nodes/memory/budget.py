@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .geometry import SampleGrid, VariableGeometry
-from .plan import max_window_nbytes
-from .windows import SampleWindow
+from ..sampling.geometry import SampleGrid, VariableGeometry
+from ..sampling.plan import max_window_nbytes
+from ..sampling.windows import SampleWindow
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ..arena import BatchArena
 from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
-from ..items import DecodedWindow
-from ..layout import Placement, row_view
-from ..plan import ReadPlan, kept_slots
+from ..memory.arena import BatchArena
+from ..memory.layout import Placement, row_view
+from ..sampling.items import DecodedWindow
+from ..sampling.plan import ReadPlan, kept_slots
 
 
 class DirectWindow:

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from ..sampling.schedule import Progress, Resumption
 from .fingerprint import RANK_FIELDS, StateFingerprint
-from .schedule import Progress, Resumption
 
 ELASTIC_KEY = "elastic"
 SNAPSHOT_KEY = "snapshot_id"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .geometry import VariableGeometry
+from ..sampling.geometry import VariableGeometry
 
 CHANNELS_KEY = "channels"
 

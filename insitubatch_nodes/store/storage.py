@@ -137,7 +137,7 @@ def explain(opened: OpenedStore, exc: BaseException) -> BaseException:
     """Turn a failure to open the group into an error that says what to fix."""
     import obstore.exceptions as oe
 
-    from .io.retry import http_status
+    from ..io.retry import http_status
 
     where = opened.display + (f" (endpoint {opened.endpoint})" if opened.endpoint else "")
     not_found = (FileNotFoundError, zarr.errors.GroupNotFoundError, oe.NotFoundError)

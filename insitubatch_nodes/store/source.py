@@ -15,8 +15,8 @@ import numpy as np
 import zarr
 import zarr.storage
 
+from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
-from .geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 _NUMERIC_KINDS = "biufc"

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from ..sampling.windows import chunks_touching
 from .anemoi import stored_statistics
 from .source import Source
-from .split import SplitManifest
-from .windows import chunks_touching
+from .splits import SplitManifest
 
 if TYPE_CHECKING:
     import torch

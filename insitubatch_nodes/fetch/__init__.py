@@ -1,0 +1,1 @@
+"""fetch: see DESIGN.md "Modules"."""

@@ -1,0 +1,1 @@
+"""memory: see DESIGN.md "Modules"."""

@@ -1,0 +1,1 @@
+"""metrics: see DESIGN.md "Modules"."""

@@ -1,0 +1,1 @@
+"""sampling: see DESIGN.md "Modules"."""
