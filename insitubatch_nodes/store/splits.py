@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -366,6 +367,95 @@ def _as_bound(value: object, coord: np.ndarray, end: bool) -> int:
     return int(np.searchsorted(coord, v, side="right" if end else "left"))
 
 
+def _check_increasing(source: Source, coord: np.ndarray) -> None:
+    """A numeric or datetime sample coordinate must increase: periods of one out of order
+    select no range of steps."""
+    if np.issubdtype(coord.dtype, np.number) or np.issubdtype(coord.dtype, np.datetime64):
+        bad = np.flatnonzero(~(coord[1:] > coord[:-1]))  # not diff: unsigned ints wrap
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"split_by_coordinate needs {source.sample_dim!r} increasing, but it goes "
+                f"from {coord[i]} (step {i}) to {coord[i + 1]} (step {i + 1}); periods of a "
+                "coordinate out of order select no range of steps: use split_by_chunk")
+
+
+def _step_label(coord: np.ndarray, n: int, i: int) -> str:
+    """Step ``i``'s coordinate as text (clamped to the ``n`` steps), for error messages."""
+    return str(coord[min(max(i, 0), n - 1)])
+
+
+def _period_bounds(source: Source, coord: np.ndarray,
+                   periods: Mapping[str, tuple[object, object]],
+                   label: Callable[[int], str]) -> dict[str, tuple[int, int]]:
+    """Each split's period as the steps [i0, i1) it selects; a malformed or empty period is
+    an error naming the split and the coordinate's range."""
+    bounds = {}
+    for name, rng in periods.items():
+        if not isinstance(rng, (tuple, list)) or len(rng) != 2:
+            raise ValueError(f"period of split {name!r} must be (start, end), got {rng!r}")
+        try:
+            i0, i1 = _as_bound(rng[0], coord, False), _as_bound(rng[1], coord, True)
+        except (ValueError, TypeError) as e:
+            kind = "a date" if np.issubdtype(coord.dtype, np.datetime64) else "a number"
+            raise ValueError(f"split {name!r}: period {rng!r} has an end that is not {kind} "
+                             f"of {source.sample_dim!r} (or None, open): {e}") from None
+        if i1 <= i0:
+            last = label(source.n_samples - 1)
+            raise ValueError(f"split {name!r}: period {rng!r} selects no steps of "
+                             f"{source.sample_dim!r} (which runs {label(0)} .. {last})")
+        bounds[name] = (i0, i1)
+    return bounds
+
+
+def _check_disjoint(bounds: dict[str, tuple[int, int]], order: list[str], gap: int, need: int,
+                    window: SampleWindow | None, label: Callable[[int], str]) -> None:
+    """Consecutive periods (in step order) neither overlap nor, with an explicit ``gap``
+    below what ``window`` spans, leave targets of one split among inputs of the next."""
+    for a, b in zip(order, order[1:], strict=False):
+        (_, a1), (b0, b1) = bounds[a], bounds[b]
+        if b0 < a1:
+            raise ValueError(f"splits {a!r} and {b!r} overlap from {label(b0)} to "
+                             f"{label(min(a1, b1) - 1)}; make their periods disjoint")
+        if gap < need and b0 - a1 < need:
+            assert window is not None  # need > 0 only with a window
+            raise ValueError(
+                f"split {a!r} would leak into {b!r}: targets of {a!r} up to "
+                f"{label(a1 - 1 + window.after)} are inputs of {b!r} from "
+                f"{label(b0 - window.before)} (gap={gap} steps, but the window needs {need}); "
+                "leave gap=None or raise it")
+
+
+def _snapped_chunks(grid: SampleGrid, bounds: dict[str, tuple[int, int]], order: list[str],
+                    gap: int, need: int, label: Callable[[int], str]) -> dict[str, list[int]]:
+    """Each split's periods snapped to whole chunks [c0, c1), whole chunks given up at the
+    start of a later split to keep ``gap`` steps unused; an error where snapping closed the
+    window's ``need`` or left a split no chunk."""
+    cs, n = grid.chunk_size, grid.n_samples
+
+    def snap(i: int) -> int:
+        return min(grid.n_chunks, int(np.floor(i / cs + 0.5)))
+
+    chunks = {k: [snap(i0), snap(i1) if i1 < n else grid.n_chunks]
+              for k, (i0, i1) in bounds.items()}
+    for a, b in zip(order, order[1:], strict=False):
+        free = (chunks[b][0] - chunks[a][1]) * cs
+        if free < gap:
+            chunks[b][0] += -(-(gap - free) // cs)
+            free = (chunks[b][0] - chunks[a][1]) * cs
+        if free < need:  # an explicit gap, and snapping closed what the periods left
+            a1, b0 = chunks[a][1] * cs, chunks[b][0] * cs
+            raise ValueError(
+                f"split {a!r} would leak into {b!r}: snapped to chunks of {cs} steps, "
+                f"{a!r} ends at {label(a1 - 1)} and {b!r} starts at {label(b0)}, {free} steps "
+                f"apart, but the window needs {need} (gap={gap}); leave gap=None or raise it")
+    empty = [k for k in order if chunks[k][1] <= chunks[k][0]]
+    if empty:
+        raise ValueError(f"splits {empty} have no whole chunk left after snapping to chunks of "
+                         f"{cs} steps and keeping a gap of {gap}; widen their periods")
+    return chunks
+
+
 def split_by_coordinate(
     source: Source,
     periods: Mapping[str, tuple[object, object]],
@@ -387,84 +477,23 @@ def split_by_coordinate(
         raise ValueError(
             f"{source.url} has no coordinate for its sample dimension "
             f"({source.sample_dim!r}); open it with sample_dim='time' (a 'time' array must "
-            "exist), pass an xarray Dataset, or use split_by_chunk"
-        )
+            "exist), pass an xarray Dataset, or use split_by_chunk")
     if not periods:
         raise ValueError("give at least one period, e.g. {'train': ('1979', '2015')}")
+    _check_increasing(source, coord)
     need = 0 if window is None else window.span - 1
     if gap is None:
         gap = need
-    cs, n = source.grid.chunk_size, source.n_samples
-
-    def label(i: int) -> str:
-        return str(coord[min(max(i, 0), n - 1)])
-
-    if np.issubdtype(coord.dtype, np.number) or np.issubdtype(coord.dtype, np.datetime64):
-        bad = np.flatnonzero(~(coord[1:] > coord[:-1]))  # not diff: unsigned ints wrap
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"split_by_coordinate needs {source.sample_dim!r} increasing, but it goes "
-                f"from {coord[i]} (step {i}) to {coord[i + 1]} (step {i + 1}); periods of a "
-                "coordinate out of order select no range of steps: use split_by_chunk")
-    bounds = {}
-    for name, rng in periods.items():
-        if not isinstance(rng, (tuple, list)) or len(rng) != 2:
-            raise ValueError(f"period of split {name!r} must be (start, end), got {rng!r}")
-        try:
-            i0, i1 = _as_bound(rng[0], coord, False), _as_bound(rng[1], coord, True)
-        except (ValueError, TypeError) as e:
-            kind = "a date" if np.issubdtype(coord.dtype, np.datetime64) else "a number"
-            raise ValueError(f"split {name!r}: period {rng!r} has an end that is not {kind} "
-                             f"of {source.sample_dim!r} (or None, open): {e}") from None
-        if i1 <= i0:
-            raise ValueError(f"split {name!r}: period {rng!r} selects no steps of "
-                             f"{source.sample_dim!r} (which runs {label(0)} .. {label(n - 1)})")
-        bounds[name] = (i0, i1)
+    label = partial(_step_label, coord, source.n_samples)
+    bounds = _period_bounds(source, coord, periods, label)
     order = sorted(bounds, key=lambda k: bounds[k])
-    for a, b in zip(order, order[1:], strict=False):
-        (_, a1), (b0, b1) = bounds[a], bounds[b]
-        if b0 < a1:
-            raise ValueError(f"splits {a!r} and {b!r} overlap from {label(b0)} to "
-                             f"{label(min(a1, b1) - 1)}; make their periods disjoint")
-        if gap < need and b0 - a1 < need:
-            raise ValueError(
-                f"split {a!r} would leak into {b!r}: targets of {a!r} up to "
-                f"{label(a1 - 1 + window.after)} are inputs of {b!r} from "
-                f"{label(b0 - window.before)} (gap={gap} steps, but the window needs {need}); "
-                "leave gap=None or raise it"
-            )
-
-    def snap(i: int) -> int:
-        return min(source.grid.n_chunks, int(np.floor(i / cs + 0.5)))
-
-    chunks = {k: [snap(i0), snap(i1) if i1 < n else source.grid.n_chunks]
-              for k, (i0, i1) in bounds.items()}
-    for a, b in zip(order, order[1:], strict=False):
-        free = (chunks[b][0] - chunks[a][1]) * cs
-        if free < gap:
-            chunks[b][0] += -(-(gap - free) // cs)
-            free = (chunks[b][0] - chunks[a][1]) * cs
-        if free < need:  # an explicit gap, and snapping closed what the periods left
-            a1, b0 = chunks[a][1] * cs, chunks[b][0] * cs
-            raise ValueError(
-                f"split {a!r} would leak into {b!r}: snapped to chunks of {cs} steps, "
-                f"{a!r} ends at {label(a1 - 1)} and {b!r} starts at {label(b0)}, {free} steps "
-                f"apart, but the window needs {need} (gap={gap}); leave gap=None or raise it"
-            )
-    empty = [k for k in order if chunks[k][1] <= chunks[k][0]]
-    if empty:
-        raise ValueError(f"splits {empty} have no whole chunk left after snapping to chunks of "
-                         f"{cs} steps and keeping a gap of {gap}; widen their periods")
+    _check_disjoint(bounds, order, gap, need, window, label)
+    chunks = _snapped_chunks(source.grid, bounds, order, gap, need, label)
     return SplitManifest(
-        n_samples=n,
-        chunk_size=cs,
+        n_samples=source.n_samples, chunk_size=source.grid.chunk_size,
         splits=tuple((k, ((chunks[k][0], chunks[k][1]),)) for k in periods),
-        variables=source.names,
-        mode="coordinate",
-        source_url=source.url,
-        snapshot_id=source.snapshot_id,
-        gap=int(gap),
+        variables=source.names, mode="coordinate", source_url=source.url,
+        snapshot_id=source.snapshot_id, gap=int(gap),
         periods=tuple((k, None if r[0] is None else str(r[0]), None if r[1] is None else str(r[1]))
                       for k, r in periods.items()),
     )
