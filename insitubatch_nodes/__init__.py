@@ -31,7 +31,7 @@ _EXPORTS = {
     "InSituLoader": ".loader",
     "build_loader": ".loader",
     "MemoryLedger": ".memory.ledger",
-    "LoaderStats": ".metrics.collect",
+    "LoaderStats": ".metrics.loader_stats",
     "AsyncFetchNode": ".nodes",
     "ChunkPermuteNode": ".nodes",
     "GatherNode": ".nodes",

@@ -10,7 +10,7 @@ import pytest
 from stores import BLOSC, Var
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.metrics.collect import LoaderStats
+from insitubatch_nodes.metrics.loader_stats import LoaderStats
 from insitubatch_nodes.nodes import ChunkPermuteNode, ReadPlanNode, SplitNode
 
 # Two variables chunked differently along the sample axis (grid chunk = lcm(6, 4) = 12) and
@@ -68,6 +68,15 @@ def test_bytes_stripes_chunks_add_up(source, batch_size, block_chunks):
     # Every stripe is read once and fully used: only the short last stripes differ.
     assert 1.0 <= s.amplification < 1.25
     assert 1 <= s.peak_stripes_in_flight <= 3
+    # grouped by concern, every counter also by its flat name, as_dict flat
+    flat = s.as_dict()
+    assert flat["bytes_fetched"] == s.fetched.bytes_fetched == s.bytes_fetched
+    assert s.progress.epoch_batches == s.epoch_batches and s.consumer.gather_s == s.gather_s
+    assert LoaderStats.of(**flat) == s and set(flat) <= set(dir(s))
+    with pytest.raises(AttributeError, match="no counter 'bytes'.*bytes_delivered"):
+        _ = s.bytes
+    with pytest.raises(TypeError, match=r"unknown counters \['nope'\]"):
+        LoaderStats.of(**flat, nope=1)
     assert (s.stripes_in_flight, s.windows_in_flight, s.resident_windows) == (0, 0, 0)
     assert s.retries == 0
 

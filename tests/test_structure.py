@@ -107,8 +107,8 @@ def test_no_import_cycle():
 # layer and the layers below, never one above. An entry names a sub-package or one module
 # of it ("state.checkpoint"); a module's layer is that of its most specific entry.
 LAYERS = [
-    {"errors", "sampling", "memory", "metrics.counters", "state.fingerprint", "state.ranks",
-     "fetch.first_batch"},
+    {"errors", "sampling", "memory", "metrics.counters", "metrics.loader_stats",
+     "state.fingerprint", "state.ranks", "fetch.first_batch"},
     {"io", "workers", "store"},
     {"config", "defaults"},
     {"fetch"},

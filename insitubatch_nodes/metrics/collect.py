@@ -26,7 +26,8 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from ..nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, ShuffleBufferNode
-from .counters import ConsumerMeter, LoaderStats, ReadTimes
+from .counters import ConsumerMeter, ReadTimes
+from .loader_stats import LoaderStats
 
 
 def first_node(nodes: Sequence[BaseNode], kind: type) -> Any:
@@ -80,7 +81,7 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
     g_next = gather.stats.next_s if gather else 0.0
     g_up = gather.stats.upstream_s if gather else 0.0
     rt = fs.read if fs else ReadTimes()
-    return LoaderStats(
+    return LoaderStats.of(
         epoch=current_epoch(nodes),
         epoch_batches=g_batches - meter.gather_mark[0],
         epoch_samples=g_samples - meter.gather_mark[1],

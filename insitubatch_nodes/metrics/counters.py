@@ -1,7 +1,8 @@
 """Counters and stats types: the leaf every layer may import.
 
 The readers (``io/``), the nodes and the loader bump these plain counters where the work
-happens; ``metrics.collect_stats`` reads them into one frozen ``LoaderStats``. Nothing here
+happens; ``metrics.collect.collect_stats`` reads them into one frozen ``LoaderStats``
+(``metrics/loader_stats.py``). Nothing here
 imports the rest of the package, so no layer has to reach upward for a counter.
 """
 
@@ -9,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 log = logging.getLogger("insitubatch_nodes")
 
@@ -182,93 +182,4 @@ class GatherStats:
     upstream_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class LoaderStats:
-    """A snapshot of the loader's counters (``loader.stats()``).
-
-    ``epoch_*`` and ``starvation`` cover the current epoch (or the last one, once it ended);
-    every other counter is cumulative since the loader was built. Byte counts are decoded
-    bytes: ``bytes_fetched`` of the stripes read, ``bytes_delivered`` of the variables'
-    tensors in the batches handed out (inputs and targets; ``sample_index`` and coordinates
-    excluded).
-    """
-
-    epoch: int
-    epoch_batches: int
-    epoch_samples: int
-    epoch_wall_s: float  # since iter() started the epoch; frozen when the epoch ends
-    epoch_wait_s: float  # time inside next() of the loader iterator this epoch
-    starvation: float  # epoch_wait_s / epoch_wall_s: share of wall time the loop waited
-    batches: int
-    samples: int
-    bytes_fetched: int
-    bytes_delivered: int
-    windows_fetched: int
-    chunks_fetched: int
-    stripes_fetched: int
-    retries: int
-    stripes_in_flight: int  # stripe reads holding one of the max_inflight slots now
-    peak_stripes_in_flight: int
-    windows_in_flight: int  # windows submitted to the fetch loop, not yet handed over
-    windows_ready: int  # of those, fully decoded and waiting for the shuffle buffer
-    resident_windows: int  # windows the shuffle buffer is drawing from (2 across an edge)
-    resident_stripes: int  # stripes those windows still hold
-    resident_bytes: int  # live decode buffers (window, prefetch, reads being filled)
-    resident_peak_bytes: int
-    resident_bound_bytes: int | None  # the build-time bound, when built by build_loader
-    window_occupancy: float | None  # resident_bytes / resident_bound_bytes
-    wait_fetch_s: float  # consumer blocked on a window still being fetched
-    schedule_s: float  # consumer planning windows and submitting them to the fetch loop
-    shuffle_s: float  # cutting draws into batches, evicting drained stripes
-    gather_s: float  # copying rows into batch tensors
-    deliver_s: float  # the rest: device copy (PinOrCudaNode) and loader bookkeeping
-    store_s: float  # stripe-seconds getting stored bytes
-    decode_s: float  # stripe-seconds decoding
-    pool_wait_s: float  # stripe-seconds queued for a decode thread
-    slot_wait_s: float  # stripe-seconds waiting for an in-flight slot (max_inflight)
-    # with a ChunkCache (fetch.cache): stored chunks and compressed bytes from it / the store
-    cache_hits: int = 0
-    cache_misses: int = 0
-    cache_bytes: int = 0
-    cache_store_bytes: int = 0
-
-    @property
-    def cache_hit_ratio(self) -> float | None:
-        """Stored chunks served by the local chunk cache, of those looked up there."""
-        n = self.cache_hits + self.cache_misses
-        return self.cache_hits / n if n else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def amplification(self) -> float | None:
-        """``bytes_fetched / bytes_delivered``: about 1.0 when every decoded byte is used."""
-        return self.bytes_fetched / self.bytes_delivered if self.bytes_delivered else None
-
-    def summary(self) -> str:
-        """One line for logs."""
-        occ = "-" if self.window_occupancy is None else f"{100 * self.window_occupancy:.0f}%"
-        return (
-            f"epoch {self.epoch}: {self.epoch_batches} batches, {self.epoch_samples} samples in "
-            f"{self.epoch_wall_s:.2f} s, starvation {100 * self.starvation:.1f}% | fetched "
-            f"{_size(self.bytes_fetched)} ({self.stripes_fetched} stripes, "
-            f"{self.retries} retries), delivered {_size(self.bytes_delivered)} | in flight "
-            f"{self.stripes_in_flight} stripes, {self.windows_ready}/{self.windows_in_flight} "
-            f"windows ready, resident {_size(self.resident_bytes)} ({occ} of bound) | "
-            f"consumer s: fetch {self.wait_fetch_s:.2f} schedule {self.schedule_s:.2f} shuffle "
-            f"{self.shuffle_s:.2f} gather {self.gather_s:.2f} deliver {self.deliver_s:.2f} | "
-            f"fetcher stripe-s: store {self.store_s:.2f} decode {self.decode_s:.2f} pool-queue "
-            f"{self.pool_wait_s:.2f} slot-queue {self.slot_wait_s:.2f}"
-            + ("" if self.cache_hit_ratio is None else
-               f" | chunk cache {100 * self.cache_hit_ratio:.1f}% hits, "
-               f"{_size(self.cache_bytes)} from cache, {_size(self.cache_store_bytes)} "
-               "from the store")
-        )
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+from .loader_stats import LoaderStats  # noqa: E402, F401  (loader.py's import; to move)
