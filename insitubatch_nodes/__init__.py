@@ -13,6 +13,11 @@ from typing import Any
 _EXPORTS = {
     "parse_bytes": ".memory.budget",
     "CheckpointConfig": ".config",
+    "ConfigError": ".errors",
+    "InsitubatchError": ".errors",
+    "StateError": ".errors",
+    "StoreError": ".errors",
+    "WorkerError": ".workers.engine",
     "DeviceConfig": ".config",
     "FetchConfig": ".config",
     "LoaderConfig": ".config",
@@ -93,5 +98,6 @@ __all__ = [
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
     "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache", "ChunkReadError",
     "CorruptChunkError", "StateFingerprint", "FirstBatch", "StackChannelsNode",
-    "resolve_channels",
+    "resolve_channels", "InsitubatchError", "ConfigError", "StoreError", "StateError",
+    "WorkerError",
 ]

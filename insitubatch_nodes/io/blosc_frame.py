@@ -23,6 +23,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ..errors import InsitubatchError
+
 HEADER = 16
 _CODECS = {1: "lz4", 4: "zstd"}  # blosc codec code -> nvCOMP-decodable stream format
 _NAMES = {0: "blosclz", 1: "lz4", 2: "snappy", 3: "zlib", 4: "zstd"}
@@ -53,7 +55,7 @@ class BloscFrame:
     streams: tuple[BloscStream, ...]  # empty when stored uncompressed (bytes at HEADER)
 
 
-class UnsupportedFrame(ValueError):
+class UnsupportedFrame(InsitubatchError, ValueError):
     """A sound blosc frame whose streams the device cannot decode (blosclz, snappy, zlib):
     the host decodes it instead."""
 

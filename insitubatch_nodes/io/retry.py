@@ -18,13 +18,15 @@ from dataclasses import dataclass
 
 import obstore.exceptions as oe
 
+from ..errors import InsitubatchError
+
 # What codecs raise for stored bytes that do not decode: numcodecs' RuntimeError/ValueError,
 # gzip's EOFError, zlib.error, LZMAError, our frame checks' ValueError. (Not OSError: on a
 # read path it may be the store's own error.)
 DECODE_ERRORS = (ValueError, RuntimeError, EOFError, zlib.error, lzma.LZMAError)
 
 
-class ChunkDecodeError(ValueError):
+class ChunkDecodeError(InsitubatchError, ValueError):
     """Stored bytes that did not decode, raised where received frames are decoded or
     checked. Its own type so that retries tell a damaged transfer (worth another try) from
     a ``ValueError`` of our code (not); ``key`` is the chunk's store key where known."""
@@ -35,7 +37,7 @@ class ChunkDecodeError(ValueError):
         self.inner: tuple[int, ...] | None = None  # inner-chunk coords, set by the reader
 
 
-class ChunkReadError(OSError):
+class ChunkReadError(InsitubatchError, OSError):
     """A chunk read failed for good. The message names the store (no credentials), the
     variable, the chunk key (``key``: ``None`` where a stripe of several chunks failed as a
     whole) and the attempts; the last failure is ``__cause__``. An ``OSError`` because a

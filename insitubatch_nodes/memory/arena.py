@@ -13,12 +13,13 @@ import time
 
 import numpy as np
 
+from ..errors import InsitubatchError
 from ..sampling.windows import SampleWindow
 from .layout import BatchLayout, Placement
 from .ledger import BufferPool
 
 
-class StaleBatch(RuntimeError):
+class StaleBatch(InsitubatchError, RuntimeError):
     """A read of an earlier generation (before a new epoch or a restore) asked for a
     batch's memory: it stops there instead of writing into the new batch of that number."""
 

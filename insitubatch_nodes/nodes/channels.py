@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError
 from ..memory.layout import Channel
 from ..store.source import Source
 from .transform import TransformNode
@@ -32,7 +33,7 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
             shapes.add(var.sample_shape[1:][-2:])
             continue
         if level is not None and name in labelled:
-            raise ValueError(f"channel {item!r}: {name!r} is a label of "
+            raise ConfigError(f"channel {item!r}: {name!r} is a label of "
                              f"{labelled[name][0].name!r} (one channel already), so it takes "
                              f"no level; give it alone: {name!r}")
         if name not in source.names and labelled:
@@ -44,7 +45,7 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
             # (as a whole channel its (1, y, x) rows did not fit the (y, x) slot).
             if len(var.sample_shape) > 2:
                 if len(var.sample_shape) != 3:
-                    raise ValueError(f"stacking the levels of {name!r} needs samples shaped "
+                    raise ConfigError(f"stacking the levels of {name!r} needs samples shaped "
                                      f"(level, y, x); its dims are {var.dimension_names}")
                 dim = var.dimension_names[1] if var.dimension_names else "level"
                 try:
@@ -55,7 +56,7 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                 shapes.add(var.sample_shape[1:])
                 continue
             if len(var.sample_shape) != 2:  # channels stack on the axis before (y, x)
-                raise ValueError(f"stacking {name!r} into channels needs samples shaped "
+                raise ConfigError(f"stacking {name!r} into channels needs samples shaped "
                                  f"(y, x) or (level, y, x); its samples are "
                                  f"{var.sample_shape} (dims {var.dimension_names}); serve "
                                  "it on its own (leave it out of channels=)")
@@ -63,9 +64,9 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
             shapes.add(var.sample_shape[-2:])
             continue
         if not var.dimension_names or len(var.shape) < 3:
-            raise ValueError(f"variable {name!r} has no level dimension to pick {level!r} from")
+            raise ConfigError(f"variable {name!r} has no level dimension to pick {level!r} from")
         if len(var.sample_shape) != 3:  # _stack selects the level 3 axes from the end
-            raise ValueError(f"picking level {level!r} of {name!r} needs samples shaped "
+            raise ConfigError(f"picking level {level!r} of {name!r} needs samples shaped "
                              f"(level, y, x); its dims are {var.dimension_names}")
         dim = var.dimension_names[1]
         values = source.coordinate(dim)
@@ -76,7 +77,7 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
         out.append(Channel(name, int(hits[0]), f"{name}@{level}"))
         shapes.add(var.sample_shape[1:][-2:])
     if len(shapes) > 1:
-        raise ValueError(f"channels must share their spatial shape, got {sorted(shapes)}")
+        raise ConfigError(f"channels must share their spatial shape, got {sorted(shapes)}")
     return out
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError, StateError
 from ..sampling.geometry import SampleGrid
 from ..sampling.items import ScheduledWindow
 from ..sampling.schedule import (
@@ -41,7 +42,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
                  run_chunks: int | None = None) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
+            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, "
                              f"world_size={world_size}")
         self.source = source
         self.grid = grid
@@ -112,7 +113,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
         if offset is not None:
             size = schedule.windows[pos].n_final if pos < n else 0
             if offset > size:
-                raise ValueError(
+                raise StateError(
                     f"ShuffleBufferNode state field 'offset' is {offset}, past the {size} draws "
                     f"of window {pos} of epoch {epoch} on rank {self.rank} of "
                     f"{self.world_size}: the state was edited or saved by a loader built "
@@ -131,7 +132,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
                 wins = schedules[r].windows
                 size = wins[p.window].n_final if p.window < len(wins) else 0
                 if p.window > len(wins) or p.offset > size:
-                    raise ValueError(
+                    raise StateError(
                         f"{type(self).__name__} state field {self.HISTORY_KEY!r}[{g}] says "
                         f"rank {r} of {res.world_size} finished {p.window} windows and took "
                         f"{p.offset} draws of the next, but it had {len(wins)} windows "
@@ -183,7 +184,7 @@ def parse_history(raw: object, field: str) -> tuple[Resumption, ...]:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
     if not isinstance(raw, list):
-        raise ValueError(f"{field} must be a list of resumptions, got {raw!r}")
+        raise StateError(f"{field} must be a list of resumptions, got {raw!r}")
     out = []
     for i, h in enumerate(raw):
         ok = (isinstance(h, list) and len(h) == 2 and count(h[0]) and h[0] >= 1
@@ -191,7 +192,7 @@ def parse_history(raw: object, field: str) -> tuple[Resumption, ...]:
               and all(isinstance(p, list) and len(p) == 2 and count(p[0]) and count(p[1])
                       for p in h[1]))
         if not ok:
-            raise ValueError(f"{field}[{i}] must be [world_size, [[window, offset], ...] "
+            raise ConfigError(f"{field}[{i}] must be [world_size, [[window, offset], ...] "
                              f"with one pair of integers >= 0 per old rank], got {h!r}")
         out.append(Resumption.from_json(h))
     return tuple(out)

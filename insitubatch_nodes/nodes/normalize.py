@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError
 from ..memory.layout import BatchLayout, Placement
 from ..sampling.geometry import VariableGeometry
 from ..store.statistics import DEFAULT_SCHEME, SCHEMES, Stats, VariableStats
@@ -26,7 +27,7 @@ def check_schemes(schemes: Mapping[str, str] | None,
         else {lb for v in variables for lb in v.labels or ()})
     for name, scheme in schemes.items():
         if scheme not in SCHEMES:
-            raise ValueError(f"normalization scheme {scheme!r} for {name!r} is not one of "
+            raise ConfigError(f"normalization scheme {scheme!r} for {name!r} is not one of "
                              f"{list(SCHEMES)}")
         if name != DEFAULT_SCHEME and name not in known:
             raise KeyError(f"normalization scheme given for {name!r}, which is not served; "
@@ -110,7 +111,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                 # Served raw next to normalized channels (a mean of 290 among zeros) is a
                 # silent training bug: refused, with both ways out.
                 have = [v.name for v in stats.variables]
-                raise ValueError(
+                raise ConfigError(
                     f"the statistics (split {stats.split!r}) have no entry for {var.name!r}, "
                     f"which would be served raw while the others are normalized; they have "
                     f"{have}. Compute them over every served variable (ib.compute_stats("
@@ -120,7 +121,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             shape = [1] * (len(var.shape) - 1)
             for d in st.kept_dims:  # a kept dim keeps its length (several may be kept)
                 if d not in dims[1:]:
-                    raise ValueError(f"statistics of {var.name!r} are kept over {d!r}, which "
+                    raise ConfigError(f"statistics of {var.name!r} are kept over {d!r}, which "
                                      f"is not a dim of its samples {list(dims[1:])} (statistics "
                                      "of another store?); compute them on this one")
                 i = list(dims).index(d)
@@ -128,7 +129,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             want = tuple(shape[list(dims).index(d) - 1] for d in st.kept_dims)
             got = tuple(np.shape(st.mean))
             if got != want:
-                raise ValueError(f"statistics of {var.name!r} kept over {list(st.kept_dims)} "
+                raise ConfigError(f"statistics of {var.name!r} kept over {list(st.kept_dims)} "
                                  f"have shape {got}, but the variable's {list(st.kept_dims)} "
                                  f"has {want} (statistics of another store?); compute them "
                                  "on this one")
@@ -274,7 +275,7 @@ def _check_label_schemes(schemes: Mapping[str, str], var: VariableGeometry,
     named = sorted(set(schemes) & set(var.labels or ()))
     if named:
         axis = (var.dimension_names or ("", "variable"))[1]
-        raise ValueError(f"normalization schemes for {named} of {var.name!r} need its "
+        raise ConfigError(f"normalization schemes for {named} of {var.name!r} need its "
                          f"statistics per label (kept over {axis!r}), but they are kept over "
                          f"{list(kept)}: compute them with keep_dims=({axis!r},) or use "
                          "dataset_stats")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError
 from .transform import TransformNode
 
 
@@ -22,10 +23,10 @@ def patch_origins(shape: Sequence[int], size: Sequence[int],
     remainders that do not fit a whole patch are left out, as xbatcher does)."""
     stride = tuple(size) if stride is None else tuple(stride)
     if len(size) != len(stride) or any(s < 1 for s in (*size, *stride)):
-        raise ValueError(f"patch size {tuple(size)} and stride {stride} must be positive and "
+        raise ConfigError(f"patch size {tuple(size)} and stride {stride} must be positive and "
                          "of equal length")
     if any(z > d for z, d in zip(size, shape, strict=True)):
-        raise ValueError(f"patch size {tuple(size)} does not fit in the spatial shape "
+        raise ConfigError(f"patch size {tuple(size)} does not fit in the spatial shape "
                          f"{tuple(shape)}")
     axes = [np.arange(0, d - z + 1, st) for d, z, st in zip(shape, size, stride, strict=True)]
     mesh = np.meshgrid(*axes, indexing="ij")

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError
 from ..memory.ring import HostRing, Lease
 from ..memory.staging import StagingSeam
 from .state import require, shutdown_source
@@ -274,7 +275,7 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
                  staging: StagingSeam | None = None) -> None:
         super().__init__()
         if not isinstance(ring_size, int) or ring_size < 1:
-            raise ValueError(f"ring_size must be an integer >= 1, got {ring_size!r}")
+            raise ConfigError(f"ring_size must be an integer >= 1, got {ring_size!r}")
         self.source = source
         # ``ops``: a CudaOps-like object (tests pass a CPU fake; its ``device`` is used)
         self.device = ops.device if ops is not None else resolve_device(device)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError, StateError
 from ..fetch.first_batch import FirstBatch
 from ..memory.arena import BatchArena
 from ..metrics.counters import ShuffleStats
@@ -78,7 +79,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                  arena: BatchArena | None = None, first: FirstBatch | None = None) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.source = source
         self.variables = tuple(variables)
         self.batch_size = int(batch_size)
@@ -129,7 +130,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         except StopIteration:
             self._exhausted = True
             if self._skip:
-                raise ValueError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
+                raise StateError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
                                  f"{self._skip}, but the restored epoch has no window left "
                                  "to skip draws of: the state was edited") from None
             return None
@@ -137,7 +138,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             self.stats.upstream_s += time.perf_counter() - t0
         self.stats.windows += 1
         if self._skip > win.plan.n_samples:
-            raise ValueError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
+            raise StateError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
                              f"{self._skip}, past the {win.plan.n_samples} draws of the "
                              "restored window: the state was edited or saved by a loader "
                              "built differently")

@@ -6,6 +6,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import StateError
+
 _ATOMS = (int, float, str, bool, type(None))
 
 
@@ -34,12 +36,12 @@ def require(state: Mapping[str, Any], key: str, node: object) -> Any:
     field and the fields the state has, instead of a bare ``KeyError`` from deep inside a
     restore."""
     if not isinstance(state, Mapping):
-        raise ValueError(f"{owner_name(node)} state must be a dict (reading its field "
+        raise StateError(f"{owner_name(node)} state must be a dict (reading its field "
                          f"{key!r}), got {state!r}")
     try:
         return state[key]
     except KeyError:
-        raise ValueError(
+        raise StateError(
             f"{owner_name(node)} state has no field {key!r} (it has {sorted(state)}): "
             "load a state saved by a loader built the same way"
         ) from None
@@ -52,10 +54,10 @@ def require_count(state: Mapping[str, Any], key: str, node: object,
     says what ``upper`` is, e.g. "the epoch's windows")."""
     value = require(state, key, node)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner_name(node)} state field {key!r} must be an integer "
+        raise StateError(f"{owner_name(node)} state field {key!r} must be an integer "
                          f">= 0, got {value!r}: load a state saved by state_dict()")
     if upper is not None and value > upper:
-        raise ValueError(f"{owner_name(node)} state field {key!r} is {value}, past "
+        raise StateError(f"{owner_name(node)} state field {key!r} is {value}, past "
                          f"{what or 'its range'} ({upper}): the state was edited or saved "
                          "by a loader built differently")
     return value
@@ -66,7 +68,7 @@ def require_dict(state: Mapping[str, Any], key: str, node: object) -> dict[str, 
     ``ValueError`` naming the node and the field."""
     value = require(state, key, node)
     if not isinstance(value, dict):
-        raise ValueError(f"{owner_name(node)} state field {key!r} must be a dict (the "
+        raise StateError(f"{owner_name(node)} state field {key!r} must be a dict (the "
                          f"upstream node's state), got {value!r}")
     return value
 

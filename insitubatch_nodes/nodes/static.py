@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError
 from ..store.source import Source, discover
 from ..store.storage import explain, open_url
 from .transform import TransformNode
@@ -29,7 +30,7 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
     if isinstance(url, Source):
         group, display, found = url.group, url.url, url.static
         if group is None:
-            raise ValueError(f"the source {url.url!r} was not opened from a Zarr group; "
+            raise ConfigError(f"the source {url.url!r} was not opened from a Zarr group; "
                              "pass the store's URL to open_static")
     else:
         opened = open_url(url, storage_options)
@@ -43,7 +44,7 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
         if found is None:  # only when asked: it opens every array of the group
             found = discover(dict(group.arrays())).static
         if not found:
-            raise ValueError(f"no static fields (numeric arrays without the sample dimension) "
+            raise ConfigError(f"no static fields (numeric arrays without the sample dimension) "
                              f"in {display}; arrays there: {have}. Name them: "
                              "open_static(url, [...])")
         variables = list(found)
@@ -69,13 +70,13 @@ def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...
         fits = [v for v, s in samples.items()
                 if len(shape) <= len(s) and s[len(s) - len(shape):] == shape]
         if not fits:
-            raise ValueError(
+            raise ConfigError(
                 f"static field {name!r} has shape {shape}, which is not the grid of the data: "
                 f"a static field's shape must be the last dims of a sample, and the samples "
                 f"are {dict(samples)}. Transpose it to the data's axis order, or open the "
                 "field of this grid (open_static of the data's own store)")
         if patch_dims and len(shape) < patch_dims:
-            raise ValueError(f"static field {name!r} has shape {shape}: patches cut the last "
+            raise ConfigError(f"static field {name!r} has shape {shape}: patches cut the last "
                              f"{patch_dims} dims of every field, and it has {len(shape)}")
 
 

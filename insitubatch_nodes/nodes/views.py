@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torchdata.nodes import BaseNode
 
+from ..errors import ConfigError
 from .transform import TransformNode
 
 
@@ -34,7 +35,7 @@ class ChannelsLastNode(TransformNode[dict[str, torch.Tensor]]):
     def _view(self, key: str, t: torch.Tensor) -> torch.Tensor:
         for axis in self.drop:  # ascending negatives: the farthest axis first
             if t.shape[axis] != 1:
-                raise ValueError(f"batch key {key!r} has {t.shape[axis]} along axis {axis} "
+                raise ConfigError(f"batch key {key!r} has {t.shape[axis]} along axis {axis} "
                                  f"(shape {tuple(t.shape)}); only an axis of size 1 can be "
                                  "dropped (drop_ensemble needs a single ensemble member)")
         dropped = t.squeeze(self.drop) if self.drop else t

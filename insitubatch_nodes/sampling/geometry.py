@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
+
 # Beyond this many times the largest variable chunk, an LCM grid would make windows
 # needlessly coarse; we then fall back to the largest chunk and accept that a few chunks of
 # the other variables straddle two stripes (they are read once per stripe that needs them).
@@ -98,7 +100,7 @@ class SampleGrid:
     def with_every(self, every: int, phase: int) -> SampleGrid:
         """This grid with only indices ``≡ phase`` (mod ``every``) as samples."""
         if every < 1 or not 0 <= phase < every:
-            raise ValueError(f"every must be >= 1 and phase in [0, every), got every={every}, "
+            raise ConfigError(f"every must be >= 1 and phase in [0, every), got every={every}, "
                              f"phase={phase}")
         return SampleGrid(self.n_samples, self.chunk_size, self.first, self.last, every, phase)
 
@@ -158,7 +160,7 @@ class SampleGrid:
 def common_chunk_size(sample_chunks: list[int]) -> int:
     """Split/window chunk length for variables chunked ``sample_chunks`` along the sample axis."""
     if not sample_chunks:
-        raise ValueError("no variables: cannot define a chunk grid")
+        raise ConfigError("no variables: cannot define a chunk grid")
     lcm = math.lcm(*sample_chunks)
     if lcm <= _MAX_LCM_FACTOR * max(sample_chunks):
         return lcm

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConfigError
+
 # Distinct stream tags so that the chunk permutation and the in-window draws never share
 # random numbers even for equal (seed, epoch).
 CHUNK_STREAM = 0xC4
@@ -19,7 +21,7 @@ def epoch_chunk_order(chunk_ids: np.ndarray, seed: int, epoch: int) -> np.ndarra
 def rank_share(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """Deal the epoch's order to ranks round-robin; shares are disjoint and cover it."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return order[rank::world_size]
 
 
@@ -27,7 +29,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Fill in rank/world_size from an initialised torch.distributed group, else 0/1."""
     if rank is not None and world_size is not None:
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
+            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, "
                              f"world_size={world_size}")
         return int(rank), int(world_size)
     import torch.distributed as dist
@@ -37,7 +39,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         w = dist.get_world_size() if world_size is None else world_size
         return resolve_rank(r, w)
     if (rank or 0) != 0 or (world_size or 1) != 1:
-        raise ValueError(
+        raise ConfigError(
             f"rank={rank}, world_size={world_size} given without the other and no "
             "torch.distributed process group is initialised; give both"
         )

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from ..errors import ConfigError
+
 
 def _expected_distinct(n_chunks: int, chunk_size: int, batch_size: int) -> float:
     """E[distinct chunks] for a batch drawn without replacement from n_chunks full chunks."""
@@ -29,7 +31,7 @@ def _expected_distinct(n_chunks: int, chunk_size: int, batch_size: int) -> float
 def shuffle_quality(n_chunks: int, chunk_size: int, block_chunks: int, batch_size: int) -> float:
     """Modelled score in (0, 1] for a split of ``n_chunks`` chunks of ``chunk_size`` samples."""
     if min(n_chunks, chunk_size, block_chunks, batch_size) < 1:
-        raise ValueError("n_chunks, chunk_size, block_chunks and batch_size must all be >= 1")
+        raise ConfigError("n_chunks, chunk_size, block_chunks and batch_size must all be >= 1")
     window = min(block_chunks, n_chunks)
     ideal = _expected_distinct(n_chunks, chunk_size, batch_size)
     if batch_size >= window * chunk_size:
@@ -47,7 +49,7 @@ def measured_shuffle_quality(batches_sample_index: list[np.ndarray], chunk_size:
     (``loader.run_chunks * chunk_size``) and the number of runs as the unit."""
     sizes = [len(b) for b in batches_sample_index]
     if not sizes:
-        raise ValueError("no batches to measure")
+        raise ConfigError("no batches to measure")
     full = max(sizes)
     distinct = [np.unique(np.asarray(b) // chunk_size).size
                 for b in batches_sample_index if len(b) == full]

@@ -22,6 +22,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ..errors import ConfigError, StateError
 from .geometry import SampleGrid, VariableGeometry
 from .permute import DRAW_STREAM, epoch_chunk_order, rank_share
 from .plan import ReadPlan
@@ -70,11 +71,11 @@ class ScheduleContext:
 
     def __post_init__(self) -> None:
         if self.uneven not in UNEVEN_POLICIES:
-            raise ValueError(f"uneven must be one of {UNEVEN_POLICIES}, got {self.uneven!r}")
+            raise ConfigError(f"uneven must be one of {UNEVEN_POLICIES}, got {self.uneven!r}")
         if self.block_chunks < 1:
-            raise ValueError(f"block_chunks must be >= 1, got {self.block_chunks}")
+            raise ConfigError(f"block_chunks must be >= 1, got {self.block_chunks}")
         if self.run_chunks is not None and not 1 <= self.run_chunks <= self.block_chunks:
-            raise ValueError(f"run_chunks must be between 1 and block_chunks="
+            raise ConfigError(f"run_chunks must be between 1 and block_chunks="
                              f"{self.block_chunks}, got {self.run_chunks}")
 
     @property
@@ -272,13 +273,13 @@ def _remainder(ctx: ScheduleContext, prev: list[list[WindowSpec]],
     drawn (and of explicit-draw) windows, in old-rank order, and the untouched windows'
     chunks (contiguous mode: blocks)."""
     if len(last.progress) != last.world_size:
-        raise ValueError(f"resume record has {len(last.progress)} rank progresses for world "
+        raise StateError(f"resume record has {len(last.progress)} rank progresses for world "
                          f"size {last.world_size}")
     tails: list[WindowSpec] = []
     untouched: list[np.ndarray] = []
     for r, (wins, p) in enumerate(zip(prev, last.progress, strict=True)):
         if not 0 <= p.window <= len(wins) or p.offset < 0:
-            raise ValueError(
+            raise StateError(
                 f"resume record says rank {r} of {last.world_size} finished {p.window} windows "
                 f"and took {p.offset} draws of the next, but it had {len(wins)} windows in that "
                 f"epoch (valid: 0 <= window <= {len(wins)}, offset >= 0)")
@@ -415,7 +416,7 @@ def _adjusted(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
     elif target > own:
         nonempty = [i for i, w in enumerate(wins) if w.n_base]
         if not wins:
-            raise ValueError(
+            raise ConfigError(
                 f"rank {rank} of {world_size} has no windows to pad in epoch {epoch} "
                 f"(samples per rank: {list(counts)}); use fewer ranks (at most one per chunk)"
             )

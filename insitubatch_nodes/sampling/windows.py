@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
 from .geometry import SampleGrid
 
 
@@ -30,18 +31,18 @@ class SampleWindow:
         for name in ("history", "stride"):
             value = getattr(self, name)
             if not whole(value) or value < 1:
-                raise ValueError(f"SampleWindow {name} must be an integer >= 1 (steps), got "
+                raise ConfigError(f"SampleWindow {name} must be an integer >= 1 (steps), got "
                                  f"{value!r}")
             object.__setattr__(self, name, int(value))
         lead = self.lead
         if whole(lead):
             lead = (lead,)
         if isinstance(lead, (str, bytes)) or not isinstance(lead, Sequence | np.ndarray):
-            raise ValueError(f"SampleWindow lead must be a step count or a sequence of them "
+            raise ConfigError(f"SampleWindow lead must be a step count or a sequence of them "
                              f"(e.g. (1, 6)), got {lead!r}")
         lead = tuple(lead)
         if (not all(whole(x) and x >= 1 for x in lead)) or len(set(lead)) != len(lead):
-            raise ValueError(f"SampleWindow leads must be distinct integers >= 1, got {lead!r}")
+            raise ConfigError(f"SampleWindow leads must be distinct integers >= 1, got {lead!r}")
         object.__setattr__(self, "lead", tuple(int(x) for x in lead))
 
     @property

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import StateError
 from ..sampling.schedule import UNEVEN_POLICIES
 
 # Fields whose change leaves the rest of the epoch exactly-once: the counters count windows
@@ -120,14 +121,14 @@ class StateFingerprint:
         """Parse a state's fingerprint; a field missing, extra or of the wrong type is a
         ValueError naming it (a merged state has no rank fields)."""
         if not isinstance(obj, Mapping):
-            raise ValueError(f"loader state field 'fingerprint' must be a dict, got {obj!r}")
+            raise StateError(f"loader state field 'fingerprint' must be a dict, got {obj!r}")
         want = {f.name: f for f in dataclasses.fields(cls)
                 if not (merged and f.name in RANK_FIELDS)}
         missing = sorted(set(want) - set(obj) - set(OPTIONAL_FIELDS))
         extra = sorted(set(obj) - set(want))
         if missing or extra:
             kind = "a merged" if merged else "a rank's"
-            raise ValueError(
+            raise StateError(
                 f"loader state field 'fingerprint' of {kind} state has "
                 f"{'no fields ' + str(missing) if missing else ''}"
                 f"{' and ' if missing and extra else ''}"
@@ -143,12 +144,12 @@ class StateFingerprint:
                   isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind is int
                   else isinstance(v, str))
             if not ok:
-                raise ValueError(f"loader state field 'fingerprint.{name}' must be "
+                raise StateError(f"loader state field 'fingerprint.{name}' must be "
                                  f"{'an integer >= 0' if kind is int else kind.__name__}, "
                                  f"got {v!r}")
             values[name] = v
         if values["uneven"] not in UNEVEN_POLICIES:
-            raise ValueError(f"loader state field 'fingerprint.uneven' must be one of "
+            raise StateError(f"loader state field 'fingerprint.uneven' must be one of "
                              f"{UNEVEN_POLICIES}, got {values['uneven']!r}")
         return cls(**values)
 
@@ -195,5 +196,5 @@ def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
     if not diffs:
         return
     lines = [f"{name}: saved {a!r}, this loader {b!r} ({how[name]})" for name, a, b in diffs]
-    raise ValueError("this loader state was saved by a loader built differently, so its "
+    raise StateError("this loader state was saved by a loader built differently, so its "
                      "counters would point at other samples; " + "; ".join(lines))

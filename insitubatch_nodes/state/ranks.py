@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import StateError
 from ..sampling.schedule import Progress, Resumption
 from .fingerprint import RANK_FIELDS, StateFingerprint
 
@@ -34,7 +35,7 @@ def rank_progress(state: dict[str, Any]) -> tuple[int, tuple[Resumption, ...], P
     progress = state.get(PROGRESS_KEY) if isinstance(state, dict) else None
     if not isinstance(progress, dict):
         keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
+        raise StateError(
             f"not an insitubatch loader state with progress (it has {keys}): pass each "
             "rank's loader.state_dict() from this version (load an older state into a "
             "loader and take state_dict() again to convert it)"
@@ -44,7 +45,7 @@ def rank_progress(state: dict[str, Any]) -> tuple[int, tuple[Resumption, ...], P
         return (int(progress["epoch"]), history,
                 Progress(int(progress["window"]), int(progress["offset"])))
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"the progress of this loader state is malformed ({e!r}): "
+        raise StateError(f"the progress of this loader state is malformed ({e!r}): "
                          f"{progress!r}") from None
 
 
@@ -55,18 +56,18 @@ def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     its world size: the rest of the epoch is re-dealt, then epochs run normally.
     """
     if not states:
-        raise ValueError("merge_rank_states needs the state of every rank, got none")
+        raise StateError("merge_rank_states needs the state of every rank, got none")
     parsed = [rank_progress(s) for s in states]
     epochs = {p[0] for p in parsed}
     histories = {repr([r.to_json() for r in p[1]]) for p in parsed}
     if len(epochs) != 1 or len(histories) != 1:
-        raise ValueError(
+        raise StateError(
             f"rank states come from different epochs or resumes (epochs {sorted(epochs)}); "
             "take every rank's state_dict() at the same step"
         )
     snapshots = {s.get(SNAPSHOT_KEY) for s in states}
     if len(snapshots) != 1:
-        raise ValueError(f"rank states were read from different icechunk snapshots: {snapshots}")
+        raise StateError(f"rank states were read from different icechunk snapshots: {snapshots}")
     epoch, history, _ = parsed[0]
     resumption = Resumption(len(states), tuple(p[2] for p in parsed))
     merged: dict[str, Any] = {FORMAT_KEY: STATE_FORMAT, ELASTIC_KEY: {"epoch": epoch, "history": [
@@ -88,13 +89,13 @@ def merged_fingerprint(states: Sequence[dict[str, Any]]) -> StateFingerprint | N
         return None
     if any(r is None for r in raw):
         lacking = [i for i, r in enumerate(raw) if r is None]
-        raise ValueError(f"rank states {lacking} have no fingerprint but the others do: pass "
+        raise StateError(f"rank states {lacking} have no fingerprint but the others do: pass "
                          "every rank's state_dict() from the same run")
     fps = [StateFingerprint.from_json(r, merged=False) for r in raw]
     ranks = [(f.rank, f.world_size) for f in fps]
     want = [(r, len(states)) for r in range(len(states))]
     if ranks != want:
-        raise ValueError(
+        raise StateError(
             f"merge_rank_states needs the state of every rank, in rank order: got (rank, "
             f"world_size) {ranks} for {len(states)} states, expected {want}")
     first = fps[0].merged()
@@ -104,6 +105,6 @@ def merged_fingerprint(states: Sequence[dict[str, Any]]) -> StateFingerprint | N
         if diffs:
             name, a = diffs[0]
             b = getattr(fp, name)
-            raise ValueError(f"rank states disagree on {name}: rank 0 has {a!r}, rank {r} has "
+            raise StateError(f"rank states disagree on {name}: rank 0 has {a!r}, rank {r} has "
                              f"{b!r}; every rank's loader must be built the same way")
     return first

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
+from ..errors import StoreError
+
 DATA = "data"
 DATES = "dates"
 # The dimension names anemoi-datasets >= 0.4.1 writes; ``anemoi-datasets copy`` drops
@@ -52,17 +54,17 @@ def read_layout(group: zarr.Group, display: str) -> AnemoiLayout:
     names = tuple(str(v) for v in group.attrs["variables"])
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"the anemoi dataset {display!r} names variables {dup} twice in its "
+        raise StoreError(f"the anemoi dataset {display!r} names variables {dup} twice in its "
                          "'variables' attribute")
     data = group[DATA]
     dims = data.attrs.get("_ARRAY_DIMENSIONS") or group.attrs.get("dimensions")
     dims = tuple(dims) if dims and len(dims) == 4 else DIMENSIONS
     dates = np.asarray(group[DATES][:])
     if not np.issubdtype(dates.dtype, np.datetime64):
-        raise ValueError(f"the 'dates' array of the anemoi dataset {display!r} has dtype "
+        raise StoreError(f"the 'dates' array of the anemoi dataset {display!r} has dtype "
                          f"{dates.dtype}; anemoi writes datetime64")
     if dates.shape != (data.shape[0],):
-        raise ValueError(f"the anemoi dataset {display!r} has {data.shape[0]} dates in "
+        raise StoreError(f"the anemoi dataset {display!r} has {data.shape[0]} dates in "
                          f"'data' but 'dates' has shape {dates.shape}")
     missing = []
     listed = group.attrs.get("missing_dates") or []
@@ -70,7 +72,7 @@ def read_layout(group: zarr.Group, display: str) -> AnemoiLayout:
         when = np.datetime64(str(d)).astype(dates.dtype)
         hit = np.flatnonzero(dates == when)
         if hit.size != 1:
-            raise ValueError(f"missing date {d!r} of the anemoi dataset {display!r} is not "
+            raise StoreError(f"missing date {d!r} of the anemoi dataset {display!r} is not "
                              f"one of its dates ({dates[0]} .. {dates[-1]})")
         missing.append(int(hit[0]))
     return AnemoiLayout(names, dims, dates, tuple(sorted(missing)))
@@ -85,9 +87,9 @@ def select(layout: AnemoiLayout, variables: Sequence[str] | str, display: str,
         raise KeyError(f"unknown variable(s) {unknown} in the anemoi dataset {display!r}; "
                        f"its variables: {list(layout.variables)}")
     if len(set(chosen)) != len(chosen):
-        raise ValueError(f"variables lists a name twice: {list(chosen)}")
+        raise StoreError(f"variables lists a name twice: {list(chosen)}")
     if not chosen:
-        raise ValueError(f"variables=[] selects nothing from {display!r}")
+        raise StoreError(f"variables=[] selects nothing from {display!r}")
     return chosen
 
 
@@ -104,7 +106,7 @@ def stored_statistics(group: zarr.Group, variables: Sequence[str], display: str,
     for k in STATISTICS:
         values = np.asarray(group[k][:], dtype=np.float64)
         if values.shape != (len(variables),):
-            raise ValueError(f"statistics array {k!r} of {display!r} has shape "
+            raise StoreError(f"statistics array {k!r} of {display!r} has shape "
                              f"{values.shape}, not one value per variable "
                              f"({len(variables)})")
         out[k] = values

@@ -15,6 +15,7 @@ import numpy as np
 import zarr
 import zarr.storage
 
+from ..errors import StoreError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
@@ -237,7 +238,7 @@ def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | Non
     by dimension names; the loader reads the store itself, so the Dataset must be unsliced."""
     where = ds.encoding.get("source")
     if not where:
-        raise ValueError(
+        raise StoreError(
             "this xarray.Dataset does not say which Zarr store it came from "
             "(ds.encoding['source'] is empty); open it with xr.open_zarr(url) or pass the URL "
             "to open_source(url, sample_dim=...) directly"
@@ -246,16 +247,16 @@ def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | Non
         first = next(iter(ds.data_vars.values()), None)
         sample_dim = "time" if "time" in ds.dims else (first.dims[0] if first is not None else None)
     if sample_dim not in ds.dims:
-        raise ValueError(f"sample_dim {sample_dim!r} is not a dimension of the dataset; "
+        raise StoreError(f"sample_dim {sample_dim!r} is not a dimension of the dataset; "
                          f"dimensions: {list(ds.dims)}")
     if variables is None:
         variables = [n for n, v in ds.data_vars.items() if v.dims[:1] == (sample_dim,)]
     bad = [n for n in variables if n in ds.data_vars and ds[n].dims[:1] != (sample_dim,)]
     if bad:
-        raise ValueError(f"variables {bad} do not have {sample_dim!r} as their first dimension")
+        raise StoreError(f"variables {bad} do not have {sample_dim!r} as their first dimension")
     src = _open_group(open_url(where, storage_options), variables, sample_dim)
     if ds.sizes[sample_dim] != src.n_samples:
-        raise ValueError(
+        raise StoreError(
             f"the dataset has {ds.sizes[sample_dim]} steps along {sample_dim!r} but its store "
             f"{src.url} has {src.n_samples}: the loader reads whole stores, so pass the "
             "unsliced dataset and choose periods with split_by_coordinate"
@@ -276,23 +277,23 @@ def _check_as_stored(ds: Any, src: Source) -> None:
         var = ds[geom.name]
         dims = tuple(var.dims)
         if geom.dimension_names is not None and dims != tuple(geom.dimension_names):
-            raise ValueError(f"variable {geom.name!r} of the Dataset has dimensions {dims} but "
+            raise StoreError(f"variable {geom.name!r} of the Dataset has dimensions {dims} but "
                              f"the store {src.url} has {tuple(geom.dimension_names)} (it was "
                              f"transposed); {how}")
         if tuple(var.shape) != geom.shape:
             cut = [d for d, a, b in zip(dims, var.shape, geom.shape, strict=False) if a != b]
-            raise ValueError(f"variable {geom.name!r} of the Dataset has shape "
+            raise StoreError(f"variable {geom.name!r} of the Dataset has shape "
                              f"{tuple(var.shape)} but {geom.shape} in the store {src.url}: it "
                              f"was sliced along {cut}; {how}")
         if not var.encoding or "dtype" not in var.encoding:
-            raise ValueError(f"variable {geom.name!r} of the Dataset is not backed by the store "
+            raise StoreError(f"variable {geom.name!r} of the Dataset is not backed by the store "
                              f"{src.url} (its values were computed: arithmetic, astype, where "
                              "... drop the Zarr encoding), so the loader would serve the stored "
                              f"values, not these; {how}, and transform batches instead "
                              "(NormalizeNode, a TransformNode)")
         cf = [k for k in ("scale_factor", "add_offset") if k in var.encoding]
         if cf:
-            raise ValueError(f"variable {geom.name!r} is stored CF-encoded ({cf} in its "
+            raise StoreError(f"variable {geom.name!r} is stored CF-encoded ({cf} in its "
                              f"encoding): xarray shows decoded values but the loader serves "
                              f"the stored {geom.dtype} values; open it with "
                              "xr.open_zarr(..., mask_and_scale=False) to train on what is "
@@ -312,7 +313,7 @@ def _check_as_stored(ds: Any, src: Source) -> None:
         if not np.array_equal(values, shown):
             order = ("reversed" if np.array_equal(values[::-1], shown) else
                      "reordered or relabelled")
-            raise ValueError(f"coordinate {dim!r} of the Dataset differs from the store "
+            raise StoreError(f"coordinate {dim!r} of the Dataset differs from the store "
                              f"{src.url} ({order}: first values {shown[:3].tolist()} vs "
                              f"{values[:3].tolist()}); {how}")
 
@@ -342,14 +343,14 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
         return _describe_anemoi(group, display, variables, snapshot_id)
     arrays = dict(group.arrays())
     if not arrays:
-        raise ValueError(f"the Zarr group at {display!r} holds no arrays")
+        raise StoreError(f"the Zarr group at {display!r} holds no arrays")
 
     static: tuple[str, ...] = ()
     if variables is None:
         found = discover(arrays, sample_dim)
         chosen, sample_dim, static = list(found.served), found.sample_dim, found.static
         if not chosen:
-            raise ValueError(
+            raise StoreError(
                 f"no data variables found in {display!r}"
                 + (f" with first dimension {sample_dim!r}" if sample_dim else "")
                 + f"; arrays present: {sorted(arrays)}"
@@ -367,7 +368,7 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
                 f"{sorted(arrays)}"
             )
         if len(set(chosen)) != len(chosen):
-            raise ValueError(f"variables lists a name twice: {chosen}")
+            raise StoreError(f"variables lists a name twice: {chosen}")
 
     geoms: list[VariableGeometry] = []
     opened: list[zarr.Array] = []
@@ -381,10 +382,10 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
                 "out of variables=."
             )
         if arr.ndim < 1:
-            raise ValueError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
+            raise StoreError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
         dims = _dimension_names(arr)
         if sample_dim is not None and dims is not None and dims[0] != sample_dim:
-            raise ValueError(
+            raise StoreError(
                 f"variable {name!r} has dimensions {dims}; the sample dimension {sample_dim!r} "
                 "must be its first axis"
             )
@@ -393,7 +394,7 @@ def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
 
     lengths = {g.name: g.shape[0] for g in geoms}
     if len(set(lengths.values())) > 1:
-        raise ValueError(
+        raise StoreError(
             f"the variables' sample axes differ in length: {lengths}. All served variables must "
             "share the sample axis; choose variables= with equal first dimensions."
         )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from ..errors import StoreError
 from ..sampling.windows import chunks_touching
 from .anemoi import stored_statistics
 from .source import Source
@@ -117,7 +118,7 @@ class Stats:
         "mean-std" scheme (``loader.denormalize`` undoes whichever scheme the loader used).
         A torch tensor stays one, on its device and dtype."""
         if x.ndim < 3 or x.shape[-3] != len(names):
-            raise ValueError(f"denormalize: x has shape {tuple(x.shape)}, but {len(names)} "
+            raise StoreError(f"denormalize: x has shape {tuple(x.shape)}, but {len(names)} "
                              "channel names were given for its axis -3 (..., C, y, x)")
         mean, std = self.mean_std(names)
         mean, std = mean[:, None, None], std[:, None, None]
@@ -151,7 +152,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     # serves them, and their fill values (NaN) made every statistic NaN.
     ids = np.setdiff1d(manifest.chunk_ids(split), chunks_touching(source.missing, source.grid))
     if ids.size == 0:
-        raise ValueError(f"split {split!r} has no chunks to compute statistics over")
+        raise StoreError(f"split {split!r} has no chunks to compute statistics over")
     plans = []
     coords: dict[str, tuple[Any, ...]] = {}
     for name in names:
@@ -184,7 +185,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
         if empty.any():
             where = (f" at {list(kept_names)} index {np.argwhere(empty)[0].tolist()}"
                      if kept_names else "")
-            raise ValueError(f"variable {name!r} has no finite value in split {split!r}{where} "
+            raise StoreError(f"variable {name!r} has no finite value in split {split!r}{where} "
                              "(every value is NaN or infinite): it cannot be normalized; "
                              "leave it out (variables=[...]) or fill it in the store")
         count = int(np.sum(n))
@@ -237,7 +238,7 @@ def dataset_stats(source: Source) -> Stats:
     anemoi variable (``dataset_stats(src)["2t"].mean``) and ``"data"`` per variable axis,
     which ``NormalizeNode`` (``build_loader(stats=...)``) applies channel by channel."""
     if source.format != "anemoi" or source.group is None:
-        raise ValueError(f"{source.url!r} is not an anemoi dataset, so it stores no "
+        raise StoreError(f"{source.url!r} is not an anemoi dataset, so it stores no "
                          "statistics; compute them with ib.compute_stats(source, manifest)")
     data = source.variables[0]
     names = data.labels  # the variable axis, as read when the source was opened
@@ -246,7 +247,7 @@ def dataset_stats(source: Source) -> Stats:
     bad = sorted({names[i] for k in ("mean", "stdev", "minimum", "maximum")
                   for i in np.flatnonzero(~np.isfinite(np.asarray(stored[k], np.float64)))})
     if bad:  # normalizing with them would turn every value of those variables into NaN
-        raise ValueError(f"the statistics stored in {source.url!r} are not finite for "
+        raise StoreError(f"the statistics stored in {source.url!r} are not finite for "
                          f"{bad} (a variable with missing values counted them); compute "
                          "them over the finite values with ib.compute_stats(source, manifest)")
     count = (np.asarray(source.group["count"][:], dtype=np.int64)

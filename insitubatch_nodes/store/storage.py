@@ -23,6 +23,8 @@ from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from ..errors import StoreError
+
 OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "http",
                         "https", "memory")
 
@@ -110,7 +112,7 @@ def open_url(url: str | os.PathLike[str],
         except BaseException as e:  # bad option names or values: say which, without values
             if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
                 raise  # KeyboardInterrupt and the like; a Rust panic is a bad option too
-            raise ValueError(
+            raise StoreError(
                 f"cannot configure an object store for {redact_url(text)!r}: "
                 f"{type(e).__name__}: {_first_line(e)} (storage_options keys given: "
                 f"{sorted((storage_options or {}).keys())})"
@@ -118,7 +120,7 @@ def open_url(url: str | os.PathLike[str],
         endpoint = opts.get("endpoint") or opts.get("endpoint_url") or opts.get("aws_endpoint")
         return OpenedStore(zarr.storage.ObjectStore(obs, read_only=True), redact_url(text),
                            obstore=obs, endpoint=redact_url(str(endpoint)) if endpoint else None)
-    raise ValueError(
+    raise StoreError(
         f"unsupported store URL scheme {scheme!r} in {redact_url(text)!r}; use a local path, "
         f"file://, or one of {', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}"
     )
@@ -242,7 +244,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
         raise ImportError("icechunk is not installed: pip install 'insitubatch-nodes[icechunk]'"
                           ) from None
     if sum(x is not None for x in (branch, tag, snapshot_id)) > 1:
-        raise ValueError(f"give one of branch/tag/snapshot_id, got branch={branch!r}, "
+        raise StoreError(f"give one of branch/tag/snapshot_id, got branch={branch!r}, "
                          f"tag={tag!r}, snapshot_id={snapshot_id!r}")
     if branch is None and tag is None and snapshot_id is None:
         branch = "main"
@@ -268,7 +270,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
                     raise FileNotFoundError(f"no icechunk repository at {str(path)!r}")
                 storage = icechunk.local_filesystem_storage(str(path))
             else:
-                raise ValueError(f"icechunk location {redact_url(text)!r}: use a local path or "
+                raise StoreError(f"icechunk location {redact_url(text)!r}: use a local path or "
                                  "s3://bucket/prefix, or pass an icechunk.Storage")
         try:
             repo = icechunk.Repository.open(storage, authorize_virtual_chunk_access=access)
@@ -320,7 +322,7 @@ def _virtual_containers(repo: Any, display: str, access: Mapping[str, Any] | Non
     containers = sorted((repo.config.virtual_chunk_containers or {}).keys())
     unknown = sorted(set(access or ()) - set(containers))
     if unknown:
-        raise ValueError(
+        raise StoreError(
             f"virtual_chunk_access names {[redact_url(u) for u in unknown]}, but {display} has "
             f"no virtual chunk container with that url prefix; its containers: "
             f"{[redact_url(c) for c in containers]} (set when the repository is written, with "

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, send_handle
 from pathlib import Path
 
+from ..errors import InsitubatchError
 from ..memory.arena import BatchArena, StaleBatch
 from ..metrics.counters import FetchStats
 from .child import WorkerSetup
@@ -37,7 +38,7 @@ log = logging.getLogger("insitubatch_nodes")
 CREDIT = 2  # jobs given to one worker at a time
 
 
-class WorkerError(RuntimeError):
+class WorkerError(InsitubatchError, RuntimeError):
     """A decode worker process died, or could not start: the message names it (number,
     pid, exit status) and the window and batches it was writing."""
 
