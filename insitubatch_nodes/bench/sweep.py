@@ -39,7 +39,7 @@ from .common import (
     print_machine,
     warm_page_cache,
 )
-from .core import StripeFloor
+from .floors import StripeFloor
 
 SPLIT = "train"
 
