@@ -2,7 +2,8 @@
 
 ``resolve`` turns a config into the numbers the graph needs (rank, prefetch depth, the
 resident bound, the decoder) and raises every configuration error before a thread starts;
-``build_graph`` wires the stages from that. ``build_loader``, the tests and the benchmarks
+what an option left open becomes is ``defaults.py``'s policy. ``build_graph`` wires the
+stages from that. ``build_loader``, the tests and the benchmarks
 all go through here, so they cannot drift apart.
 
     SplitNode -> ChunkPermuteNode -> ReadPlanNode -> AsyncFetchNode -> ShuffleBufferNode
@@ -13,9 +14,6 @@ all go through here, so they cannot drift apart.
 from __future__ import annotations
 
 import logging
-import os
-import pickle
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +22,16 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from .config import LoaderConfig, SampleConfig, SamplingConfig
+from .config import LoaderConfig, SampleConfig
+from .defaults import (
+    every_steps,
+    resolve_in_place,
+    resolve_prefetch,
+    resolve_workers,
+    window_size,
+)
 from .fetch.first_batch import FirstBatch
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
-from .io.reader import groups_reads
 from .memory.arena import BatchArena
 from .memory.budget import check_budget
 from .memory.layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
@@ -44,7 +48,6 @@ from .nodes import (
     SplitNode,
     TransformNode,
 )
-from .nodes.async_fetch import DEFAULT_PREFETCH_WINDOWS
 from .nodes.channels import StackChannelsNode, resolve_channels
 from .nodes.patches import PatchNode
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
@@ -54,11 +57,10 @@ from .sampling.geometry import SampleGrid
 from .sampling.permute import resolve_rank
 from .sampling.quality import shuffle_quality
 from .sampling.schedule import ScheduleContext, n_units
-from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching, default_run_chunks
+from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching
 from .store.source import Source
 from .store.splits import SplitManifest
 from .store.statistics import Stats
-from .workers.engine import CREDIT
 from .workers.shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
@@ -90,103 +92,6 @@ class Resolved:
     workers: int  # decode worker processes (0: decode threads in this process)
 
 
-def every_steps(source: Source, every: int | str) -> tuple[int, int]:
-    """``sampling.every`` as (k, phase): keep the steps ``i ≡ phase`` (mod k). An int keeps
-    every k-th step from the first; a duration (``"6h"``, ``"1D"``) keeps the steps whose
-    time is a whole multiple of it, on a regular time axis (anemoi's ``frequency``)."""
-    if not isinstance(every, str):
-        return int(every), 0
-    import pandas as pd
-
-    times = source.sample_coord
-    if times is None or not np.issubdtype(np.asarray(times).dtype, np.datetime64):
-        raise ValueError(f"sampling.every={every!r} is a duration, but {source.url} has no "
-                         "time coordinate on its sample axis; give a number of steps instead")
-    try:
-        period = pd.Timedelta(every).to_timedelta64().astype("timedelta64[ns]")
-    except ValueError as e:
-        raise ValueError(f"sampling.every={every!r} is not a duration such as '6h' or '1D' "
-                         f"({e})") from None
-    t = np.asarray(times).astype("datetime64[ns]")
-    steps = np.unique(np.diff(t))
-    if t.size < 2 or steps.size != 1:
-        raise ValueError(f"sampling.every={every!r} needs a regular time axis; {source.url}'s "
-                         f"steps are {steps[:4]} (give a number of steps instead)")
-    k, rest = divmod(int(period.astype(np.int64)), int(steps[0].astype(np.int64)))
-    if k < 1 or rest:
-        raise ValueError(f"sampling.every={every!r} is not a whole number of the time axis' "
-                         f"steps ({np.timedelta64(steps[0], 'm')})")
-    aligned = np.flatnonzero(t[:k].astype(np.int64) % int(period.astype(np.int64)) == 0)
-    if aligned.size == 0:
-        raise ValueError(f"sampling.every={every!r}: no step among the first {k} of "
-                         f"{source.url} falls on a multiple of {every} (times from {t[0]})")
-    return k, int(aligned[0])
-
-
-def default_prefetch_windows(source: Source) -> int:
-    """2 windows ahead of the one being drawn, on every store. On object stores one would
-    expose a round trip at each window edge (README "Latency"); on local disks the decode
-    pool ran dry whenever the consumer was slow at a window edge (DESIGN.md "Prefetch depth
-    on local disks": one window more of memory for -1 to +8% samples/s on two saturated
-    cores). ``source`` is kept so the default may depend on the store again."""
-    del source
-    return DEFAULT_PREFETCH_WINDOWS
-
-
-WORKERS_FROM_CORES = 4  # "auto" starts worker processes from this many cores per rank
-MAX_WORKERS = 32
-
-
-def cores_per_rank() -> int:
-    """The cores this process may run on (its affinity: taskset, cgroups, Slurm), shared
-    by the ranks torchrun started on this node (``LOCAL_WORLD_SIZE``)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return max(1, cores // ranks)
-
-
-def default_workers(in_place: bool, cores: int | None = None) -> int:
-    """``workers="auto"``: a decode process per core but one (the training process keeps
-    one), from ``WORKERS_FROM_CORES`` cores per rank, where decoding is in place; else 0,
-    the decode threads. Threads share one GIL and stop scaling at about 4 cores (16-core
-    node: 9.6k samples/s at 4 threads, 4.6k at 16), processes do not (a prototype: 58.6k
-    at 15); on 2 cores 2 workers are 1.06-1.14x the threads (DESIGN.md "Worker processes"), but
-    threads start at once, where workers take 0.3-0.5 s to a first batch. A free-threaded
-    CPython is not measured yet: it gets the threads."""
-    if not in_place or not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return 0
-    cores = cores_per_rank() if cores is None else cores
-    if cores < WORKERS_FROM_CORES:
-        return 0
-    return min(MAX_WORKERS, cores - 1)
-
-
-def _unsendable(source: Source) -> str | None:
-    """Why the source's arrays cannot reach a worker process (each worker opens its own
-    readers from the pickled arrays: store and path), or ``None``."""
-    try:
-        pickle.dumps(tuple(source.arrays))
-    except Exception as e:
-        return (f"the arrays of {source.url} cannot be sent to a worker process "
-                f"(pickling their store failed: {type(e).__name__}: {e})")
-    return None
-
-
-def workers_prefetch(workers: int, batch_size: int, window_samples: int) -> int:
-    """Windows ahead that keep ``workers`` processes busy: each holds up to ``CREDIT`` jobs
-    of about a batch, so at least that many batches must be planned (on 16 cores, 15
-    workers want 30 batches in flight; two windows of 256 one-sample chunks ahead hold 24).
-    The resident bound counts the windows ahead, so it grows with them."""
-    want = CREDIT * workers * batch_size
-    return -(-want // max(1, window_samples))
-
-
 def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
                    ) -> FrameDecoder | None:
     """``"cpu"`` -> None; ``"gpu"`` -> nvCOMP on ``device`` (which must be CUDA); a
@@ -212,23 +117,24 @@ def _fraction(manifest: SplitManifest, split: str) -> str:
     return "unknown"
 
 
-def resolve(source: Source, manifest: SplitManifest, split: str,
-            config: LoaderConfig) -> Resolved:
-    """Check ``config`` against the source and split and size the graph; every error a
-    configuration can have is raised here, naming the value and what would be valid."""
-    s, f = config.sampling, config.fetch
-    if split not in manifest.names:
-        raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
-    manifest.check_source(source, config.checkpoint.allow_snapshot_change)
-    steps = config.sample.time_steps
+def _sample_grid(source: Source, steps: SampleWindow | None,
+                 every: int | str | None) -> SampleGrid:
+    """The grid samples are drawn from: the source's, or the anchors of ``steps`` (time
+    windows), thinned by ``every``; a window longer than the axis is an error."""
     grid = source.grid if steps is None else steps.grid(source.grid)
-    if s.every is not None:
-        grid = grid.with_every(*every_steps(source, s.every))
+    if every is not None:
+        grid = grid.with_every(*every_steps(source, every))
     if steps is not None and grid.end <= grid.first:
         raise ValueError(f"the time window {steps} spans {steps.span} steps, more than the "
                          f"{source.grid.n_samples} steps of {source.url}: no sample has "
                          "all its steps; shorten history, leads or stride")
-    chunk_ids = manifest.chunk_ids(split)
+    return grid
+
+
+def _left_out(source: Source, manifest: SplitManifest, split: str, chunk_ids: np.ndarray,
+              grid: SampleGrid, steps: SampleWindow | None) -> tuple[np.ndarray, np.ndarray]:
+    """(chunks left out, of them those holding no anchor): chunks whose samples touch the
+    store's missing steps, hold no kept anchor, or (time steps) reach another split."""
     excluded = chunks_touching(source.missing, source.grid, steps)
     anchorless = np.empty(0, dtype=np.int64)
     if steps is not None or grid.every > 1:
@@ -247,12 +153,22 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                      "split's chunks (split_by_coordinate(gap=) keeps steps free between "
                      "splits instead)", split, across[:8].tolist())
             excluded = np.union1d(excluded, across)
+    return excluded, anchorless
+
+
+def _served_chunks(source: Source, manifest: SplitManifest, split: str, grid: SampleGrid,
+                   steps: SampleWindow | None, every: int | str | None,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(the split's chunks served, those left out); a split left with none is an error
+    saying why (no kept step, no whole time window, missing steps, no chunks at all)."""
+    chunk_ids = manifest.chunk_ids(split)
+    excluded, anchorless = _left_out(source, manifest, split, chunk_ids, grid, steps)
     if excluded.size:
         had = len(chunk_ids)
         chunk_ids = np.setdiff1d(chunk_ids, excluded)
         if had and len(chunk_ids) == 0:
             if anchorless.size == had and steps is None:
-                raise ValueError(f"split {split!r} holds no step kept by every={s.every!r}: "
+                raise ValueError(f"split {split!r} holds no step kept by every={every!r}: "
                                  "give it more of the axis or keep more steps")
             if anchorless.size == had:
                 raise ValueError(
@@ -270,69 +186,72 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
             f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "
             f"splits with chunks: {[n for n in manifest.names if len(manifest.chunk_ids(n))]}"
         )
-    rank, world_size = resolve_rank(s.rank, s.world_size)
-    prefetch = (default_prefetch_windows(source) if f.prefetch_windows is None
-                else f.prefetch_windows)
-    decoder = resolve_decode(f.decode, config.device.device)
-    sm = config.sample
-    channels, channels_key = _stacking(source, sm)
-    # Host gathers write channels straight into their slice of "channels"; batches gathered
-    # on a GPU (decode="gpu") are stacked afterwards.
-    layout = (build_layout(source.variables, channels, channels_key) if decoder is None
-              else None)
-    why_not = _not_in_place(source, steps, decoder, layout)
-    if f.in_place and why_not:
-        raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
-                         f"batches: {why_not}. Leave in_place=None to decide per store.")
-    asked = f.workers if f.workers != "auto" else 0
-    if asked and (why_not or f.in_place is False):
-        raise ValueError(f"fetch.workers={asked} decode straight into batches in shared memory, "
-                         f"which this loader cannot: {why_not or 'fetch.in_place=False'}. Use "
-                         "workers=0 (decode threads) or workers='auto'.")
-    in_place = f.in_place is not False and why_not is None and (
-        bool(f.in_place) or bool(asked) or _in_place_by_default(source))
-    workers = asked if f.workers != "auto" else default_workers(in_place)
-    if workers:
-        unsendable = _unsendable(source)
-        if unsendable is not None and f.workers != "auto":
-            raise ValueError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
-                             "threads in this process).")
-        if unsendable is not None:
-            log.info("insitubatch: decode threads, not worker processes: %s", unsendable)
-            workers = 0
-    contiguous = steps is not None
-    block_chunks, run_chunks = _window_size(source, s, steps, in_place)
-    if workers and f.prefetch_windows is None:
-        prefetch = max(prefetch, workers_prefetch(workers, s.batch_size,
-                                                  block_chunks * grid.chunk_size))
-    ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, contiguous,
-                          run_chunks)
+    return chunk_ids, excluded
+
+
+def _check_world_size(ctx: ScheduleContext, world_size: int, split: str) -> int:
+    """The units (chunks, or blocks of runs) the schedule deals out; fewer than ranks is an
+    error, since a chunk is served by one rank."""
     units = n_units(ctx)
     if world_size > units:
         raise ValueError(
             f"world_size={world_size} exceeds the {units} "
-            f"{'blocks' if contiguous else 'chunks'} of split {split!r}: a chunk "
+            f"{'blocks' if ctx.contiguous else 'chunks'} of split {split!r}: a chunk "
             "is served by one rank, so some ranks would get nothing. Use at most "
             f"{units} ranks, or a split with more chunks."
         )
-    bound = check_budget(source.grid, source.variables, f.memory_budget, block_chunks,
-                         prefetch, s.batch_size, steps, in_place, run_chunks)
-    if contiguous:
+    return units
+
+
+def _quality(source: Source, ctx: ScheduleContext, units: int, batch_size: int) -> float:
+    """The modelled shuffle quality of the schedule ``ctx``."""
+    if ctx.contiguous:
         # mixing is over runs: samples of one run are neighbours in time, so a batch of
         # them is as correlated as a batch of one chunk
-        quality = shuffle_quality(units, ctx.run_length * source.grid.chunk_size,
-                                  ctx.runs_per_window, s.batch_size)
-    else:
-        quality = shuffle_quality(len(chunk_ids), source.grid.chunk_size, block_chunks,
-                                  s.batch_size)
+        return shuffle_quality(units, ctx.run_length * source.grid.chunk_size,
+                               ctx.runs_per_window, batch_size)
+    return shuffle_quality(len(ctx.chunk_ids), source.grid.chunk_size, ctx.block_chunks,
+                           batch_size)
+
+
+def resolve(source: Source, manifest: SplitManifest, split: str,
+            config: LoaderConfig) -> Resolved:
+    """Check ``config`` against the source and split and size the graph; every error a
+    configuration can have is raised here, naming the value and what would be valid."""
+    s, f = config.sampling, config.fetch
+    if split not in manifest.names:
+        raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
+    manifest.check_source(source, config.checkpoint.allow_snapshot_change)
+    steps = config.sample.time_steps
+    grid = _sample_grid(source, steps, s.every)
+    chunk_ids, excluded = _served_chunks(source, manifest, split, grid, steps, s.every)
+    rank, world_size = resolve_rank(s.rank, s.world_size)
+    decoder = resolve_decode(f.decode, config.device.device)
+    channels, channels_key = _stacking(source, config.sample)
+    # Host gathers write channels straight into their slice of "channels"; batches gathered
+    # on a GPU (decode="gpu") are stacked afterwards.
+    layout = (build_layout(source.variables, channels, channels_key) if decoder is None
+              else None)
+    in_place = resolve_in_place(source, f, steps, decoder, layout)
+    workers = resolve_workers(source, f, in_place)
+    block_chunks, run_chunks = window_size(source, s, steps, in_place)
+    prefetch = resolve_prefetch(source, f, workers, s.batch_size,
+                                block_chunks * grid.chunk_size)
+    ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
+                          run_chunks)
+    units = _check_world_size(ctx, world_size, split)
+    bound = check_budget(source.grid, source.variables, f.memory_budget, block_chunks,
+                         prefetch, s.batch_size, steps, in_place, run_chunks)
     return Resolved(
         config=config, rank=rank, world_size=world_size, prefetch_windows=prefetch, grid=grid,
         n_chunks=len(chunk_ids), block_chunks=block_chunks, run_chunks=run_chunks,
-        resident_bound=bound, shuffle_quality=quality,
+        resident_bound=bound, shuffle_quality=_quality(source, ctx, units, s.batch_size),
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place, workers=workers,
     )
+
+
 
 
 def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | None, str]:
@@ -358,87 +277,6 @@ def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | N
         raise ValueError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
                          "it has no ensemble axis")
     return channels, key
-
-
-def _window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
-                 in_place: bool) -> tuple[int, int | None]:
-    """(block_chunks, run_chunks): the configured values or the defaults for the path; with
-    time windows a window holds whole runs."""
-    run_chunks = None
-    if steps is not None:
-        run_chunks = (s.run_chunks if s.run_chunks is not None
-                      else default_run_chunks(steps, source.grid.chunk_size))
-    block_chunks = (s.block_chunks if s.block_chunks is not None
-                    else default_block_chunks(source, in_place and steps is None, run_chunks))
-    if run_chunks is not None:
-        if s.run_chunks is not None and s.run_chunks > block_chunks:
-            raise ValueError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
-                             f"{block_chunks}: a window holds whole runs")
-        run_chunks = min(run_chunks, block_chunks)
-    return block_chunks, run_chunks
-
-
-DEFAULT_BLOCK_CHUNKS = 16
-IN_PLACE_WINDOW_BYTES = 64 << 20
-
-
-WINDOW_RUNS = (4, 8)  # runs per window with time steps: at least, at most
-WINDOW_BYTES = 256 << 20  # decoded bytes of a window with time steps, by default
-
-
-def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None = None) -> int:
-    """16 chunks per window; decoding in place without time steps (one sample per chunk,
-    where the window's size does not change the shuffle: every chunk is one sample of a
-    global permutation; with time steps windows are runs of adjacent chunks, and size does),
-    windows of about 64 MB, at most 256 chunks, so the per-window planning is spread over
-    enough chunks to keep the decode threads fed; batches go out as their rows land, so a
-    larger window does not delay the first batch. With time steps (``run_chunks``), 4 to 8
-    runs per window, as many as ~256 MB allow."""
-    sample_bytes = sum(v.stripe_nbytes for v in source.variables)
-    if run_chunks is not None:
-        # time windows: several runs from scattered places mix a batch across the split;
-        # as many as ~256 MB allow, between 4 and 8
-        runs = WINDOW_BYTES // max(1, run_chunks * sample_bytes)
-        return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
-    if not in_place or not _one_sample_per_chunk(source):
-        return DEFAULT_BLOCK_CHUNKS  # several samples per chunk: window size is mixing
-    return max(DEFAULT_BLOCK_CHUNKS, min(256, IN_PLACE_WINDOW_BYTES // max(1, sample_bytes)))
-
-
-def decodes_in_place(source: Source) -> bool:
-    """Whether ``build_loader`` with its defaults decodes ``source`` straight into batches
-    (one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores, or several on
-    local files), with or without time steps: ``inspection.recommend`` sizes windows for
-    that path."""
-    return (_not_in_place(source, None, None, build_layout(source.variables)) is None
-            and _in_place_by_default(source))
-
-
-def _one_sample_per_chunk(source: Source) -> bool:
-    return all(v.sample_chunk == 1 for v in source.variables)
-
-
-def _in_place_by_default(source: Source) -> bool:
-    """Where ``in_place=None`` decodes into batches: one sample per chunk on any store;
-    several samples per chunk on local files, where the scatter copy runs on the decode
-    threads (measured: README "Speed"); a remote store's reads await on the event loop,
-    which would make the copies there, so its windows are gathered as before."""
-    return _one_sample_per_chunk(source) or all(groups_reads(a) for a in source.arrays)
-
-
-def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDecoder | None,
-                  layout: BatchLayout | None) -> str | None:
-    """Why the chunks cannot be decoded straight into batch rows (``None``: they can)."""
-    if decoder is not None:
-        return "decode='gpu' decodes on the device"
-    if layout is None:
-        return "the channels differ in dtype (stacked after the gather)"
-    split = [v.name for i, v in enumerate(source.variables) if layout.direct(i) is None]
-    if split:
-        return (f"channels take only some levels of {split} (a chunk is split across "
-                "channels); stack all their levels or none")
-    return None
-
 
 @dataclass(frozen=True)
 class Graph:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .graph import decodes_in_place, default_prefetch_windows
+from .defaults import decodes_in_place, default_prefetch_windows
 from .io.device_chain import HostOnly, device_chain_from
 from .io.reader import StripeReader
 from .memory.budget import largest_block_chunks, parse_bytes, resident_bound

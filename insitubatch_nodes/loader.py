@@ -21,7 +21,8 @@ from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
 from .config import LoaderConfig
-from .graph import Resolved, build_graph, default_prefetch_windows, resolve, resolve_decode
+from .defaults import default_prefetch_windows
+from .graph import Resolved, build_graph, resolve, resolve_decode
 from .memory.budget import parse_bytes
 from .memory.ledger import MemoryLedger
 from .metrics.collect import collect_stats, current_epoch, first_node, maybe_log

@@ -16,11 +16,11 @@ def _threads_unless_asked():
     """``workers="auto"`` starts a process per core from 4 cores: on a big test machine every
     loader the suite builds would start a dozen. Tests ask for workers where they test
     them (``workers=N``), so the suite runs alike on 2 cores and on a GPU node."""
-    from insitubatch_nodes import graph
+    from insitubatch_nodes import defaults
 
-    saved, graph.WORKERS_FROM_CORES = graph.WORKERS_FROM_CORES, 10**6
+    saved, defaults.WORKERS_FROM_CORES = defaults.WORKERS_FROM_CORES, 10**6
     yield
-    graph.WORKERS_FROM_CORES = saved
+    defaults.WORKERS_FROM_CORES = saved
 
 
 @pytest.fixture

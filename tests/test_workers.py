@@ -380,14 +380,14 @@ def test_workers_are_checked(weather):
     (2, True, 0), (3, True, 0), (4, True, 3), (16, True, 15), (128, True, 32), (16, False, 0),
 ])
 def test_auto_starts_processes_from_four_cores(cores, in_place, want, monkeypatch):
-    from insitubatch_nodes import graph
+    from insitubatch_nodes import defaults
 
-    monkeypatch.setattr(graph, "WORKERS_FROM_CORES", 4)  # conftest raises it for the suite
-    assert graph.default_workers(in_place, cores) == want
+    monkeypatch.setattr(defaults, "WORKERS_FROM_CORES", 4)  # conftest raises it for the suite
+    assert defaults.default_workers(in_place, cores) == want
 
 
 def test_auto_shares_the_cores_between_the_ranks_of_a_node(monkeypatch):
-    from insitubatch_nodes.graph import cores_per_rank
+    from insitubatch_nodes.defaults import cores_per_rank
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -417,6 +417,7 @@ def test_enough_windows_ahead_to_keep_every_worker_busy(weather):
 def test_a_store_that_cannot_reach_a_worker_is_named(weather, monkeypatch):
     """Workers open their readers from the pickled arrays: a store that does not pickle is
     an error naming it with workers=N, and the decode threads with "auto"."""
+    import insitubatch_nodes.defaults as defaults
     import insitubatch_nodes.graph as graph
 
     src, m = weather
@@ -430,7 +431,7 @@ def test_a_store_that_cannot_reach_a_worker_is_named(weather, monkeypatch):
         def __reduce__(self):
             raise TypeError("this store holds a live connection")
 
-    monkeypatch.setattr(graph, "default_workers", lambda in_place: 2)
+    monkeypatch.setattr(defaults, "default_workers", lambda in_place: 2)
     fake = type(src)(**{**src.__dict__, "arrays": (*src.arrays[:-1], Unpicklable())})
     with pytest.raises(ValueError, match="cannot be sent to a worker process.*live connection"):
         graph.resolve(fake, m, "train", ib.LoaderConfig.of(workers=2))

@@ -1,0 +1,253 @@
+"""Defaults and policy: what an option left to the loader (``None``, ``"auto"``) becomes.
+
+``graph.resolve`` and ``inspection.recommend`` both read this module, so a recommendation
+sizes windows for the path the loader will take and with its prefetch depth; the numbers
+are measured (DESIGN.md names each measurement), the wiring lives in ``graph.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+
+import numpy as np
+
+from .config import FetchConfig, SamplingConfig
+from .io.device_decode import FrameDecoder
+from .io.reader import groups_reads
+from .memory.layout import BatchLayout, build_layout
+from .sampling.windows import SampleWindow, default_run_chunks
+from .store.source import Source
+from .workers.engine import CREDIT
+
+log = logging.getLogger("insitubatch_nodes")
+
+# Windows fetched ahead of the one being drawn. nodes/async_fetch.DEFAULT_PREFETCH_WINDOWS,
+# the node's own default, is the same number (that layer may import this one).
+PREFETCH_WINDOWS = 2
+
+WORKERS_FROM_CORES = 4  # "auto" starts worker processes from this many cores per rank
+MAX_WORKERS = 32
+
+DEFAULT_BLOCK_CHUNKS = 16
+IN_PLACE_WINDOW_BYTES = 64 << 20
+WINDOW_RUNS = (4, 8)  # runs per window with time steps: at least, at most
+WINDOW_BYTES = 256 << 20  # decoded bytes of a window with time steps, by default
+
+
+def every_steps(source: Source, every: int | str) -> tuple[int, int]:
+    """``sampling.every`` as (k, phase): keep the steps ``i ≡ phase`` (mod k). An int keeps
+    every k-th step from the first; a duration (``"6h"``, ``"1D"``) keeps the steps whose
+    time is a whole multiple of it, on a regular time axis (anemoi's ``frequency``)."""
+    if not isinstance(every, str):
+        return int(every), 0
+    import pandas as pd
+
+    times = source.sample_coord
+    if times is None or not np.issubdtype(np.asarray(times).dtype, np.datetime64):
+        raise ValueError(f"sampling.every={every!r} is a duration, but {source.url} has no "
+                         "time coordinate on its sample axis; give a number of steps instead")
+    try:
+        period = pd.Timedelta(every).to_timedelta64().astype("timedelta64[ns]")
+    except ValueError as e:
+        raise ValueError(f"sampling.every={every!r} is not a duration such as '6h' or '1D' "
+                         f"({e})") from None
+    t = np.asarray(times).astype("datetime64[ns]")
+    steps = np.unique(np.diff(t))
+    if t.size < 2 or steps.size != 1:
+        raise ValueError(f"sampling.every={every!r} needs a regular time axis; {source.url}'s "
+                         f"steps are {steps[:4]} (give a number of steps instead)")
+    k, rest = divmod(int(period.astype(np.int64)), int(steps[0].astype(np.int64)))
+    if k < 1 or rest:
+        raise ValueError(f"sampling.every={every!r} is not a whole number of the time axis' "
+                         f"steps ({np.timedelta64(steps[0], 'm')})")
+    aligned = np.flatnonzero(t[:k].astype(np.int64) % int(period.astype(np.int64)) == 0)
+    if aligned.size == 0:
+        raise ValueError(f"sampling.every={every!r}: no step among the first {k} of "
+                         f"{source.url} falls on a multiple of {every} (times from {t[0]})")
+    return k, int(aligned[0])
+
+
+# -- prefetch depth -----------------------------------------------------------------------
+def default_prefetch_windows(source: Source) -> int:
+    """2 windows ahead of the one being drawn, on every store. On object stores one would
+    expose a round trip at each window edge (README "Latency"); on local disks the decode
+    pool ran dry whenever the consumer was slow at a window edge (DESIGN.md "Prefetch depth
+    on local disks": one window more of memory for -1 to +8% samples/s on two saturated
+    cores). ``source`` is kept so the default may depend on the store again."""
+    del source
+    return PREFETCH_WINDOWS
+
+
+def workers_prefetch(workers: int, batch_size: int, window_samples: int) -> int:
+    """Windows ahead that keep ``workers`` processes busy: each holds up to ``CREDIT`` jobs
+    of about a batch, so at least that many batches must be planned (on 16 cores, 15
+    workers want 30 batches in flight; two windows of 256 one-sample chunks ahead hold 24).
+    The resident bound counts the windows ahead, so it grows with them."""
+    want = CREDIT * workers * batch_size
+    return -(-want // max(1, window_samples))
+
+
+def resolve_prefetch(source: Source, f: FetchConfig, workers: int, batch_size: int,
+                     window_samples: int) -> int:
+    """``fetch.prefetch_windows``, or the default for the store, deepened so ``workers``
+    processes stay busy; a given value is kept as given (the budget check counts it)."""
+    if f.prefetch_windows is not None:
+        return f.prefetch_windows
+    prefetch = default_prefetch_windows(source)
+    if workers:
+        prefetch = max(prefetch, workers_prefetch(workers, batch_size, window_samples))
+    return prefetch
+
+
+# -- worker processes ---------------------------------------------------------------------
+def cores_per_rank() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroups, Slurm), shared
+    by the ranks torchrun started on this node (``LOCAL_WORLD_SIZE``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, cores // ranks)
+
+
+def default_workers(in_place: bool, cores: int | None = None) -> int:
+    """``workers="auto"``: a decode process per core but one (the training process keeps
+    one), from ``WORKERS_FROM_CORES`` cores per rank, where decoding is in place; else 0,
+    the decode threads. Threads share one GIL and stop scaling at about 4 cores (16-core
+    node: 9.6k samples/s at 4 threads, 4.6k at 16), processes do not (a prototype: 58.6k
+    at 15); on 2 cores 2 workers are 1.06-1.14x the threads (DESIGN.md "Worker processes"), but
+    threads start at once, where workers take 0.3-0.5 s to a first batch. A free-threaded
+    CPython is not measured yet: it gets the threads."""
+    if not in_place or not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return 0
+    cores = cores_per_rank() if cores is None else cores
+    if cores < WORKERS_FROM_CORES:
+        return 0
+    return min(MAX_WORKERS, cores - 1)
+
+
+def _unsendable(source: Source) -> str | None:
+    """Why the source's arrays cannot reach a worker process (each worker opens its own
+    readers from the pickled arrays: store and path), or ``None``."""
+    try:
+        pickle.dumps(tuple(source.arrays))
+    except Exception as e:
+        return (f"the arrays of {source.url} cannot be sent to a worker process "
+                f"(pickling their store failed: {type(e).__name__}: {e})")
+    return None
+
+
+def resolve_workers(source: Source, f: FetchConfig, in_place: bool) -> int:
+    """``fetch.workers`` as a number of processes: ``"auto"`` by ``default_workers``. A
+    source whose arrays do not pickle cannot reach a worker: an error when workers were
+    asked for, the decode threads (logged) under ``"auto"``."""
+    workers = f.workers if f.workers != "auto" else default_workers(in_place)
+    if workers:
+        unsendable = _unsendable(source)
+        if unsendable is not None and f.workers != "auto":
+            raise ValueError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
+                             "threads in this process).")
+        if unsendable is not None:
+            log.info("insitubatch: decode threads, not worker processes: %s", unsendable)
+            workers = 0
+    return workers
+
+
+# -- decoding in place --------------------------------------------------------------------
+def _one_sample_per_chunk(source: Source) -> bool:
+    """Every variable chunked one sample at a time (ARCO-ERA5, WeatherBench2, anemoi)."""
+    return all(v.sample_chunk == 1 for v in source.variables)
+
+
+def _in_place_by_default(source: Source) -> bool:
+    """Where ``in_place=None`` decodes into batches: one sample per chunk on any store;
+    several samples per chunk on local files, where the scatter copy runs on the decode
+    threads (measured: README "Speed"); a remote store's reads await on the event loop,
+    which would make the copies there, so its windows are gathered as before."""
+    return _one_sample_per_chunk(source) or all(groups_reads(a) for a in source.arrays)
+
+
+def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDecoder | None,
+                 layout: BatchLayout | None) -> str | None:
+    """Why the chunks cannot be decoded straight into batch rows (``None``: they can)."""
+    if decoder is not None:
+        return "decode='gpu' decodes on the device"
+    if layout is None:
+        return "the channels differ in dtype (stacked after the gather)"
+    split = [v.name for i, v in enumerate(source.variables) if layout.direct(i) is None]
+    if split:
+        return (f"channels take only some levels of {split} (a chunk is split across "
+                "channels); stack all their levels or none")
+    return None
+
+
+def decodes_in_place(source: Source) -> bool:
+    """Whether ``build_loader`` with its defaults decodes ``source`` straight into batches
+    (one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores, or several on
+    local files), with or without time steps: ``inspection.recommend`` sizes windows for
+    that path."""
+    return (_not_in_place(source, None, None, build_layout(source.variables)) is None
+            and _in_place_by_default(source))
+
+
+def resolve_in_place(source: Source, f: FetchConfig, steps: SampleWindow | None,
+                     decoder: FrameDecoder | None, layout: BatchLayout | None) -> bool:
+    """``fetch.in_place`` decided: ``True`` where this loader can and was asked to (or to
+    start workers, which decode in place), ``None`` by ``_in_place_by_default``. Asking
+    for what it cannot do is an error saying why not."""
+    why_not = _not_in_place(source, steps, decoder, layout)
+    if f.in_place and why_not:
+        raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
+                         f"batches: {why_not}. Leave in_place=None to decide per store.")
+    asked = f.workers if f.workers != "auto" else 0
+    if asked and (why_not or f.in_place is False):
+        raise ValueError(f"fetch.workers={asked} decode straight into batches in shared memory, "
+                         f"which this loader cannot: {why_not or 'fetch.in_place=False'}. Use "
+                         "workers=0 (decode threads) or workers='auto'.")
+    return f.in_place is not False and why_not is None and (
+        bool(f.in_place) or bool(asked) or _in_place_by_default(source))
+
+
+# -- window size --------------------------------------------------------------------------
+def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None = None) -> int:
+    """16 chunks per window; decoding in place without time steps (one sample per chunk,
+    where the window's size does not change the shuffle: every chunk is one sample of a
+    global permutation; with time steps windows are runs of adjacent chunks, and size does),
+    windows of about 64 MB, at most 256 chunks, so the per-window planning is spread over
+    enough chunks to keep the decode threads fed; batches go out as their rows land, so a
+    larger window does not delay the first batch. With time steps (``run_chunks``), 4 to 8
+    runs per window, as many as ~256 MB allow."""
+    sample_bytes = sum(v.stripe_nbytes for v in source.variables)
+    if run_chunks is not None:
+        # time windows: several runs from scattered places mix a batch across the split;
+        # as many as ~256 MB allow, between 4 and 8
+        runs = WINDOW_BYTES // max(1, run_chunks * sample_bytes)
+        return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
+    if not in_place or not _one_sample_per_chunk(source):
+        return DEFAULT_BLOCK_CHUNKS  # several samples per chunk: window size is mixing
+    return max(DEFAULT_BLOCK_CHUNKS, min(256, IN_PLACE_WINDOW_BYTES // max(1, sample_bytes)))
+
+
+def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
+                in_place: bool) -> tuple[int, int | None]:
+    """(block_chunks, run_chunks): the configured values or the defaults for the path; with
+    time windows a window holds whole runs."""
+    run_chunks = None
+    if steps is not None:
+        run_chunks = (s.run_chunks if s.run_chunks is not None
+                      else default_run_chunks(steps, source.grid.chunk_size))
+    block_chunks = (s.block_chunks if s.block_chunks is not None
+                    else default_block_chunks(source, in_place and steps is None, run_chunks))
+    if run_chunks is not None:
+        if s.run_chunks is not None and s.run_chunks > block_chunks:
+            raise ValueError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
+                             f"{block_chunks}: a window holds whole runs")
+        run_chunks = min(run_chunks, block_chunks)
+    return block_chunks, run_chunks
