@@ -1,19 +1,16 @@
 """``build_loader``: the standard graph in a ``torchdata.nodes.Loader`` that resumes exactly.
 
 The graph is wired by ``graph.py`` from a ``LoaderConfig``; this module is the loader
-around it: exact resume (two torchdata 0.11 defects fixed), state format versions,
-elastic resume, stats and shutdown.
+around it: exact resume (two torchdata 0.11 defects fixed), stats and shutdown. The state
+formats it writes and loads (versions, elastic resume) are ``state/checkpoint.py``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
-import warnings
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,29 +24,18 @@ from .memory.budget import parse_bytes
 from .memory.ledger import MemoryLedger
 from .metrics.collect import collect_stats, current_epoch, first_node, maybe_log
 from .metrics.counters import ConsumerMeter, LoaderStats
-from .nodes import (
-    AsyncFetchNode,
-    ChunkPermuteNode,
-    GatherNode,
-    NormalizeNode,
-    PinOrCudaNode,
-    ReadPlanNode,
-    ShuffleBufferNode,
-    SplitNode,
-    TransformNode,
+from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, NormalizeNode, ShuffleBufferNode
+from .nodes.state import copy_state, shutdown_source
+from .state.checkpoint import (
+    check_snapshot,
+    check_state_fingerprint,
+    check_top_level,
+    fingerprint_of_nodes,
+    loadable_state,
+    rank_state,
+    read_format,
 )
-from .nodes.chunk_permute import parse_history
-from .nodes.state import Resumable, copy_state, require_count, require_dict, shutdown_source
-from .sampling.schedule import Resumption
-from .state.fingerprint import StateFingerprint, check_fingerprint
-from .state.ranks import (
-    ELASTIC_KEY,
-    FINGERPRINT_KEY,
-    FORMAT_KEY,
-    PROGRESS_KEY,
-    SNAPSHOT_KEY,
-    STATE_FORMAT,
-)
+from .state.fingerprint import StateFingerprint
 from .store.source import Source
 from .store.splits import SplitManifest
 
@@ -293,59 +279,10 @@ class InSituLoader(Loader):
                                                    state[self._it.NUM_YIELDED_KEY])))
 
     def snapshot(self, root_state: dict[str, Any], num_yielded: int) -> dict[str, Any]:
-        """The loader state for the graph state ``root_state`` after ``num_yielded`` batches:
-        the nested node states, the format version, the progress ``merge_rank_states``
-        reads (when the graph has the standard stages), the icechunk snapshot and the
-        fingerprint ``load_state_dict`` checks."""
-        state: dict[str, Any] = {LoaderIterator.ROOT_KEY: root_state,
-                                 LoaderIterator.NUM_YIELDED_KEY: num_yielded,
-                                 FORMAT_KEY: STATE_FORMAT}
-        if self.fingerprint is not None:
-            state[FINGERPRINT_KEY] = self.fingerprint.to_json()
-        progress = state_progress(self.nodes(), root_state)
-        if progress is not None:
-            state[PROGRESS_KEY] = progress
-        if self.snapshot_id is not None:
-            state[SNAPSHOT_KEY] = self.snapshot_id
-        return state
-
-    def _check_snapshot(self, state: dict[str, Any]) -> None:
-        saved = state.pop(SNAPSHOT_KEY, None)
-        if saved is not None and not isinstance(saved, str):
-            raise ValueError(f"loader state field {SNAPSHOT_KEY!r} must be an icechunk "
-                             f"snapshot id (a string), got {saved!r}")
-        if (saved is not None and self.snapshot_id is not None and saved != self.snapshot_id
-                and not self.allow_snapshot_change):
-            raise ValueError(
-                f"this loader state was saved while reading icechunk snapshot {saved}, but the "
-                f"source now resolves to snapshot {self.snapshot_id} (the branch moved since). "
-                "Resume on the saved snapshot (open_icechunk(..., snapshot_id=...)) or build "
-                "the loader with allow_snapshot_change=True to continue on the new data."
-            )
-
-    def _check_fingerprint(self, state: dict[str, Any], fmt: int) -> None:
-        """Compare the state's fingerprint with this loader's (see ``fingerprint.py``);
-        states of formats 1 and 2 have none and load with a warning."""
-        raw = state.pop(FINGERPRINT_KEY, None)
-        if self.fingerprint is None:
-            return  # a graph without the standard stages: nothing to compare with
-        if raw is None:
-            # A hand-built graph's states carried no fingerprint before it was read off the
-            # nodes: those load with the warning below.
-            if fmt >= 3 and not self._fingerprint_from_nodes:
-                raise ValueError(
-                    f"loader state has no field {FINGERPRINT_KEY!r}, which every format-"
-                    f"{fmt} state saved by build_loader has: load a state saved by "
-                    "state_dict() or merge_rank_states")
-            warnings.warn(
-                f"this loader state has format {fmt}, which records no fingerprint, so it "
-                "cannot be checked against this loader (manifest, split, seed, ranks, "
-                "shuffle): make sure it was saved by a loader built the same way. "
-                "state_dict() after resuming gives a checked (format 3) state.",
-                UserWarning, stacklevel=3)
-            return
-        saved = StateFingerprint.from_json(raw, merged=ELASTIC_KEY in state)
-        check_fingerprint(saved, self.fingerprint, self.allow_state_change)
+        """The loader state for the graph state ``root_state`` after ``num_yielded`` batches
+        (``checkpoint.rank_state``: node states, format, progress, snapshot, fingerprint)."""
+        return rank_state(self.nodes(), root_state, num_yielded, self.fingerprint,
+                          self.snapshot_id)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a state at the next ``iter()``: one rank's own state, or the output of
@@ -368,30 +305,16 @@ class InSituLoader(Loader):
             raise ValueError(f"a loader state is plain JSON data (from state_dict()); this "
                              f"one is not: {e}") from None
         check_top_level(state_dict)
-        fmt = state_dict.pop(FORMAT_KEY, 1)
-        if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt not in (1, 2, STATE_FORMAT):
-            raise ValueError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
-                             f"insitubatch_nodes reads formats 1 to {STATE_FORMAT}")
-        self._check_snapshot(state_dict)
-        self._check_fingerprint(state_dict, fmt)
-        progress = state_dict.pop(PROGRESS_KEY, None)
-        if ELASTIC_KEY in state_dict:
-            epoch, history = parse_elastic(state_dict[ELASTIC_KEY])
-            state_dict = {LoaderIterator.ROOT_KEY: elastic_root_state(self.nodes(), epoch,
-                                                                      history),
-                          LoaderIterator.NUM_YIELDED_KEY: 0}
-        elif fmt == 1:
-            upgrade_v1(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
-        checked = check_root_state(self.nodes(), state_dict[LoaderIterator.ROOT_KEY])
-        found = checked[0] if checked is not None else None
-        if progress is not None and found is not None and progress != found:
-            raise ValueError(_progress_mismatch(progress, found))
+        fmt = read_format(state_dict)
+        check_snapshot(state_dict, self.snapshot_id, self.allow_snapshot_change)
+        check_state_fingerprint(state_dict, fmt, self.fingerprint, self._fingerprint_from_nodes,
+                                self.allow_state_change)
+        state_dict, pending = loadable_state(self.nodes(), state_dict, fmt)
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
         super().load_state_dict(state_dict)
-        self._pending = (None if checked is None
-                         else (int(checked[0]["epoch"]), checked[1]))
+        self._pending = pending
 
     # -- graph ------------------------------------------------------------------------
     def nodes(self) -> list[BaseNode]:
@@ -486,157 +409,6 @@ class InSituLoader(Loader):
         self.close()
 
 
-def _nested_key(node: BaseNode) -> str | None:
-    """Where ``node``'s state keeps its upstream's state, for the stages of this package
-    (a foreign node nests it its own way, e.g. torchdata's ``Prefetcher``)."""
-    if isinstance(node, (ShuffleBufferNode, ReadPlanNode, GatherNode, PinOrCudaNode,
-                         AsyncFetchNode, TransformNode)):
-        return node.SOURCE_KEY
-    return None
-
-
-def _levels(nodes: list[BaseNode], root_state: Any) -> Iterator[tuple[BaseNode, dict]]:
-    """(node, its state) down the nested ``root_state``, alongside ``nodes`` (root first),
-    as far as the stages of this package say where their upstream's state is (a foreign node
-    nests it its own way, e.g. torchdata's ``Prefetcher``)."""
-    d = root_state
-    for node in nodes:
-        if not isinstance(d, dict):
-            return
-        yield node, d
-        key = _nested_key(node)
-        if key is None:
-            return
-        d = d.get(key)
-
-
-def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
-    """Epoch, windows finished, draws taken in the head window and the elastic history,
-    read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
-    the graph lacks a stage that says so."""
-    offset = None
-    for node, d in _levels(nodes, root_state):
-        if isinstance(node, ShuffleBufferNode):
-            offset = d.get(node.OFFSET_KEY)
-        if isinstance(node, ChunkPermuteNode):
-            if offset is None:
-                return None
-            return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
-                    "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
-    return None
-
-
-def check_top_level(state: dict[str, Any]) -> None:
-    """A rank's state has ``root`` (a dict) and ``num_yielded`` (a count), a merged one
-    ``elastic``; both may have the format, snapshot and fingerprint. Anything else is a
-    ValueError naming the field."""
-    elastic = ELASTIC_KEY in state
-    known = ({ELASTIC_KEY} if elastic else
-             {LoaderIterator.ROOT_KEY, LoaderIterator.NUM_YIELDED_KEY, PROGRESS_KEY})
-    known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
-    unknown = sorted(set(state) - known)
-    if unknown:
-        raise ValueError(
-            f"loader state has unknown field(s) {unknown} (a {'merged' if elastic else 'rank'} "
-            f"state has {sorted(known)}): load a state saved by state_dict() or "
-            "merge_rank_states")
-    if elastic:
-        return
-    if LoaderIterator.ROOT_KEY not in state:
-        raise ValueError(
-            f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, from "
-            f"state_dict()) nor {ELASTIC_KEY!r} (a merged state, from merge_rank_states); it "
-            f"has {sorted(state)}")
-    require_dict(state, LoaderIterator.ROOT_KEY, "loader")
-    require_count(state, LoaderIterator.NUM_YIELDED_KEY, "loader")
-
-
-def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
-    """(epoch, history) of a merged state's ``elastic`` field, checked field by field."""
-    if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
-        raise ValueError(f"loader state field {ELASTIC_KEY!r} must be "
-                         f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
-    epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
-    history = list(parse_history(el["history"], f"loader state field '{ELASTIC_KEY}.history'"))
-    if not history:
-        raise ValueError(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
-                         "state records at least the resume that made it")
-    return epoch, history
-
-
-def check_root_state(nodes: list[BaseNode], root_state: Any,
-                     ) -> tuple[dict[str, Any], int] | None:
-    """Check ``root_state`` against the graph before anything is read: every nested state
-    a dict, counters integers >= 0, the scheduler's position within its epoch's windows and
-    the draws taken within the head window's. Errors name the node and field. Returns the
-    progress ``state_progress`` reads and the draws of the state's epoch on this rank (its
-    schedule's, an elastic history included); ``None`` without the standard stages."""
-    offset = None
-    d = root_state
-    draws = None
-    for node in nodes:
-        if isinstance(node, ShuffleBufferNode):
-            offset = require_count(d, node.OFFSET_KEY, node)
-        if isinstance(node, ChunkPermuteNode):
-            draws = node.check_state(d, offset).target
-            break
-        key = _nested_key(node)
-        if key is None:
-            return None  # a foreign node nests its upstream's state its own way
-        d = require_dict(d, key, node)
-    progress = state_progress(nodes, root_state)
-    return None if progress is None or draws is None else (progress, draws)
-
-
-_PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
-                    "window": "ChunkPermuteNode state field 'position'",
-                    "offset": "ShuffleBufferNode state field 'offset'",
-                    "history": "ChunkPermuteNode state field 'history'"}
-
-
-def _progress_mismatch(progress: Any, found: dict[str, Any]) -> str:
-    """Which field of the state's progress disagrees with the node states, both named."""
-    if not isinstance(progress, dict):
-        return (f"loader state field {PROGRESS_KEY!r} must be a dict like {found!r}, "
-                f"got {progress!r}")
-    for key, where in _PROGRESS_FIELDS.items():
-        if progress.get(key) != found[key]:
-            return (f"loader state field '{PROGRESS_KEY}.{key}' is {progress.get(key)!r}, but "
-                    f"{where} is {found[key]!r}: the state was edited (merge_rank_states "
-                    "reads the progress, the loader the node states; they must agree)")
-    return (f"loader state field {PROGRESS_KEY!r} has unknown fields "
-            f"{sorted(set(progress) - set(found))} (expected {sorted(found)})")
-
-
-def elastic_root_state(nodes: list[BaseNode], epoch: int,
-                       history: list[Resumption]) -> dict[str, Any]:
-    """The graph state that starts ``epoch`` after ``history`` (an elastic resume): the
-    ``ChunkPermuteNode``'s start state, wrapped by each stage above it through its own
-    ``start_state``; restored by the ordinary ``reset(state)`` of every stage."""
-    idx = next((i for i, n in enumerate(nodes) if isinstance(n, ChunkPermuteNode)), None)
-    if idx is None:
-        raise ValueError("an elastic (merged) state needs a ChunkPermuteNode in the graph")
-    state: dict[str, Any] = ChunkPermuteNode.start_state(epoch, history)
-    for node in reversed(nodes[:idx]):
-        if not isinstance(node, Resumable):
-            raise ValueError(
-                f"cannot resume a merged state through {type(node).__name__}: an elastic "
-                "resume needs every stage below ChunkPermuteNode to have start_state()")
-        state = node.start_state(state)
-    return state
-
-
-def upgrade_v1(nodes: list[BaseNode], root_state: Any) -> None:
-    """Format 1 -> 2, in place: ``ReadPlanNode`` counted windows and ``ChunkPermuteNode``
-    chunks; now the scheduler counts windows and the planner keeps no counter."""
-    for node, d in _levels(nodes, root_state):
-        if isinstance(node, ReadPlanNode) and "window" in d:
-            upstream = d.get(node.SOURCE_KEY)
-            if isinstance(upstream, dict):
-                upstream[ChunkPermuteNode.POSITION_KEY] = d.pop("window")
-            return
-
-
 def build_loader(source: Source, manifest: SplitManifest, split: str,
                  config: LoaderConfig | None = None, **options: Any) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
@@ -671,32 +443,3 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
                         log_every_s=cfg.checkpoint.log_every_s, resolved=resolved,
                         ledger=graph.ledger, snapshot_id=source.snapshot_id,
                         fingerprint=fingerprint_of_nodes(list(graph.stages.values())))
-
-
-def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
-    """What a loader's states record, read off its graph's stages (build_loader's or a
-    hand-built one): everything that decides which samples its counters point at
-    (``fingerprint.StateFingerprint``). ``None`` unless the graph has a ``SplitNode``, a
-    ``ChunkPermuteNode`` and a ``ShuffleBufferNode``."""
-    split = first_node(nodes, SplitNode)
-    permute = first_node(nodes, ChunkPermuteNode)
-    shuffle = first_node(nodes, ShuffleBufferNode)
-    if split is None or permute is None or shuffle is None:
-        return None
-    fetch = first_node(nodes, AsyncFetchNode)
-    grid = permute.grid
-    return StateFingerprint(
-        manifest=split.manifest.content_hash, split=split.split, seed=permute.seed,
-        n_samples=grid.n_samples, chunk_size=grid.chunk_size, first=grid.first, end=grid.end,
-        block_chunks=permute.block_chunks, uneven=permute.uneven,
-        contiguous=permute.contiguous, run_chunks=permute.run_chunks or 0,
-        excluded=_excluded_hash(split.exclude), batch_size=shuffle.batch_size,
-        drop_last=shuffle.drop_last, rank=permute.rank, world_size=permute.world_size,
-        in_place=fetch is not None and fetch.arena is not None, every=grid.every,
-        phase=grid.phase)
-
-
-def _excluded_hash(excluded: tuple[int, ...]) -> str:
-    return (hashlib.sha256(json.dumps(list(excluded)).encode()).hexdigest()[:16]
-            if excluded else "")
-

@@ -1,0 +1,319 @@
+"""Loader state formats: what a checkpoint holds, and how one is checked and read back.
+
+A rank's state nests each stage's state (``root``) under the format version, the progress
+``merge_rank_states`` reads, the icechunk snapshot and the fingerprint; a merged state holds
+the ``elastic`` history instead. ``InSituLoader`` writes and loads states through here, so
+the format is described in one place and checked field by field before anything is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torchdata.nodes import BaseNode
+from torchdata.nodes.loader import LoaderIterator
+
+from ..metrics.collect import first_node
+from ..nodes import (
+    AsyncFetchNode,
+    ChunkPermuteNode,
+    GatherNode,
+    PinOrCudaNode,
+    ReadPlanNode,
+    ShuffleBufferNode,
+    SplitNode,
+    TransformNode,
+)
+from ..nodes.chunk_permute import parse_history
+from ..nodes.state import Resumable, require_count, require_dict
+from ..sampling.schedule import Resumption
+from .fingerprint import StateFingerprint, check_fingerprint
+from .ranks import (
+    ELASTIC_KEY,
+    FINGERPRINT_KEY,
+    FORMAT_KEY,
+    PROGRESS_KEY,
+    SNAPSHOT_KEY,
+    STATE_FORMAT,
+)
+
+
+def _nested_key(node: BaseNode) -> str | None:
+    """Where ``node``'s state keeps its upstream's state, for the stages of this package
+    (a foreign node nests it its own way, e.g. torchdata's ``Prefetcher``)."""
+    if isinstance(node, (ShuffleBufferNode, ReadPlanNode, GatherNode, PinOrCudaNode,
+                         AsyncFetchNode, TransformNode)):
+        return node.SOURCE_KEY
+    return None
+
+
+def _levels(nodes: list[BaseNode], root_state: Any) -> Iterator[tuple[BaseNode, dict]]:
+    """(node, its state) down the nested ``root_state``, alongside ``nodes`` (root first),
+    as far as the stages of this package say where their upstream's state is (a foreign node
+    nests it its own way, e.g. torchdata's ``Prefetcher``)."""
+    d = root_state
+    for node in nodes:
+        if not isinstance(d, dict):
+            return
+        yield node, d
+        key = _nested_key(node)
+        if key is None:
+            return
+        d = d.get(key)
+
+
+def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[str, Any] | None:
+    """Epoch, windows finished, draws taken in the head window and the elastic history,
+    read from ``root_state`` by walking it alongside ``nodes`` (root first); ``None`` when
+    the graph lacks a stage that says so."""
+    offset = None
+    for node, d in _levels(nodes, root_state):
+        if isinstance(node, ShuffleBufferNode):
+            offset = d.get(node.OFFSET_KEY)
+        if isinstance(node, ChunkPermuteNode):
+            if offset is None:
+                return None
+            return {"epoch": d[node.EPOCH_KEY], "window": d[node.POSITION_KEY],
+                    "offset": offset, "history": d.get(node.HISTORY_KEY, [])}
+    return None
+
+
+def check_top_level(state: dict[str, Any]) -> None:
+    """A rank's state has ``root`` (a dict) and ``num_yielded`` (a count), a merged one
+    ``elastic``; both may have the format, snapshot and fingerprint. Anything else is a
+    ValueError naming the field."""
+    elastic = ELASTIC_KEY in state
+    known = ({ELASTIC_KEY} if elastic else
+             {LoaderIterator.ROOT_KEY, LoaderIterator.NUM_YIELDED_KEY, PROGRESS_KEY})
+    known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
+    unknown = sorted(set(state) - known)
+    if unknown:
+        raise ValueError(
+            f"loader state has unknown field(s) {unknown} (a {'merged' if elastic else 'rank'} "
+            f"state has {sorted(known)}): load a state saved by state_dict() or "
+            "merge_rank_states")
+    if elastic:
+        return
+    if LoaderIterator.ROOT_KEY not in state:
+        raise ValueError(
+            f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, from "
+            f"state_dict()) nor {ELASTIC_KEY!r} (a merged state, from merge_rank_states); it "
+            f"has {sorted(state)}")
+    require_dict(state, LoaderIterator.ROOT_KEY, "loader")
+    require_count(state, LoaderIterator.NUM_YIELDED_KEY, "loader")
+
+
+def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
+    """(epoch, history) of a merged state's ``elastic`` field, checked field by field."""
+    if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
+        raise ValueError(f"loader state field {ELASTIC_KEY!r} must be "
+                         f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
+    epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
+    history = list(parse_history(el["history"], f"loader state field '{ELASTIC_KEY}.history'"))
+    if not history:
+        raise ValueError(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
+                         "state records at least the resume that made it")
+    return epoch, history
+
+
+def check_root_state(nodes: list[BaseNode], root_state: Any,
+                     ) -> tuple[dict[str, Any], int] | None:
+    """Check ``root_state`` against the graph before anything is read: every nested state
+    a dict, counters integers >= 0, the scheduler's position within its epoch's windows and
+    the draws taken within the head window's. Errors name the node and field. Returns the
+    progress ``state_progress`` reads and the draws of the state's epoch on this rank (its
+    schedule's, an elastic history included); ``None`` without the standard stages."""
+    offset = None
+    d = root_state
+    draws = None
+    for node in nodes:
+        if isinstance(node, ShuffleBufferNode):
+            offset = require_count(d, node.OFFSET_KEY, node)
+        if isinstance(node, ChunkPermuteNode):
+            draws = node.check_state(d, offset).target
+            break
+        key = _nested_key(node)
+        if key is None:
+            return None  # a foreign node nests its upstream's state its own way
+        d = require_dict(d, key, node)
+    progress = state_progress(nodes, root_state)
+    return None if progress is None or draws is None else (progress, draws)
+
+
+_PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
+                    "window": "ChunkPermuteNode state field 'position'",
+                    "offset": "ShuffleBufferNode state field 'offset'",
+                    "history": "ChunkPermuteNode state field 'history'"}
+
+
+def progress_mismatch(progress: Any, found: dict[str, Any]) -> str:
+    """Which field of the state's progress disagrees with the node states, both named."""
+    if not isinstance(progress, dict):
+        return (f"loader state field {PROGRESS_KEY!r} must be a dict like {found!r}, "
+                f"got {progress!r}")
+    for key, where in _PROGRESS_FIELDS.items():
+        if progress.get(key) != found[key]:
+            return (f"loader state field '{PROGRESS_KEY}.{key}' is {progress.get(key)!r}, but "
+                    f"{where} is {found[key]!r}: the state was edited (merge_rank_states "
+                    "reads the progress, the loader the node states; they must agree)")
+    return (f"loader state field {PROGRESS_KEY!r} has unknown fields "
+            f"{sorted(set(progress) - set(found))} (expected {sorted(found)})")
+
+
+def elastic_root_state(nodes: list[BaseNode], epoch: int,
+                       history: list[Resumption]) -> dict[str, Any]:
+    """The graph state that starts ``epoch`` after ``history`` (an elastic resume): the
+    ``ChunkPermuteNode``'s start state, wrapped by each stage above it through its own
+    ``start_state``; restored by the ordinary ``reset(state)`` of every stage."""
+    idx = next((i for i, n in enumerate(nodes) if isinstance(n, ChunkPermuteNode)), None)
+    if idx is None:
+        raise ValueError("an elastic (merged) state needs a ChunkPermuteNode in the graph")
+    state: dict[str, Any] = ChunkPermuteNode.start_state(epoch, history)
+    for node in reversed(nodes[:idx]):
+        if not isinstance(node, Resumable):
+            raise ValueError(
+                f"cannot resume a merged state through {type(node).__name__}: an elastic "
+                "resume needs every stage below ChunkPermuteNode to have start_state()")
+        state = node.start_state(state)
+    return state
+
+
+def upgrade_v1(nodes: list[BaseNode], root_state: Any) -> None:
+    """Format 1 -> 2, in place: ``ReadPlanNode`` counted windows and ``ChunkPermuteNode``
+    chunks; now the scheduler counts windows and the planner keeps no counter."""
+    for node, d in _levels(nodes, root_state):
+        if isinstance(node, ReadPlanNode) and "window" in d:
+            upstream = d.get(node.SOURCE_KEY)
+            if isinstance(upstream, dict):
+                upstream[ChunkPermuteNode.POSITION_KEY] = d.pop("window")
+            return
+
+
+
+def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
+    """What a loader's states record, read off its graph's stages (build_loader's or a
+    hand-built one): everything that decides which samples its counters point at
+    (``fingerprint.StateFingerprint``). ``None`` unless the graph has a ``SplitNode``, a
+    ``ChunkPermuteNode`` and a ``ShuffleBufferNode``."""
+    split = first_node(nodes, SplitNode)
+    permute = first_node(nodes, ChunkPermuteNode)
+    shuffle = first_node(nodes, ShuffleBufferNode)
+    if split is None or permute is None or shuffle is None:
+        return None
+    fetch = first_node(nodes, AsyncFetchNode)
+    grid = permute.grid
+    return StateFingerprint(
+        manifest=split.manifest.content_hash, split=split.split, seed=permute.seed,
+        n_samples=grid.n_samples, chunk_size=grid.chunk_size, first=grid.first, end=grid.end,
+        block_chunks=permute.block_chunks, uneven=permute.uneven,
+        contiguous=permute.contiguous, run_chunks=permute.run_chunks or 0,
+        excluded=_excluded_hash(split.exclude), batch_size=shuffle.batch_size,
+        drop_last=shuffle.drop_last, rank=permute.rank, world_size=permute.world_size,
+        in_place=fetch is not None and fetch.arena is not None, every=grid.every,
+        phase=grid.phase)
+
+
+def _excluded_hash(excluded: tuple[int, ...]) -> str:
+    return (hashlib.sha256(json.dumps(list(excluded)).encode()).hexdigest()[:16]
+            if excluded else "")
+
+
+def rank_state(nodes: list[BaseNode], root_state: dict[str, Any], num_yielded: int,
+               fingerprint: StateFingerprint | None, snapshot_id: str | None,
+               ) -> dict[str, Any]:
+    """The loader state for the graph state ``root_state`` after ``num_yielded`` batches:
+    the nested node states, the format version, the progress ``merge_rank_states`` reads
+    (when the graph has the standard stages), the icechunk snapshot and the fingerprint
+    ``load_state_dict`` checks."""
+    state: dict[str, Any] = {LoaderIterator.ROOT_KEY: root_state,
+                             LoaderIterator.NUM_YIELDED_KEY: num_yielded,
+                             FORMAT_KEY: STATE_FORMAT}
+    if fingerprint is not None:
+        state[FINGERPRINT_KEY] = fingerprint.to_json()
+    progress = state_progress(nodes, root_state)
+    if progress is not None:
+        state[PROGRESS_KEY] = progress
+    if snapshot_id is not None:
+        state[SNAPSHOT_KEY] = snapshot_id
+    return state
+
+
+def read_format(state: dict[str, Any]) -> int:
+    """Pop the state's format version (1 when absent); one this version cannot read is an
+    error naming the formats it reads."""
+    fmt = state.pop(FORMAT_KEY, 1)
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt not in (1, 2, STATE_FORMAT):
+        raise ValueError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
+                         f"insitubatch_nodes reads formats 1 to {STATE_FORMAT}")
+    return fmt
+
+
+def check_snapshot(state: dict[str, Any], snapshot_id: str | None,
+                   allow_change: bool) -> None:
+    """Pop the icechunk snapshot the state was saved on and compare it with the one the
+    source reads now: a moved branch would resume on other data unless allowed."""
+    saved = state.pop(SNAPSHOT_KEY, None)
+    if saved is not None and not isinstance(saved, str):
+        raise ValueError(f"loader state field {SNAPSHOT_KEY!r} must be an icechunk "
+                         f"snapshot id (a string), got {saved!r}")
+    if (saved is not None and snapshot_id is not None and saved != snapshot_id
+            and not allow_change):
+        raise ValueError(
+            f"this loader state was saved while reading icechunk snapshot {saved}, but the "
+            f"source now resolves to snapshot {snapshot_id} (the branch moved since). "
+            "Resume on the saved snapshot (open_icechunk(..., snapshot_id=...)) or build "
+            "the loader with allow_snapshot_change=True to continue on the new data."
+        )
+
+
+def check_state_fingerprint(state: dict[str, Any], fmt: int,
+                            fingerprint: StateFingerprint | None, from_nodes: bool,
+                            allow_change: bool) -> None:
+    """Pop the state's fingerprint and compare it with the loader's (``fingerprint.py``);
+    states of formats 1 and 2 have none and load with a warning, as do a hand-built
+    graph's (``from_nodes``: its fingerprint was read off its nodes). Call it from
+    ``load_state_dict`` itself: the warning points at that method's caller."""
+    raw = state.pop(FINGERPRINT_KEY, None)
+    if fingerprint is None:
+        return  # a graph without the standard stages: nothing to compare with
+    if raw is None:
+        # A hand-built graph's states carried no fingerprint before it was read off the
+        # nodes: those load with the warning below.
+        if fmt >= 3 and not from_nodes:
+            raise ValueError(
+                f"loader state has no field {FINGERPRINT_KEY!r}, which every format-"
+                f"{fmt} state saved by build_loader has: load a state saved by "
+                "state_dict() or merge_rank_states")
+        warnings.warn(
+            f"this loader state has format {fmt}, which records no fingerprint, so it "
+            "cannot be checked against this loader (manifest, split, seed, ranks, "
+            "shuffle): make sure it was saved by a loader built the same way. "
+            "state_dict() after resuming gives a checked (format 3) state.",
+            UserWarning, stacklevel=3)
+        return
+    saved = StateFingerprint.from_json(raw, merged=ELASTIC_KEY in state)
+    check_fingerprint(saved, fingerprint, allow_change)
+
+
+def loadable_state(nodes: list[BaseNode], state: dict[str, Any], fmt: int,
+                   ) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """A checked state (top level, format, snapshot and fingerprint popped) as the rank
+    state torchdata's ``Loader`` loads: a merged state becomes the graph state that starts
+    its epoch, a format-1 state is upgraded, and the progress must agree with the node
+    states. Also (epoch, draws on this rank) it resumes in; ``None`` without the stages."""
+    progress = state.pop(PROGRESS_KEY, None)
+    if ELASTIC_KEY in state:
+        epoch, history = parse_elastic(state[ELASTIC_KEY])
+        state = {LoaderIterator.ROOT_KEY: elastic_root_state(nodes, epoch, history),
+                 LoaderIterator.NUM_YIELDED_KEY: 0}
+    elif fmt == 1:
+        upgrade_v1(nodes, state[LoaderIterator.ROOT_KEY])
+    checked = check_root_state(nodes, state[LoaderIterator.ROOT_KEY])
+    found = checked[0] if checked is not None else None
+    if progress is not None and found is not None and progress != found:
+        raise ValueError(progress_mismatch(progress, found))
+    return state, (None if checked is None else (int(checked[0]["epoch"]), checked[1]))
