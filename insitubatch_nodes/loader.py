@@ -309,7 +309,17 @@ class InSituLoader(Loader):
         check_snapshot(state_dict, self.snapshot_id, self.allow_snapshot_change)
         check_state_fingerprint(state_dict, fmt, self.fingerprint, self._fingerprint_from_nodes,
                                 self.allow_state_change)
-        state_dict, pending = loadable_state(self.nodes(), state_dict, fmt)
+        state_dict, resumed = loadable_state(self.nodes(), state_dict, fmt)
+        pending = None if resumed is None else (resumed.epoch, resumed.draws)
+        shuffle = first_node(self.nodes(), ShuffleBufferNode)
+        if (resumed is not None and shuffle is not None and self.restart_on_stop_iteration
+                and resumed.finished(shuffle.batch_size, shuffle.drop_last)):
+            # torchdata rolls a restored epoch with nothing left over to the next one at
+            # iter(): epoch and len() say so from the load on (a loop resumed from an
+            # end-of-epoch checkpoint starts at the next epoch, not the finished one).
+            # Without restart (uneven="none" on several ranks) the rest is served empty.
+            epoch = resumed.epoch + 1
+            pending = (epoch, self.node(ChunkPermuteNode).draws_in(epoch))
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
@@ -369,7 +379,9 @@ class InSituLoader(Loader):
     def epoch(self) -> int:
         """The epoch being served: the current pass's; between passes the one just finished
         (the next ``iter()`` starts the next); before the first ``iter()``, the first; after
-        ``load_state_dict``, the loaded state's (it applies at the next ``iter()``)."""
+        ``load_state_dict``, the one the next ``iter()`` serves: the loaded state's, or the
+        next when the state had finished its epoch (so ``range(loader.epoch, n)`` resumes
+        a training loop at the right epoch)."""
         self.node(ChunkPermuteNode)  # a clear error for a graph without one
         pending = self._pending_resume()
         return pending[0] if pending is not None else current_epoch(self.nodes())

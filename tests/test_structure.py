@@ -252,3 +252,74 @@ def test_close_stops_the_thread_and_a_later_epoch_restarts_it_but_shutdown_is_fi
     loader.shutdown()
     with pytest.raises(RuntimeError, match="was shut down"):
         next(iter(loader))
+
+
+# -- sizes that keep the house readable (torchdata's nodes/ is the model) ----------------
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_ATTRIBUTES = 25
+MAX_TOP_LEVEL_MODULES = 12
+MAX_SUBPACKAGE_MODULES = 20
+LONG_FUNCTIONS_ALLOWED = {"insitubatch_nodes.cli.parser.build_parser"}  # argparse, one table
+
+
+def _attributes(cls: ast.ClassDef) -> set[str]:
+    """What a class's instances carry: ``self.x = ...`` anywhere in it and annotated
+    class-level fields (a dataclass's)."""
+    names = {st.target.id for st in cls.body
+             if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+    for node in ast.walk(cls):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+        for t in targets:
+            for sub in ast.walk(t):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id == "self"):
+                    names.add(sub.attr)
+    return names
+
+
+def _definitions(tree: ast.AST, prefix: str):
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield f"{prefix}.{node.name}", node
+            yield from _definitions(node, f"{prefix}.{node.name}")
+
+
+def test_modules_functions_and_classes_stay_small():
+    bad = []
+    for name, tree in _modules().items():
+        path = PKG.parent / Path(*name.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        lines = path.read_text().count("\n")
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"{name}: {lines} lines (at most {MAX_MODULE_LINES})")
+        for qual, node in _definitions(tree, name):
+            size = node.end_lineno - node.lineno + 1
+            if isinstance(node, ast.ClassDef):
+                n = len(_attributes(node))
+                if n > MAX_CLASS_ATTRIBUTES:
+                    bad.append(f"{qual}: {n} attributes (at most {MAX_CLASS_ATTRIBUTES})")
+            elif size > MAX_FUNCTION_LINES and qual not in LONG_FUNCTIONS_ALLOWED:
+                bad.append(f"{qual}: {size} lines (at most {MAX_FUNCTION_LINES})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_size_checks_count_what_they_say():
+    tree = ast.parse("class A:\n    x: int\n    def f(self):\n        self.y = 1\n"
+                     "        self.z += 1\n        self.w: int = 2\n        q = self.v\n")
+    assert _attributes(tree.body[0]) == {"x", "y", "z", "w"}
+    assert [q for q, _ in _definitions(tree, "m")] == ["m.A", "m.A.f"]
+
+
+def test_the_top_level_holds_few_modules_and_sub_packages_stay_small():
+    per_package: dict[str, int] = {}
+    for name in _modules():
+        parts = name.split(".")
+        # a package's __init__ is one of its own modules; a plain module, its parent's
+        key = name if (PKG.parent / Path(*parts)).is_dir() else ".".join(parts[:-1])
+        per_package[key] = per_package.get(key, 0) + 1
+    top = per_package.pop("insitubatch_nodes")
+    assert top <= MAX_TOP_LEVEL_MODULES, f"{top} modules at the top level"
+    big = {k: n for k, n in per_package.items() if n > MAX_SUBPACKAGE_MODULES}
+    assert not big, big

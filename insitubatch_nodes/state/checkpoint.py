@@ -12,6 +12,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torchdata.nodes import BaseNode
@@ -120,28 +121,45 @@ def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
     return epoch, history
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where a loaded state resumes on this rank: its epoch, the draws (samples or anchors)
+    this rank has in that epoch, and how many of them are still to be served."""
+
+    epoch: int
+    draws: int
+    left: int
+
+    def finished(self, batch_size: int, drop_last: bool) -> bool:
+        """Nothing left to serve: the next ``iter()`` rolls over to the next epoch."""
+        return self.left < batch_size if drop_last else self.left == 0
+
+
 def check_root_state(nodes: list[BaseNode], root_state: Any,
-                     ) -> tuple[dict[str, Any], int] | None:
+                     ) -> tuple[dict[str, Any], Resumed] | None:
     """Check ``root_state`` against the graph before anything is read: every nested state
     a dict, counters integers >= 0, the scheduler's position within its epoch's windows and
     the draws taken within the head window's. Errors name the node and field. Returns the
-    progress ``state_progress`` reads and the draws of the state's epoch on this rank (its
-    schedule's, an elastic history included); ``None`` without the standard stages."""
+    progress ``state_progress`` reads and where it resumes (the draws of the state's epoch
+    on this rank, an elastic history included); ``None`` without the standard stages."""
     offset = None
     d = root_state
-    draws = None
+    resumed = None
     for node in nodes:
         if isinstance(node, ShuffleBufferNode):
             offset = require_count(d, node.OFFSET_KEY, node)
         if isinstance(node, ChunkPermuteNode):
-            draws = node.check_state(d, offset).target
+            schedule = node.check_state(d, offset)
+            epoch, pos, _ = node.parse_state(d)
+            taken = sum(w.n_final for w in schedule.windows[:pos]) + (offset or 0)
+            resumed = Resumed(epoch, schedule.target, schedule.target - taken)
             break
         key = _nested_key(node)
         if key is None:
             return None  # a foreign node nests its upstream's state its own way
         d = require_dict(d, key, node)
     progress = state_progress(nodes, root_state)
-    return None if progress is None or draws is None else (progress, draws)
+    return None if progress is None or resumed is None else (progress, resumed)
 
 
 _PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
@@ -300,11 +318,11 @@ def check_state_fingerprint(state: dict[str, Any], fmt: int,
 
 
 def loadable_state(nodes: list[BaseNode], state: dict[str, Any], fmt: int,
-                   ) -> tuple[dict[str, Any], tuple[int, int] | None]:
+                   ) -> tuple[dict[str, Any], Resumed | None]:
     """A checked state (top level, format, snapshot and fingerprint popped) as the rank
     state torchdata's ``Loader`` loads: a merged state becomes the graph state that starts
     its epoch, a format-1 state is upgraded, and the progress must agree with the node
-    states. Also (epoch, draws on this rank) it resumes in; ``None`` without the stages."""
+    states. Also where it resumes on this rank; ``None`` without the stages."""
     progress = state.pop(PROGRESS_KEY, None)
     if ELASTIC_KEY in state:
         epoch, history = parse_elastic(state[ELASTIC_KEY])
@@ -316,4 +334,4 @@ def loadable_state(nodes: list[BaseNode], state: dict[str, Any], fmt: int,
     found = checked[0] if checked is not None else None
     if progress is not None and found is not None and progress != found:
         raise ValueError(progress_mismatch(progress, found))
-    return state, (None if checked is None else (int(checked[0]["epoch"]), checked[1]))
+    return state, (None if checked is None else checked[1])
