@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import ConfigError
 from .io.chunk_cache import ChunkCache
 from .io.device_decode import FrameDecoder
 from .io.retry import RetryPolicy
@@ -30,12 +31,12 @@ DEFAULT_RING_SIZE = 3
 
 def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _flag(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be True or False, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,10 @@ class SamplingConfig:
         if self.run_chunks is not None:
             _positive_int("sampling", "run_chunks", self.run_chunks)
             if self.block_chunks is not None and self.run_chunks > self.block_chunks:
-                raise ValueError(f"sampling.run_chunks={self.run_chunks} exceeds block_chunks="
+                raise ConfigError(f"sampling.run_chunks={self.run_chunks} exceeds block_chunks="
                                  f"{self.block_chunks}: a window holds whole runs")
         if self.uneven not in UNEVEN_POLICIES:
-            raise ValueError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
+            raise ConfigError(f"sampling.uneven must be one of {UNEVEN_POLICIES}, "
                              f"got {self.uneven!r}")
         if isinstance(self.seed, np.integer):  # states are JSON: keep a Python int
             object.__setattr__(self, "seed", int(self.seed))
@@ -120,7 +121,7 @@ class FetchConfig:
         _positive_int("fetch", "max_inflight", self.max_inflight)
         if self.workers != "auto" and (isinstance(self.workers, bool)
                                        or not isinstance(self.workers, int) or self.workers < 0):
-            raise ValueError(f"fetch.workers must be 'auto' or an integer >= 0 (0: decode "
+            raise ConfigError(f"fetch.workers must be 'auto' or an integer >= 0 (0: decode "
                              f"threads in this process), got {self.workers!r}")
         _flag("fetch", "prefetch_next_epoch", self.prefetch_next_epoch)
         if self.cache is not None and not isinstance(self.cache, ChunkCache):
@@ -131,10 +132,10 @@ class FetchConfig:
         if self.decode_threads is not None:
             _positive_int("fetch", "decode_threads", self.decode_threads)
         if isinstance(self.decode, str) and self.decode not in ("cpu", "gpu"):
-            raise ValueError(f"fetch.decode must be 'cpu' or 'gpu', got {self.decode!r} "
+            raise ConfigError(f"fetch.decode must be 'cpu' or 'gpu', got {self.decode!r} "
                              "(or pass a FrameDecoder object)")
         if self.in_place is not None and not isinstance(self.in_place, bool):  # 0 == False
-            raise ValueError(f"fetch.in_place must be None, True or False, got {self.in_place!r}")
+            raise ConfigError(f"fetch.in_place must be None, True or False, got {self.in_place!r}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise TypeError(f"fetch.retry must be a RetryPolicy, got {self.retry!r}")
 
@@ -166,7 +167,7 @@ class SampleConfig:
         if self.fill_nan is not None and (isinstance(self.fill_nan, bool)
                                           or not isinstance(self.fill_nan, (int, float))
                                           or not np.isfinite(self.fill_nan)):
-            raise ValueError(f"sample.fill_nan must be a finite number (0.0 is the usual "
+            raise ConfigError(f"sample.fill_nan must be a finite number (0.0 is the usual "
                              f"choice after normalization) or None, got {self.fill_nan!r}")
         if not isinstance(self.mask, bool):
             if isinstance(self.mask, str) or not isinstance(self.mask, Sequence):
@@ -179,10 +180,10 @@ class SampleConfig:
                                 f"{self.normalize!r}")
             bad = {k: v for k, v in self.normalize.items() if v not in SCHEMES}
             if bad:
-                raise ValueError(f"sample.normalize has unknown schemes {bad}; schemes: "
+                raise ConfigError(f"sample.normalize has unknown schemes {bad}; schemes: "
                                  f"{list(SCHEMES)}")
             if self.stats is None:
-                raise ValueError("sample.normalize needs stats= (e.g. ib.dataset_stats(src) "
+                raise ConfigError("sample.normalize needs stats= (e.g. ib.dataset_stats(src) "
                                  "or ib.compute_stats(...)) to apply its schemes to")
         if self.steps is not None and not isinstance(self.steps, SampleWindow):
             raise TypeError(f"sample.steps (window=) must be a SampleWindow, got {self.steps!r}")
@@ -196,17 +197,17 @@ class SampleConfig:
                     raise TypeError(f"sample.{name} must be a sequence, got {value!r}")
                 object.__setattr__(self, name, tuple(value))
         if self.patch_stride is not None and self.patch_size is None:
-            raise ValueError("sample.patch_stride needs patch_size")
+            raise ConfigError("sample.patch_stride needs patch_size")
         for name in ("patch_size", "patch_stride"):
             value = getattr(self, name)
             if value is not None and (not value or not all(
                     isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1
                     for n in value)):
-                raise ValueError(f"sample.{name} must be positive integers, one per patched "
+                raise ConfigError(f"sample.{name} must be positive integers, one per patched "
                                  f"dim, got {value!r}")
         if (self.patch_stride is not None and self.patch_size is not None
                 and len(self.patch_stride) != len(self.patch_size)):
-            raise ValueError(f"sample.patch_stride {self.patch_stride} and patch_size "
+            raise ConfigError(f"sample.patch_stride {self.patch_stride} and patch_size "
                              f"{self.patch_size} must have one entry per patched dim each")
         if self.static is not None:
             if not isinstance(self.static, Mapping):
@@ -266,7 +267,7 @@ class CheckpointConfig:
                 raise TypeError(f"checkpoint.{name} must be True or False, "
                                 f"got {getattr(self, name)!r}")
         if self.log_every_s is not None and not self.log_every_s > 0:
-            raise ValueError(f"checkpoint.log_every_s must be > 0 (or None), "
+            raise ConfigError(f"checkpoint.log_every_s must be > 0 (or None), "
                              f"got {self.log_every_s!r}")
 
 

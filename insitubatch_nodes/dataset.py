@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from torchdata.nodes import BaseNode
 
 from .config import FetchConfig, LoaderConfig, SamplingConfig
+from .errors import ConfigError
 from .graph import Resolved, resolve, transform_stages
 from .io.loop_thread import LoopThread
 from .io.reader import StripeReader
@@ -207,7 +208,7 @@ class SampleDataset(Dataset):
         self.resolved = resolve(source, manifest, split, cfg)
         self.cache_bytes = parse_bytes(cache_bytes)
         if self.cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes!r}")
+            raise ConfigError(f"cache_bytes must be >= 0, got {cache_bytes!r}")
         chunks = np.setdiff1d(manifest.chunk_ids(split),
                               np.asarray(self.resolved.excluded, dtype=np.int64))
         indices = self.resolved.grid.samples_of(chunks)

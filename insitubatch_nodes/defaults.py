@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from .config import FetchConfig, SamplingConfig
+from .errors import ConfigError
 from .io.device_decode import FrameDecoder
 from .io.reader import groups_reads
 from .memory.layout import BatchLayout, build_layout
@@ -47,25 +48,25 @@ def every_steps(source: Source, every: int | str) -> tuple[int, int]:
 
     times = source.sample_coord
     if times is None or not np.issubdtype(np.asarray(times).dtype, np.datetime64):
-        raise ValueError(f"sampling.every={every!r} is a duration, but {source.url} has no "
+        raise ConfigError(f"sampling.every={every!r} is a duration, but {source.url} has no "
                          "time coordinate on its sample axis; give a number of steps instead")
     try:
         period = pd.Timedelta(every).to_timedelta64().astype("timedelta64[ns]")
     except ValueError as e:
-        raise ValueError(f"sampling.every={every!r} is not a duration such as '6h' or '1D' "
+        raise ConfigError(f"sampling.every={every!r} is not a duration such as '6h' or '1D' "
                          f"({e})") from None
     t = np.asarray(times).astype("datetime64[ns]")
     steps = np.unique(np.diff(t))
     if t.size < 2 or steps.size != 1:
-        raise ValueError(f"sampling.every={every!r} needs a regular time axis; {source.url}'s "
+        raise ConfigError(f"sampling.every={every!r} needs a regular time axis; {source.url}'s "
                          f"steps are {steps[:4]} (give a number of steps instead)")
     k, rest = divmod(int(period.astype(np.int64)), int(steps[0].astype(np.int64)))
     if k < 1 or rest:
-        raise ValueError(f"sampling.every={every!r} is not a whole number of the time axis' "
+        raise ConfigError(f"sampling.every={every!r} is not a whole number of the time axis' "
                          f"steps ({np.timedelta64(steps[0], 'm')})")
     aligned = np.flatnonzero(t[:k].astype(np.int64) % int(period.astype(np.int64)) == 0)
     if aligned.size == 0:
-        raise ValueError(f"sampling.every={every!r}: no step among the first {k} of "
+        raise ConfigError(f"sampling.every={every!r}: no step among the first {k} of "
                          f"{source.url} falls on a multiple of {every} (times from {t[0]})")
     return k, int(aligned[0])
 
@@ -152,7 +153,7 @@ def resolve_workers(source: Source, f: FetchConfig, in_place: bool) -> int:
     if workers:
         unsendable = _unsendable(source)
         if unsendable is not None and f.workers != "auto":
-            raise ValueError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
+            raise ConfigError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
                              "threads in this process).")
         if unsendable is not None:
             log.info("insitubatch: decode threads, not worker processes: %s", unsendable)
@@ -204,11 +205,11 @@ def resolve_in_place(source: Source, f: FetchConfig, steps: SampleWindow | None,
     for what it cannot do is an error saying why not."""
     why_not = _not_in_place(source, steps, decoder, layout)
     if f.in_place and why_not:
-        raise ValueError(f"fetch.in_place=True, but this loader cannot decode into its "
+        raise ConfigError(f"fetch.in_place=True, but this loader cannot decode into its "
                          f"batches: {why_not}. Leave in_place=None to decide per store.")
     asked = f.workers if f.workers != "auto" else 0
     if asked and (why_not or f.in_place is False):
-        raise ValueError(f"fetch.workers={asked} decode straight into batches in shared memory, "
+        raise ConfigError(f"fetch.workers={asked} decode straight into batches in shared memory, "
                          f"which this loader cannot: {why_not or 'fetch.in_place=False'}. Use "
                          "workers=0 (decode threads) or workers='auto'.")
     return f.in_place is not False and why_not is None and (
@@ -247,7 +248,7 @@ def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
                     else default_block_chunks(source, in_place and steps is None, run_chunks))
     if run_chunks is not None:
         if s.run_chunks is not None and s.run_chunks > block_chunks:
-            raise ValueError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
+            raise ConfigError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="
                              f"{block_chunks}: a window holds whole runs")
         run_chunks = min(run_chunks, block_chunks)
     return block_chunks, run_chunks

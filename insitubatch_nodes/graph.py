@@ -30,6 +30,7 @@ from .defaults import (
     resolve_workers,
     window_size,
 )
+from .errors import ConfigError
 from .fetch.first_batch import FirstBatch
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .memory.arena import BatchArena
@@ -103,10 +104,10 @@ def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None
     if decode == "cpu":
         return None
     if decode != "gpu":
-        raise ValueError(f"decode must be 'cpu' or 'gpu', got {decode!r}")
+        raise ConfigError(f"decode must be 'cpu' or 'gpu', got {decode!r}")
     dev = resolve_device(device)
     if dev is None or dev.type != "cuda":
-        raise ValueError(f"decode='gpu' needs device='cuda' (got device={device!r}): the "
+        raise ConfigError(f"decode='gpu' needs device='cuda' (got device={device!r}): the "
                          "batches are decoded and gathered on that GPU")
     return NvcompFrameDecoder(dev)
 
@@ -125,7 +126,7 @@ def _sample_grid(source: Source, steps: SampleWindow | None,
     if every is not None:
         grid = grid.with_every(*every_steps(source, every))
     if steps is not None and grid.end <= grid.first:
-        raise ValueError(f"the time window {steps} spans {steps.span} steps, more than the "
+        raise ConfigError(f"the time window {steps} spans {steps.span} steps, more than the "
                          f"{source.grid.n_samples} steps of {source.url}: no sample has "
                          "all its steps; shorten history, leads or stride")
     return grid
@@ -168,21 +169,21 @@ def _served_chunks(source: Source, manifest: SplitManifest, split: str, grid: Sa
         chunk_ids = np.setdiff1d(chunk_ids, excluded)
         if had and len(chunk_ids) == 0:
             if anchorless.size == had and steps is None:
-                raise ValueError(f"split {split!r} holds no step kept by every={every!r}: "
+                raise ConfigError(f"split {split!r} holds no step kept by every={every!r}: "
                                  "give it more of the axis or keep more steps")
             if anchorless.size == had:
-                raise ValueError(
+                raise ConfigError(
                     f"split {split!r} holds no sample of the time window {steps}: its "
                     f"chunks {anchorless[:8].tolist()} lie outside the steps "
                     f"{grid.first}..{grid.end - 1} whose window fits the axis; give it "
                     "more of the axis or shorten the window")
-            raise ValueError(
+            raise ConfigError(
                 f"every chunk of split {split!r} ({had}) is left out: its samples touch the "
                 f"store's missing steps {list(source.missing)[:8]} or, with time steps "
                 f"{steps}, reach another split's chunks (split_by_chunk(mode='random') "
                 "interleaves the splits; use contiguous splits or split_by_coordinate(gap=))")
     if len(chunk_ids) == 0:
-        raise ValueError(
+        raise ConfigError(
             f"split {split!r} has no chunks (its fraction is {_fraction(manifest, split)}); "
             f"splits with chunks: {[n for n in manifest.names if len(manifest.chunk_ids(n))]}"
         )
@@ -194,7 +195,7 @@ def _check_world_size(ctx: ScheduleContext, world_size: int, split: str) -> int:
     error, since a chunk is served by one rank."""
     units = n_units(ctx)
     if world_size > units:
-        raise ValueError(
+        raise ConfigError(
             f"world_size={world_size} exceeds the {units} "
             f"{'blocks' if ctx.contiguous else 'chunks'} of split {split!r}: a chunk "
             "is served by one rank, so some ranks would get nothing. Use at most "
@@ -261,7 +262,7 @@ def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | N
     key = CHANNELS_KEY
     if source.selection is not None:
         if channels:
-            raise ValueError(
+            raise ConfigError(
                 f"the anemoi dataset {source.url!r} was opened with variables="
                 f"{list(source.selection)} and the loader was given channels="
                 f"{list(sm.channels or ())}: choose the variables in one of the two")
@@ -270,11 +271,11 @@ def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | N
     if source.format == "anemoi" and (source.selection is not None or not channels):
         key = source.variables[0].name  # "data": the selection, or all of it
     if (sm.channels_last or sm.drop_ensemble) and not channels and source.format != "anemoi":
-        raise ValueError("sample.channels_last / drop_ensemble apply to stacked channels "
+        raise ConfigError("sample.channels_last / drop_ensemble apply to stacked channels "
                          "(channels=[...]) or an anemoi dataset's data; this loader has "
                          f"neither (variables {list(source.names)})")
     if sm.drop_ensemble and source.format != "anemoi":
-        raise ValueError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
+        raise ConfigError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
                          "it has no ensemble axis")
     return channels, key
 
@@ -327,11 +328,11 @@ def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
         k = len(sm.patch_size)
         short = {v.name: v.sample_shape for v in source.variables if len(v.sample_shape) < k}
         if short:
-            raise ValueError(f"patch_size={tuple(sm.patch_size)} cuts the last {k} dims of "
+            raise ConfigError(f"patch_size={tuple(sm.patch_size)} cuts the last {k} dims of "
                              f"each sample, but these samples have fewer: {short}")
         shapes = {v.name: tuple(v.sample_shape[-k:]) for v in source.variables}
         if len(set(shapes.values())) > 1:  # one grid of patches cuts one grid of points
-            raise ValueError(f"patch_size={tuple(sm.patch_size)} cuts every variable on one "
+            raise ConfigError(f"patch_size={tuple(sm.patch_size)} cuts every variable on one "
                              f"grid, but their last {k} dims differ: {shapes}; open the "
                              "variables of one grid (open_source(variables=...))")
         spatial = next(iter(shapes.values()))
@@ -353,7 +354,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     stage of ``STAGES`` (tests drive single stages); ``ops`` replaces the CUDA calls of
     ``PinOrCudaNode`` (tests run the CUDA path on CPU with fakes)."""
     if upto is not None and upto not in STAGES:
-        raise ValueError(f"upto must be one of {STAGES}, got {upto!r}")
+        raise ConfigError(f"upto must be one of {STAGES}, got {upto!r}")
     cfg = resolved.config
     s, f, sm, d = cfg.sampling, cfg.fetch, cfg.sample, cfg.device
     steps = sm.time_steps

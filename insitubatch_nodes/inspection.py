@@ -18,6 +18,7 @@ import numpy as np
 import zarr
 
 from .defaults import decodes_in_place, default_prefetch_windows
+from .errors import ConfigError
 from .io.device_chain import HostOnly, device_chain_from
 from .io.reader import StripeReader
 from .memory.budget import largest_block_chunks, parse_bytes, resident_bound
@@ -239,7 +240,7 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     ``steps``, also the run length: runs long enough that halos add <= 25% to the reads,
     and as many runs per window as the quality asks for (scored over runs)."""
     if not 0 < quality <= 1:
-        raise ValueError(f"quality must be in (0, 1], got {quality!r}")
+        raise ConfigError(f"quality must be in (0, 1], got {quality!r}")
     if steps is not None and steps.is_single_step:
         steps = None
     if prefetch_windows is None:

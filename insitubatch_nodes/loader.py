@@ -19,11 +19,13 @@ from torchdata.nodes.loader import LoaderIterator
 
 from .config import LoaderConfig
 from .defaults import default_prefetch_windows
+from .errors import ConfigError, StateError
 from .graph import Resolved, build_graph, resolve, resolve_decode
 from .memory.budget import parse_bytes
 from .memory.ledger import MemoryLedger
 from .metrics.collect import collect_stats, current_epoch, first_node, maybe_log
-from .metrics.counters import ConsumerMeter, LoaderStats
+from .metrics.counters import ConsumerMeter
+from .metrics.loader_stats import LoaderStats
 from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, NormalizeNode, ShuffleBufferNode
 from .nodes.state import copy_state, shutdown_source
 from .state.checkpoint import (
@@ -213,14 +215,14 @@ class InSituLoader(Loader):
         batch): build with ``keep_states=k`` and ask for the batches actually consumed.
         """
         if self._recent_states is None:
-            raise ValueError("state_dict_at needs the loader built with keep_states >= 1")
+            raise ConfigError("state_dict_at needs the loader built with keep_states >= 1")
         if self._it is not None and self._it._num_yielded == num_yielded:
             return self.state_dict()
         for n, state in reversed(self._recent_states):
             if n == num_yielded:
                 return json.loads(json.dumps(state))
         kept = [n for n, _ in self._recent_states]
-        raise ValueError(f"no state kept for num_yielded={num_yielded}; kept: {kept} "
+        raise StateError(f"no state kept for num_yielded={num_yielded}; kept: {kept} "
                          "(raise keep_states)")
 
     def __iter__(self):
@@ -255,7 +257,7 @@ class InSituLoader(Loader):
         batches are delivered (``None`` turns it off). Default logger ``insitubatch_nodes``,
         level INFO."""
         if seconds is not None and not seconds > 0:
-            raise ValueError(f"log_stats_every wants seconds > 0 (or None), got {seconds!r}")
+            raise ConfigError(f"log_stats_every wants seconds > 0 (or None), got {seconds!r}")
         meter = self._meter
         meter.log_every_s = seconds
         meter.next_log = None if seconds is None else time.perf_counter() + seconds
@@ -297,12 +299,12 @@ class InSituLoader(Loader):
         fingerprint) load with a warning.
         """
         if not isinstance(state_dict, dict):
-            raise ValueError(f"a loader state is a dict (from state_dict() or "
+            raise StateError(f"a loader state is a dict (from state_dict() or "
                              f"merge_rank_states), got {type(state_dict).__name__}")
         try:
             state_dict = json.loads(json.dumps(state_dict))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"a loader state is plain JSON data (from state_dict()); this "
+            raise StateError(f"a loader state is plain JSON data (from state_dict()); this "
                              f"one is not: {e}") from None
         check_top_level(state_dict)
         fmt = read_format(state_dict)
@@ -367,7 +369,7 @@ class InSituLoader(Loader):
         ``x``'s device and dtype)."""
         norm = first_node(self.nodes(), NormalizeNode)
         if norm is None:
-            raise ValueError("this loader does not normalize (no stats=): its batches are "
+            raise ConfigError("this loader does not normalize (no stats=): its batches are "
                              "in the store's units already")
         offset, scale = norm.parameters(key)
         return x * scale.to(x.device, x.dtype) + offset.to(x.device, x.dtype)

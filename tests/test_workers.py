@@ -53,7 +53,7 @@ def alive(pid: int) -> bool:
     # a zombie (exited, not yet reaped by a parent that is gone) counts as gone
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # it exited while being read
         return False
 
 

@@ -37,6 +37,7 @@ try:
 except ImportError:  # Windows: no flock; one process per cache directory there
     fcntl = None  # type: ignore[assignment]
 
+from ..errors import ConfigError
 from ..memory.budget import parse_bytes
 from ..store.storage import redact_urls
 
@@ -88,7 +89,7 @@ class ChunkCache:
         self.directory = Path(directory)
         self.max_bytes = parse_bytes(max_bytes)
         if self.max_bytes < 1:
-            raise ValueError(f"ChunkCache max_bytes must be positive, got {max_bytes!r}")
+            raise ConfigError(f"ChunkCache max_bytes must be positive, got {max_bytes!r}")
         self.root = self.directory / f"v{_VERSION}"
         try:
             (self.root / "tmp").mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import obstore.exceptions as oe
 
-from ..errors import InsitubatchError
+from ..errors import ConfigError, InsitubatchError
 
 # What codecs raise for stored bytes that do not decode: numcodecs' RuntimeError/ValueError,
 # gzip's EOFError, zlib.error, LZMAError, our frame checks' ValueError. (Not OSError: on a
@@ -70,9 +70,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.decode_attempts < 1:
-            raise ValueError(f"attempts and decode_attempts must be >= 1, got {self}")
+            raise ConfigError(f"attempts and decode_attempts must be >= 1, got {self}")
         if self.base_delay < 0 or self.max_delay < 0 or not 0 <= self.jitter <= 1:
-            raise ValueError(f"delays must be >= 0 and jitter in [0, 1], got {self}")
+            raise ConfigError(f"delays must be >= 0 and jitter in [0, 1], got {self}")
 
     def delay(self, failures: int, rng: random.Random) -> float:
         d = min(self.max_delay, self.base_delay * 2 ** (failures - 1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from ..errors import ConfigError
 from ..sampling.geometry import SampleGrid, VariableGeometry
 from ..sampling.plan import max_window_nbytes
 from ..sampling.windows import SampleWindow
@@ -24,7 +25,7 @@ def parse_bytes(value: int | str) -> int:
         return value
     m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read a byte size from {value!r}; write e.g. 4GB or 512MiB")
+        raise ConfigError(f"cannot read a byte size from {value!r}; write e.g. 4GB or 512MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -96,7 +97,7 @@ def check_budget(grid: SampleGrid, variables: Sequence[VariableGeometry],
                                     block_chunks - 1, steps, in_place, run_chunks)
         hint = (f"block_chunks={fits} fits" if fits else
                 "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
-        raise ValueError(
+        raise ConfigError(
             f"memory_budget={memory_budget!r} ({budget:,} B) is below the {need:,} B that "
             f"block_chunks={block_chunks} with prefetch_windows={prefetch_windows} can hold "
             f"resident; {hint}"

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from ..errors import ConfigError
+
 B = TypeVar("B")
 
 
@@ -63,7 +65,7 @@ class HostRing(Generic[B]):
 
     def __init__(self, size: int, allocate: Callable[[int], B]) -> None:
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"ring size must be an integer >= 1, got {size!r}")
+            raise ConfigError(f"ring size must be an integer >= 1, got {size!r}")
         self.size = size
         self._allocate = allocate
         self._slots: list[_Slot[B]] = [_Slot() for _ in range(size)]
@@ -141,7 +143,7 @@ class HostRing(Generic[B]):
     def _ensure(self, slot: _Slot[B], key: str, n: int) -> bool:
         n = int(n)
         if n < 0:
-            raise ValueError(f"negative size {n} for key {key!r}")
+            raise ConfigError(f"negative size {n} for key {key!r}")
         if key in slot.buffers and slot.capacity[key] >= n:
             return False
         slot.buffers.pop(key, None)  # drop the old buffer before making the new one

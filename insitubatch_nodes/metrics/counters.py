@@ -181,5 +181,3 @@ class GatherStats:
     next_s: float = 0.0
     upstream_s: float = 0.0
 
-
-from .loader_stats import LoaderStats  # noqa: E402, F401  (loader.py's import; to move)

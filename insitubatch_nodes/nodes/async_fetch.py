@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from ..defaults import PREFETCH_WINDOWS
+from ..errors import ConfigError
 from ..fetch.device_submit import DeviceSubmit, window_decoder_for
 from ..fetch.epoch_ahead import EpochAhead
 from ..fetch.first_batch import FirstBatch
@@ -43,9 +45,9 @@ from ..workers.engine import WorkerEngine
 from ..workers.shared_memory import SharedMemoryArena
 from .state import copy_state, require, shutdown_source
 
-# Windows fetched ahead of the one being drawn, on every store (graph.default_prefetch_windows
+# Windows fetched ahead of the one being drawn, on every store (defaults.default_prefetch_windows
 # says why): the node's default and the loader's are this one number.
-DEFAULT_PREFETCH_WINDOWS = 2
+DEFAULT_PREFETCH_WINDOWS = PREFETCH_WINDOWS
 
 
 def default_decode_threads(one_sample_in_place: bool = False) -> int:
@@ -108,13 +110,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  cache: ChunkCache | None = None) -> None:
         super().__init__()
         if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+            raise ConfigError(f"max_inflight must be >= 1, got {max_inflight}")
         if prefetch_windows < 0:
-            raise ValueError(f"prefetch_windows must be >= 0, got {prefetch_windows}")
+            raise ConfigError(f"prefetch_windows must be >= 0, got {prefetch_windows}")
         # Decode worker processes writing into batches in ``shared`` memory (in place only;
         # graph.py sets the arena's pool to allocate there). 0: the decode threads.
         if workers and (arena is None or shared is None):
-            raise ValueError(f"workers={workers} decode into batches in shared memory: they "
+            raise ConfigError(f"workers={workers} decode into batches in shared memory: they "
                              "need an arena (in-place decoding) and a SharedMemoryArena")
         self.source, self.dataset = source, dataset
         self.max_inflight = int(max_inflight)

@@ -18,6 +18,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 from torchdata.nodes.loader import LoaderIterator
 
+from ..errors import StateError
 from ..metrics.collect import first_node
 from ..nodes import (
     AsyncFetchNode,
@@ -93,14 +94,14 @@ def check_top_level(state: dict[str, Any]) -> None:
     known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
     unknown = sorted(set(state) - known)
     if unknown:
-        raise ValueError(
+        raise StateError(
             f"loader state has unknown field(s) {unknown} (a {'merged' if elastic else 'rank'} "
             f"state has {sorted(known)}): load a state saved by state_dict() or "
             "merge_rank_states")
     if elastic:
         return
     if LoaderIterator.ROOT_KEY not in state:
-        raise ValueError(
+        raise StateError(
             f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, from "
             f"state_dict()) nor {ELASTIC_KEY!r} (a merged state, from merge_rank_states); it "
             f"has {sorted(state)}")
@@ -111,12 +112,12 @@ def check_top_level(state: dict[str, Any]) -> None:
 def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
     """(epoch, history) of a merged state's ``elastic`` field, checked field by field."""
     if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
-        raise ValueError(f"loader state field {ELASTIC_KEY!r} must be "
+        raise StateError(f"loader state field {ELASTIC_KEY!r} must be "
                          f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
     epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
     history = list(parse_history(el["history"], f"loader state field '{ELASTIC_KEY}.history'"))
     if not history:
-        raise ValueError(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
+        raise StateError(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
                          "state records at least the resume that made it")
     return epoch, history
 
@@ -189,11 +190,11 @@ def elastic_root_state(nodes: list[BaseNode], epoch: int,
     ``start_state``; restored by the ordinary ``reset(state)`` of every stage."""
     idx = next((i for i, n in enumerate(nodes) if isinstance(n, ChunkPermuteNode)), None)
     if idx is None:
-        raise ValueError("an elastic (merged) state needs a ChunkPermuteNode in the graph")
+        raise StateError("an elastic (merged) state needs a ChunkPermuteNode in the graph")
     state: dict[str, Any] = ChunkPermuteNode.start_state(epoch, history)
     for node in reversed(nodes[:idx]):
         if not isinstance(node, Resumable):
-            raise ValueError(
+            raise StateError(
                 f"cannot resume a merged state through {type(node).__name__}: an elastic "
                 "resume needs every stage below ChunkPermuteNode to have start_state()")
         state = node.start_state(state)
@@ -265,7 +266,7 @@ def read_format(state: dict[str, Any]) -> int:
     error naming the formats it reads."""
     fmt = state.pop(FORMAT_KEY, 1)
     if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt not in (1, 2, STATE_FORMAT):
-        raise ValueError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
+        raise StateError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
                          f"insitubatch_nodes reads formats 1 to {STATE_FORMAT}")
     return fmt
 
@@ -276,11 +277,11 @@ def check_snapshot(state: dict[str, Any], snapshot_id: str | None,
     source reads now: a moved branch would resume on other data unless allowed."""
     saved = state.pop(SNAPSHOT_KEY, None)
     if saved is not None and not isinstance(saved, str):
-        raise ValueError(f"loader state field {SNAPSHOT_KEY!r} must be an icechunk "
+        raise StateError(f"loader state field {SNAPSHOT_KEY!r} must be an icechunk "
                          f"snapshot id (a string), got {saved!r}")
     if (saved is not None and snapshot_id is not None and saved != snapshot_id
             and not allow_change):
-        raise ValueError(
+        raise StateError(
             f"this loader state was saved while reading icechunk snapshot {saved}, but the "
             f"source now resolves to snapshot {snapshot_id} (the branch moved since). "
             "Resume on the saved snapshot (open_icechunk(..., snapshot_id=...)) or build "
@@ -302,7 +303,7 @@ def check_state_fingerprint(state: dict[str, Any], fmt: int,
         # A hand-built graph's states carried no fingerprint before it was read off the
         # nodes: those load with the warning below.
         if fmt >= 3 and not from_nodes:
-            raise ValueError(
+            raise StateError(
                 f"loader state has no field {FINGERPRINT_KEY!r}, which every format-"
                 f"{fmt} state saved by build_loader has: load a state saved by "
                 "state_dict() or merge_rank_states")
@@ -333,5 +334,5 @@ def loadable_state(nodes: list[BaseNode], state: dict[str, Any], fmt: int,
     checked = check_root_state(nodes, state[LoaderIterator.ROOT_KEY])
     found = checked[0] if checked is not None else None
     if progress is not None and found is not None and progress != found:
-        raise ValueError(progress_mismatch(progress, found))
+        raise StateError(progress_mismatch(progress, found))
     return state, (None if checked is None else checked[1])

@@ -23,7 +23,7 @@ PROGRESS_KEY = "progress"
 FINGERPRINT_KEY = "fingerprint"
 # 2: ChunkPermuteNode's position counts windows (was chunks) and ReadPlanNode keeps no
 # counter; the loader writes the format and a "progress" summary. Format 1 is converted
-# on load (loader.upgrade_v1).
+# on load (state.checkpoint.upgrade_v1).
 # 3: every state built by build_loader carries a "fingerprint" (fingerprint.py), checked
 # on load; formats 1 and 2 have none and load with a warning that they cannot be checked.
 STATE_FORMAT = 3

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import StoreError
 from ..sampling.geometry import SampleGrid
 from ..sampling.windows import SampleWindow
 from .source import Source
@@ -110,9 +111,9 @@ class SplitManifest:
         an invalid split (see the class), or splits edited since the recorded
         ``content_hash`` are ``ValueError``s naming the field."""
         if not isinstance(d, dict):
-            raise ValueError(f"a split manifest is a JSON object, got {type(d).__name__}")
+            raise StoreError(f"a split manifest is a JSON object, got {type(d).__name__}")
         if d.get("version") != MANIFEST_VERSION:
-            raise ValueError(
+            raise StoreError(
                 f"split manifest version {d.get('version')!r} is not supported "
                 f"(this library reads version {MANIFEST_VERSION})"
             )
@@ -122,7 +123,7 @@ class SplitManifest:
             if not isinstance(ranges, list) or not all(
                     isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r)
                     for r in ranges):
-                raise ValueError(f"split manifest field 'splits.{name}' must be a list of "
+                raise StoreError(f"split manifest field 'splits.{name}' must be a list of "
                                  f"[start, stop] chunk-id pairs, got {ranges!r}")
             parsed.append((str(name), tuple((a, b) for a, b in ranges)))
         m = cls(
@@ -140,7 +141,7 @@ class SplitManifest:
         )
         recorded = d.get("content_hash")
         if recorded is not None and recorded != m.content_hash:
-            raise ValueError(
+            raise StoreError(
                 f"split manifest field 'content_hash' is {recorded!r}, but its splits hash to "
                 f"{m.content_hash!r}: the splits were edited after the manifest was written. "
                 "Loader states saved with the old splits will not load over it; if the edit "
@@ -158,25 +159,25 @@ class SplitManifest:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"split manifest {path} is not valid JSON: {e}") from None
+            raise StoreError(f"split manifest {path} is not valid JSON: {e}") from None
         try:
             return cls.from_dict(d)
         except ValueError as e:
-            raise ValueError(f"split manifest {path}: {e}") from None
+            raise StoreError(f"split manifest {path}: {e}") from None
 
     def check_source(self, source: Source, allow_snapshot_change: bool = False) -> None:
         """Refuse a store whose sample axis (or icechunk snapshot) is not the one this
         manifest was made for."""
         if (self.snapshot_id and source.snapshot_id and self.snapshot_id != source.snapshot_id
                 and not allow_snapshot_change):
-            raise ValueError(
+            raise StoreError(
                 f"split manifest was made on icechunk snapshot {self.snapshot_id}, but "
                 f"{source.url} now resolves to snapshot {source.snapshot_id} (the branch "
                 "moved). Open the old snapshot with open_icechunk(..., snapshot_id=...), or "
                 "pass allow_snapshot_change=True to use the new data."
             )
         if (source.n_samples, source.grid.chunk_size) != (self.n_samples, self.chunk_size):
-            raise ValueError(
+            raise StoreError(
                 f"split manifest was made for {self.n_samples} samples in chunks of "
                 f"{self.chunk_size} ({self.source_url or 'unknown store'}), but {source.url} "
                 f"serves {source.n_samples} samples in chunks of {source.grid.chunk_size}. "
@@ -195,25 +196,25 @@ def _field(d: dict, key: str, kind: type, default: object = _MISSING) -> object:
     """``d[key]``, checked to be a ``kind`` (ints: not bools), else a ValueError naming it."""
     if key not in d:
         if default is _MISSING:
-            raise ValueError(f"split manifest has no field {key!r} (it has {sorted(d)})")
+            raise StoreError(f"split manifest has no field {key!r} (it has {sorted(d)})")
         return default
     value = d[key]
     ok = _is_int(value) if kind is int else isinstance(value, kind)
     if not ok:
-        raise ValueError(f"split manifest field {key!r} must be {kind.__name__}, got {value!r}")
+        raise StoreError(f"split manifest field {key!r} must be {kind.__name__}, got {value!r}")
     return value
 
 
 def _fractions(raw: list) -> tuple[float, ...]:
     if not all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in raw):
-        raise ValueError(f"split manifest field 'fractions' must be a list of numbers, "
+        raise StoreError(f"split manifest field 'fractions' must be a list of numbers, "
                          f"got {raw!r}")
     return tuple(float(f) for f in raw)
 
 
 def _snapshot(raw: object) -> str | None:
     if raw is not None and not isinstance(raw, str):
-        raise ValueError(f"split manifest field 'snapshot_id' must be a string or null, "
+        raise StoreError(f"split manifest field 'snapshot_id' must be a string or null, "
                          f"got {raw!r}")
     return raw
 
@@ -222,7 +223,7 @@ def _periods(raw: list) -> tuple[tuple[str, str | None, str | None], ...]:
     ok = all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
              and all(x is None or isinstance(x, str) for x in p[1:]) for p in raw)
     if not ok:
-        raise ValueError(f"split manifest field 'periods' must be a list of [split, start, "
+        raise StoreError(f"split manifest field 'periods' must be a list of [split, start, "
                          f"end] (start/end strings or null), got {raw!r}")
     return tuple((n, a, b) for n, a, b in raw)
 
@@ -233,31 +234,31 @@ def check_splits(n_samples: int, chunk_size: int,
     empty, reversed or outside the array's chunks, a split's ranges out of order or
     overlapping, a chunk in two splits, a name used twice. Errors name splits and ranges."""
     if not _is_int(n_samples) or n_samples < 0:
-        raise ValueError(f"split manifest n_samples must be an integer >= 0, got {n_samples!r}")
+        raise StoreError(f"split manifest n_samples must be an integer >= 0, got {n_samples!r}")
     if not _is_int(chunk_size) or chunk_size < 1:
-        raise ValueError(f"split manifest chunk_size must be an integer >= 1, "
+        raise StoreError(f"split manifest chunk_size must be an integer >= 1, "
                          f"got {chunk_size!r}")
     n_chunks = -(-n_samples // chunk_size)
     names = [name for name, _ in splits]
     if len(set(names)) != len(names):
-        raise ValueError(f"split manifest names a split twice: {names}")
+        raise StoreError(f"split manifest names a split twice: {names}")
     owner: list[tuple[int, int, str]] = []
     for name, ranges in splits:
         prev: tuple[int, int] | None = None
         for r in ranges:
             if len(r) != 2 or not all(_is_int(x) for x in r):
-                raise ValueError(f"split {name!r}: range {r!r} is not a pair of chunk ids")
+                raise StoreError(f"split {name!r}: range {r!r} is not a pair of chunk ids")
             a, b = r
             if not 0 <= a < b:
-                raise ValueError(f"split {name!r}: chunk range [{a}, {b}) is empty or negative "
+                raise StoreError(f"split {name!r}: chunk range [{a}, {b}) is empty or negative "
                                  "(ranges are half-open [start, stop) with 0 <= start < stop)")
             if b > n_chunks:
-                raise ValueError(
+                raise StoreError(
                     f"split {name!r}: chunk range [{a}, {b}) runs past the last chunk: "
                     f"{n_samples} samples in chunks of {chunk_size} are chunks [0, {n_chunks})")
             if prev is not None and a < prev[1]:
                 what = "overlaps" if a >= prev[0] else "comes before"
-                raise ValueError(
+                raise StoreError(
                     f"split {name!r}: chunk range [{a}, {b}) {what} the range before it "
                     f"[{prev[0]}, {prev[1]}): a split's ranges must be ascending and "
                     "disjoint (a chunk listed twice would be served twice)")
@@ -267,7 +268,7 @@ def check_splits(n_samples: int, chunk_size: int,
     for (a0, b0, n0), (a1, b1, n1) in zip(owner, owner[1:], strict=False):
         if a1 < b0:
             lo, hi = a1, min(b0, b1)
-            raise ValueError(
+            raise StoreError(
                 f"splits {n0!r} and {n1!r} overlap: {n0!r} has chunks [{a0}, {b0}) and {n1!r} "
                 f"has [{a1}, {b1}), so chunks [{lo}, {hi}) (samples "
                 f"[{lo * chunk_size}, {min(hi * chunk_size, n_samples)})) would serve both. "
@@ -311,24 +312,24 @@ def split_by_chunk(
     fractions = tuple(float(f) for f in fractions)
     if names is None:
         if len(fractions) > len(_DEFAULT_NAMES):
-            raise ValueError(f"give names= for {len(fractions)} fractions")
+            raise StoreError(f"give names= for {len(fractions)} fractions")
         names = _DEFAULT_NAMES[: len(fractions)]
     names = tuple(names)
     if len(names) != len(fractions):
-        raise ValueError(f"names {names} and fractions {fractions} differ in length")
+        raise StoreError(f"names {names} and fractions {fractions} differ in length")
     if len(set(names)) != len(names):
-        raise ValueError(f"split names must be distinct: {names}")
+        raise StoreError(f"split names must be distinct: {names}")
     if not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"split names must be non-empty strings, got {names}")
+        raise StoreError(f"split names must be non-empty strings, got {names}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        raise StoreError(f"seed must be an integer >= 0, got {seed!r}")
     seed = int(seed)  # the manifest is JSON
     if any(f < 0 or not np.isfinite(f) for f in fractions):
-        raise ValueError(f"fractions must be finite and >= 0, got {fractions}")
+        raise StoreError(f"fractions must be finite and >= 0, got {fractions}")
     if abs(sum(fractions) - 1.0) > 1e-6:
-        raise ValueError(f"fractions must sum to 1, got {fractions} (sum {sum(fractions):.6g})")
+        raise StoreError(f"fractions must sum to 1, got {fractions} (sum {sum(fractions):.6g})")
     if mode not in ("contiguous", "random"):
-        raise ValueError(f"mode must be 'contiguous' or 'random', got {mode!r}")
+        raise StoreError(f"mode must be 'contiguous' or 'random', got {mode!r}")
 
     n_chunks = source.grid.n_chunks
     counts = _apportion(n_chunks, fractions)
@@ -374,7 +375,7 @@ def _check_increasing(source: Source, coord: np.ndarray) -> None:
         bad = np.flatnonzero(~(coord[1:] > coord[:-1]))  # not diff: unsigned ints wrap
         if bad.size:
             i = int(bad[0])
-            raise ValueError(
+            raise StoreError(
                 f"split_by_coordinate needs {source.sample_dim!r} increasing, but it goes "
                 f"from {coord[i]} (step {i}) to {coord[i + 1]} (step {i + 1}); periods of a "
                 "coordinate out of order select no range of steps: use split_by_chunk")
@@ -393,16 +394,16 @@ def _period_bounds(source: Source, coord: np.ndarray,
     bounds = {}
     for name, rng in periods.items():
         if not isinstance(rng, (tuple, list)) or len(rng) != 2:
-            raise ValueError(f"period of split {name!r} must be (start, end), got {rng!r}")
+            raise StoreError(f"period of split {name!r} must be (start, end), got {rng!r}")
         try:
             i0, i1 = _as_bound(rng[0], coord, False), _as_bound(rng[1], coord, True)
         except (ValueError, TypeError) as e:
             kind = "a date" if np.issubdtype(coord.dtype, np.datetime64) else "a number"
-            raise ValueError(f"split {name!r}: period {rng!r} has an end that is not {kind} "
+            raise StoreError(f"split {name!r}: period {rng!r} has an end that is not {kind} "
                              f"of {source.sample_dim!r} (or None, open): {e}") from None
         if i1 <= i0:
             last = label(source.n_samples - 1)
-            raise ValueError(f"split {name!r}: period {rng!r} selects no steps of "
+            raise StoreError(f"split {name!r}: period {rng!r} selects no steps of "
                              f"{source.sample_dim!r} (which runs {label(0)} .. {last})")
         bounds[name] = (i0, i1)
     return bounds
@@ -415,11 +416,11 @@ def _check_disjoint(bounds: dict[str, tuple[int, int]], order: list[str], gap: i
     for a, b in zip(order, order[1:], strict=False):
         (_, a1), (b0, b1) = bounds[a], bounds[b]
         if b0 < a1:
-            raise ValueError(f"splits {a!r} and {b!r} overlap from {label(b0)} to "
+            raise StoreError(f"splits {a!r} and {b!r} overlap from {label(b0)} to "
                              f"{label(min(a1, b1) - 1)}; make their periods disjoint")
         if gap < need and b0 - a1 < need:
             assert window is not None  # need > 0 only with a window
-            raise ValueError(
+            raise StoreError(
                 f"split {a!r} would leak into {b!r}: targets of {a!r} up to "
                 f"{label(a1 - 1 + window.after)} are inputs of {b!r} from "
                 f"{label(b0 - window.before)} (gap={gap} steps, but the window needs {need}); "
@@ -445,13 +446,13 @@ def _snapped_chunks(grid: SampleGrid, bounds: dict[str, tuple[int, int]], order:
             free = (chunks[b][0] - chunks[a][1]) * cs
         if free < need:  # an explicit gap, and snapping closed what the periods left
             a1, b0 = chunks[a][1] * cs, chunks[b][0] * cs
-            raise ValueError(
+            raise StoreError(
                 f"split {a!r} would leak into {b!r}: snapped to chunks of {cs} steps, "
                 f"{a!r} ends at {label(a1 - 1)} and {b!r} starts at {label(b0)}, {free} steps "
                 f"apart, but the window needs {need} (gap={gap}); leave gap=None or raise it")
     empty = [k for k in order if chunks[k][1] <= chunks[k][0]]
     if empty:
-        raise ValueError(f"splits {empty} have no whole chunk left after snapping to chunks of "
+        raise StoreError(f"splits {empty} have no whole chunk left after snapping to chunks of "
                          f"{cs} steps and keeping a gap of {gap}; widen their periods")
     return chunks
 
@@ -474,12 +475,12 @@ def split_by_coordinate(
     """
     coord = source.sample_coord
     if coord is None:
-        raise ValueError(
+        raise StoreError(
             f"{source.url} has no coordinate for its sample dimension "
             f"({source.sample_dim!r}); open it with sample_dim='time' (a 'time' array must "
             "exist), pass an xarray Dataset, or use split_by_chunk")
     if not periods:
-        raise ValueError("give at least one period, e.g. {'train': ('1979', '2015')}")
+        raise StoreError("give at least one period, e.g. {'train': ('1979', '2015')}")
     _check_increasing(source, coord)
     need = 0 if window is None else window.span - 1
     if gap is None:

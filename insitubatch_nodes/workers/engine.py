@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, send_handle
 from pathlib import Path
 
-from ..errors import InsitubatchError
+from ..errors import ConfigError, InsitubatchError
 from ..memory.arena import BatchArena, StaleBatch
 from ..metrics.counters import FetchStats
 from .child import WorkerSetup
@@ -97,7 +97,7 @@ class WorkerEngine:
                  shared: SharedMemoryArena, stats: FetchStats, stripe_nbytes: list[int],
                  name: str = "insitubatch-workers") -> None:
         if workers < 1:
-            raise ValueError(f"workers must be >= 1 for a WorkerEngine, got {workers}")
+            raise ConfigError(f"workers must be >= 1 for a WorkerEngine, got {workers}")
         self.arena, self.shared, self.stats = arena, shared, stats
         # pickled once, sent to every worker (and to one started again)
         self._setup = ForkingPickler.dumps(setup)
