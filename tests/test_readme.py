@@ -56,27 +56,8 @@ def python_blocks() -> list:
         name = slug(heading)
         seen[name] = seen.get(name, 0) + 1
         name = name if seen[name] == 1 else f"{name}-{seen[name]}"
-        marks = [pytest.mark.xfail(strict=True, raises=LibraryWarns, reason=KNOWN[name][1])
-                 ] if name in KNOWN else []
-        params.append(pytest.param(name, code, id=name, marks=marks))
+        params.append(pytest.param(name, code, id=name))
     return params
-
-
-class LibraryWarns(AssertionError):
-    """A block failed on a warning the library (not the example) emits."""
-
-
-# Blocks that fail only because the library warns: (what stderr shows, where it comes from).
-KNOWN = {
-    "netcdf-through-virtual-zarr": (
-        "ZarrUserWarning: Numcodecs codecs are not in the Zarr version 3 specification",
-        "ib.open_icechunk on a virtualizarr repository: the library opens its arrays "
-        "(store/source.py _describe -> zarr Group.arrays()), whose codecs numcodecs.shuffle "
-        "and numcodecs.zlib make zarr warn 'ZarrUserWarning: Numcodecs codecs are not in "
-        "the Zarr version 3 specification and may not be supported by other zarr "
-        "implementations.' (zarr/codecs/numcodecs/_codecs.py), though the loader decodes "
-        "them itself"),
-}
 
 
 @pytest.mark.parametrize(("name", "code"), python_blocks())
@@ -86,8 +67,6 @@ def test_python_block_runs_alone_twice(name, code, tmp_path):
         done = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            if name in KNOWN and KNOWN[name][0] in done.stderr:
-                raise LibraryWarns(done.stderr)
             pytest.fail(f"README block under {name!r}, {run} run, exit {done.returncode}:\n"
                         f"{done.stderr}")
         listings.append(sorted(os.listdir(tmp_path)))

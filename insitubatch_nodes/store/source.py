@@ -7,6 +7,7 @@ returns, so a bad store, variable or dtype is reported here, once, in words.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,6 +22,8 @@ from .anemoi import DATA, is_anemoi, read_layout, select
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 _NUMERIC_KINDS = "biufc"
+# zarr's ZarrUserWarning for numcodecs codecs in a v3 array (message prefix)
+NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
 __all__ = ["Discovery", "Source", "discover", "open_icechunk", "open_source", "redact_url"]
 
 
@@ -229,7 +232,12 @@ def _open_group(opened: OpenedStore, variables: Sequence[str] | None,
         group = zarr.open_group(opened.store, mode="r")
     except Exception as e:
         raise explain(opened, e) from None
-    return _describe(group, opened.display, variables, sample_dim, opened.snapshot_id)
+    with warnings.catch_warnings():
+        # zarr warns on every array whose codecs are numcodecs' (HDF5's shuffle + zlib in a
+        # virtual NetCDF store): a caution for writers of new stores, which a reader of an
+        # archive as it is can do nothing about. The loader decodes them.
+        warnings.filterwarnings("ignore", NUMCODECS_WARNING)
+        return _describe(group, opened.display, variables, sample_dim, opened.snapshot_id)
 
 
 def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | None,
