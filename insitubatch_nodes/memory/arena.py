@@ -119,7 +119,7 @@ class BatchArena:
         (``arrays_of``), not now. Batch buffers are pooled last in, first out, so a batch
         taken as the decode threads reach it reuses one the consumer let go of moments
         before, still in cache, and the ledger holds the batches being decoded, not a few
-        windows of them (t2m one step: peak 209 -> 42-50 MB, DESIGN.md)."""
+        windows of them (t2m one step: peak 209 -> 42-50 MB, docs/benchmarks.md)."""
         with self._lock:
             if b not in self._batches:
                 self._batches[b] = _Filling(None, n, n * self.writes_per_row)

@@ -1,7 +1,7 @@
 """The training process's side of the decode workers: start them, hand out jobs, count
 what lands, and turn a worker's failure into an error a training loop can act on.
 
-One thread (``insitubatch-workers-N``) does all of it: it waits on the workers' sockets
+One thread (``insitubatch-workers``) does all of it: it waits on the workers' sockets
 and a wake-up pipe, gives each worker up to ``CREDIT`` jobs at a time (its next job is in
 its socket when it finishes one), takes a batch's memory from the arena only when the
 first job writing it goes out (so batch buffers come back warm from the pool, as on the
