@@ -2,15 +2,14 @@
 still the builtin callers caught before (ValueError, OSError, RuntimeError)."""
 
 import pytest
-from stores import Var, write_store
+from stores import Var
 
 import insitubatch_nodes as ib
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    path = tmp_path_factory.mktemp("errors") / "s.zarr"
-    write_store(path, [Var("x", (40, 3), (4, 3))])
+@pytest.fixture
+def small(store_factory):
+    path, _ = store_factory([Var("x", (40, 3), (4, 3))])
     src = ib.open_source(path)
     return src, ib.split_by_chunk(src, (1.0,))
 
