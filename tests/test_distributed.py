@@ -251,28 +251,34 @@ def _lightning(demo_store, tmp_path, *args: str, devices: int = 1) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def _stop_resume_and_compare(demo_store, tmp_path, stop: int, end: int,
+def _stop_resume_and_compare(demo_store, tmp_path, stops: list[int], end: int,
                              devices: int = 1) -> None:
-    """Stopped at ``stop`` and resumed to ``end``: the steps an uninterrupted run takes."""
+    """Stopped at each of ``stops`` and resumed to ``end``: the steps an uninterrupted run
+    (one, shared) takes."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    for name, steps, resume in (("a", stop, False), ("a", end, True), ("b", end, False)):
+    runs = [("b", end, False)]
+    for k, stop in enumerate(stops):
+        runs += [(f"a{k}", stop, False), (f"a{k}", end, True)]
+    for name, steps, resume in runs:
         _lightning(demo_store, tmp_path, "--checkpoint", str(tmp_path / f"{name}.ckpt"),
                    "--max-steps", str(steps), "--record", str(tmp_path / name),
                    *(["--resume"] if resume else []), devices=devices)
-    assert _records(tmp_path / "a", devices) == _records(tmp_path / "b", devices)
+    want = _records(tmp_path / "b", devices)
+    for k, stop in enumerate(stops):
+        assert _records(tmp_path / f"a{k}", devices) == want, f"stopped at step {stop}"
 
 
 @pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
 def test_lightning_recipe_resume_is_exact(demo_store, tmp_path):
     pytest.importorskip("lightning")
-    _stop_resume_and_compare(demo_store, tmp_path / "mid", 5, 16)
-    # Stopped exactly at an epoch's end: Lightning's own counters go on counting the old
-    # epoch while the loader starts the next; the recipe counts itself (it crashed here).
+    # Stopped mid-epoch, and exactly at an epoch's end: Lightning's own counters go on
+    # counting the old epoch while the loader starts the next; the recipe counts itself
+    # (it crashed there).
     source = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
     manifest = ib.split_by_chunk(source, fractions=(0.9, 0.1, 0.0), seed=0)
     with ib.build_loader(source, manifest, "train", batch_size=16, block_chunks=8) as ld:
         n = sum(1 for _ in ld)
-    _stop_resume_and_compare(demo_store, tmp_path / "end", n, n + 5)
+    _stop_resume_and_compare(demo_store, tmp_path, [5, n], max(16, n + 5))
 
 
 @pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
@@ -280,4 +286,4 @@ def test_lightning_recipe_resumes_each_ddp_rank_exactly(demo_store, tmp_path):
     """Lightning saves rank 0's data module state only: the recipe gathers every rank's
     into the checkpoint, so each rank resumes its own share (rank 1 refused rank 0's)."""
     pytest.importorskip("lightning")
-    _stop_resume_and_compare(demo_store, tmp_path, 5, 12, devices=2)
+    _stop_resume_and_compare(demo_store, tmp_path, [5], 12, devices=2)
