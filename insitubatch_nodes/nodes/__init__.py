@@ -1,8 +1,7 @@
 """The seven stages of the standard graph, one module each, plus the per-batch stages.
 
 Item types live in ``sampling/items.py`` and counters in ``metrics/counters.py``; they are
-re-exported here for
-code that imported them from the nodes.
+re-exported here for code that imported them from the nodes.
 """
 
 from ..metrics.counters import FetchStats, GatherStats, ShuffleStats
