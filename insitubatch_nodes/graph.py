@@ -81,7 +81,7 @@ class Resolved:
     n_chunks: int  # chunks of the split
     block_chunks: int  # chunks per window (sampling.block_chunks, or the default for the path)
     run_chunks: int | None  # time windows: chunks per contiguous run (a window holds several)
-    resident_bound: int  # bytes of decoded data that can be resident (memory.py's ledger)
+    resident_bound: int  # bytes of decoded data that can be resident (memory/ledger.py's ledger)
     shuffle_quality: float  # the model's score for this configuration (1.0: global shuffle)
     frame_decoder: FrameDecoder | None  # decode="gpu": the device decoder
     channels: tuple[Channel, ...] | None  # sample.channels resolved against the source

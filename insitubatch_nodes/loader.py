@@ -248,7 +248,7 @@ class InSituLoader(Loader):
 
     # -- metrics ----------------------------------------------------------------------
     def stats(self) -> LoaderStats:
-        """A snapshot of the per-stage counters (``metrics.LoaderStats``), at any time."""
+        """A snapshot of the per-stage counters (``LoaderStats``), at any time."""
         return collect_stats(self.nodes(), self._meter, self.resident_bound)
 
     def log_stats_every(self, seconds: float | None, logger: Any = None,

@@ -1,4 +1,4 @@
-"""Channels written straight into their slice of the batch (layout.py) give bit for bit the
+"""Channels written straight into their slice of the batch (memory/layout.py) give bit for bit the
 batches of gathering each variable and stacking afterwards (StackChannelsNode)."""
 
 import numpy as np

@@ -292,7 +292,7 @@ def check_snapshot(state: dict[str, Any], snapshot_id: str | None,
 def check_state_fingerprint(state: dict[str, Any], fmt: int,
                             fingerprint: StateFingerprint | None, from_nodes: bool,
                             allow_change: bool) -> None:
-    """Pop the state's fingerprint and compare it with the loader's (``fingerprint.py``);
+    """Pop the state's fingerprint and compare it with the loader's (``state/fingerprint.py``);
     states of formats 1 and 2 have none and load with a warning, as do a hand-built
     graph's (``from_nodes``: its fingerprint was read off its nodes). Call it from
     ``load_state_dict`` itself: the warning points at that method's caller."""

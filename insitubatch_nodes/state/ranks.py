@@ -3,7 +3,7 @@
 ``merge_rank_states`` reads each rank's progress (windows finished, draws taken in the
 head window) out of its ``state_dict()`` and records it as one ``Resumption``. Any rank of a
 new world size loads the merged state; the schedule then deals what is left of the epoch
-(see ``schedule.py``), so over the epoch no sample is lost and none repeats.
+(see ``sampling/schedule.py``), so over the epoch no sample is lost and none repeats.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ FINGERPRINT_KEY = "fingerprint"
 # 2: ChunkPermuteNode's position counts windows (was chunks) and ReadPlanNode keeps no
 # counter; the loader writes the format and a "progress" summary. Format 1 is converted
 # on load (state.checkpoint.upgrade_v1).
-# 3: every state built by build_loader carries a "fingerprint" (fingerprint.py), checked
+# 3: every state built by build_loader carries a "fingerprint" (state/fingerprint.py), checked
 # on load; formats 1 and 2 have none and load with a warning that they cannot be checked.
 STATE_FORMAT = 3
 

@@ -82,7 +82,7 @@ TIMES_EVERY_S = 0.05
 
 
 def _slot(arrays: dict[str, np.ndarray], where: Where, row: int) -> np.ndarray:
-    """The part of batch row ``row`` one variable's step fills (``fetch_jobs._slot_view``)."""
+    """The part of batch row ``row`` one variable's step fills (``fetch.jobs``' slot view)."""
     key, col, pl = where
     rows = arrays[key][row : row + 1]
     return row_view(rows if col is None else rows[:, col], pl)

@@ -46,7 +46,7 @@ class WorkerError(InsitubatchError, RuntimeError):
 @dataclass(eq=False)
 class WindowRun:
     """A window on the workers: the future-like object the fetch node keeps (``cancel``,
-    ``settle``, ``done``), as ``fetch_jobs.DirectWindow`` is for the decode threads."""
+    ``settle``, ``done``), as ``fetch.jobs.DirectWindow`` is for the decode threads."""
 
     window: WorkerWindow
     engine: WorkerEngine
