@@ -74,3 +74,24 @@ def test_redact_url_drops_credentials():
 
     assert redact_url("https://user:SECRET@host:9000/b/x.zarr?X-Amz-Signature=SECRET") == \
         "https://host:9000/b/x.zarr"
+
+
+@pytest.mark.parametrize("given", ["path", "group"])
+def test_numcodecs_codecs_open_without_zarrs_warning(tmp_path, given):
+    """zarr warns on every numcodecs codec in a v3 array (a virtual NetCDF's shuffle + zlib):
+    a caution for writers that a reader of an archive cannot act on, so opening is quiet,
+    however the store is given."""
+    import warnings
+
+    from zarr.codecs import numcodecs as nc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # writing one is what zarr warns about
+        g = zarr.open_group(tmp_path / "s.zarr", mode="w")
+        g.create_array("x", shape=(8, 3), chunks=(1, 3), dtype="f4",
+                       compressors=[nc.Zlib(level=1)], dimension_names=("time", "c"))[:] = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        src = ib.open_source(tmp_path / "s.zarr" if given == "path"
+                             else zarr.open_group(tmp_path / "s.zarr", mode="r"))
+    assert src.names == ("x",)

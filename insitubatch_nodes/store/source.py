@@ -232,12 +232,7 @@ def _open_group(opened: OpenedStore, variables: Sequence[str] | None,
         group = zarr.open_group(opened.store, mode="r")
     except Exception as e:
         raise explain(opened, e) from None
-    with warnings.catch_warnings():
-        # zarr warns on every array whose codecs are numcodecs' (HDF5's shuffle + zlib in a
-        # virtual NetCDF store): a caution for writers of new stores, which a reader of an
-        # archive as it is can do nothing about. The loader decodes them.
-        warnings.filterwarnings("ignore", NUMCODECS_WARNING)
-        return _describe(group, opened.display, variables, sample_dim, opened.snapshot_id)
+    return _describe(group, opened.display, variables, sample_dim, opened.snapshot_id)
 
 
 def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | None,
@@ -347,6 +342,17 @@ def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.
 
 def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
               sample_dim: str | None, snapshot_id: str | None) -> Source:
+    """The ``Source`` of an opened group, however it was given (URL, icechunk, a Group)."""
+    with warnings.catch_warnings():
+        # zarr warns on every array whose codecs are numcodecs' (HDF5's shuffle + zlib in a
+        # virtual NetCDF store): a caution for writers of new stores, which a reader of an
+        # archive as it is can do nothing about. The loader decodes them.
+        warnings.filterwarnings("ignore", NUMCODECS_WARNING)
+        return _describe_group(group, display, variables, sample_dim, snapshot_id)
+
+
+def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | None,
+                    sample_dim: str | None, snapshot_id: str | None) -> Source:
     if is_anemoi(group):
         return _describe_anemoi(group, display, variables, snapshot_id)
     arrays = dict(group.arrays())
