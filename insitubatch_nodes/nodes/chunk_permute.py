@@ -192,7 +192,7 @@ def parse_history(raw: object, field: str) -> tuple[Resumption, ...]:
               and all(isinstance(p, list) and len(p) == 2 and count(p[0]) and count(p[1])
                       for p in h[1]))
         if not ok:
-            raise ConfigError(f"{field}[{i}] must be [world_size, [[window, offset], ...] "
+            raise StateError(f"{field}[{i}] must be [world_size, [[window, offset], ...] "
                              f"with one pair of integers >= 0 per old rank], got {h!r}")
         out.append(Resumption.from_json(h))
     return tuple(out)
