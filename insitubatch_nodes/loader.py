@@ -29,6 +29,7 @@ from .metrics.loader_stats import LoaderStats
 from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, NormalizeNode, ShuffleBufferNode
 from .nodes.state import copy_state, shutdown_source
 from .state.checkpoint import (
+    Resumed,
     check_snapshot,
     check_state_fingerprint,
     check_top_level,
@@ -203,7 +204,7 @@ class InSituLoader(Loader):
                                          resolved.config.checkpoint.allow_state_change)
         self._recent_states: deque | None = deque(maxlen=keep_states) if keep_states else None
         # (epoch, draws) a loaded state resumes in, until the iter() that applies it
-        self._pending: tuple[int, int] | None = None
+        self._pending: Resumed | None = None
         self._meter = ConsumerMeter()
         if log_every_s is not None:
             self.log_stats_every(log_every_s)
@@ -312,7 +313,6 @@ class InSituLoader(Loader):
         check_state_fingerprint(state_dict, fmt, self.fingerprint, self._fingerprint_from_nodes,
                                 self.allow_state_change)
         state_dict, resumed = loadable_state(self.nodes(), state_dict, fmt)
-        pending = None if resumed is None else (resumed.epoch, resumed.draws)
         shuffle = first_node(self.nodes(), ShuffleBufferNode)
         if (resumed is not None and shuffle is not None and self.restart_on_stop_iteration
                 and resumed.finished(shuffle.batch_size, shuffle.drop_last)):
@@ -321,12 +321,13 @@ class InSituLoader(Loader):
             # end-of-epoch checkpoint starts at the next epoch, not the finished one).
             # Without restart (uneven="none" on several ranks) the rest is served empty.
             epoch = resumed.epoch + 1
-            pending = (epoch, self.node(ChunkPermuteNode).draws_in(epoch))
+            draws = self.node(ChunkPermuteNode).draws_in(epoch)
+            resumed = Resumed(epoch, draws, draws)
         # Without this, a state_dict() taken on the fresh loader makes the next iter()
         # reuse that pre-built iterator and silently ignore the loaded state.
         self._iter_for_state_dict = False
         super().load_state_dict(state_dict)
-        self._pending = pending
+        self._pending = resumed
 
     # -- graph ------------------------------------------------------------------------
     def nodes(self) -> list[BaseNode]:
@@ -358,7 +359,7 @@ class InSituLoader(Loader):
             raise TypeError("this loader's graph has no ChunkPermuteNode and "
                             "ShuffleBufferNode, so its length is not known")
         pending = self._pending_resume()
-        draws = pending[1] if pending is not None else permute.draws_in(self.epoch)
+        draws = pending.draws if pending is not None else permute.draws_in(self.epoch)
         size = shuffle.batch_size
         return draws // size if shuffle.drop_last else -(-draws // size)
 
@@ -386,11 +387,11 @@ class InSituLoader(Loader):
         a training loop at the right epoch)."""
         self.node(ChunkPermuteNode)  # a clear error for a graph without one
         pending = self._pending_resume()
-        return pending[0] if pending is not None else current_epoch(self.nodes())
+        return pending.epoch if pending is not None else current_epoch(self.nodes())
 
-    def _pending_resume(self) -> tuple[int, int] | None:
-        """(epoch, its draws on this rank) a loaded state resumes in, until the ``iter()``
-        that applies it (``check_root_state`` computed them at the load)."""
+    def _pending_resume(self) -> Resumed | None:
+        """Where a loaded state resumes (the next epoch when it had finished its own), until
+        the ``iter()`` that applies it (``check_root_state`` computed it at the load)."""
         if self._next_iter_state_dict is None:
             return None
         return self._pending
