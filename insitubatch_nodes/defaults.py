@@ -18,7 +18,6 @@ from .config import FetchConfig, SamplingConfig
 from .errors import ConfigError
 from .io.device_decode import FrameDecoder
 from .io.reader import groups_reads
-from .memory.layout import BatchLayout, build_layout
 from .sampling.windows import SampleWindow, default_run_chunks
 from .store.source import Source
 from .workers.engine import CREDIT
@@ -145,20 +144,36 @@ def _unsendable(source: Source) -> str | None:
     return None
 
 
-def resolve_workers(source: Source, f: FetchConfig, in_place: bool) -> int:
-    """``fetch.workers`` as a number of processes: ``"auto"`` by ``default_workers``. A
-    source whose arrays do not pickle cannot reach a worker: an error when workers were
-    asked for, the decode threads (logged) under ``"auto"``."""
-    workers = f.workers if f.workers != "auto" else default_workers(in_place)
+def resolve_workers(source: Source, f: FetchConfig, in_place_possible: bool) -> int:
+    """``fetch.workers`` as a number of processes: ``"auto"`` by ``default_workers`` wherever
+    the loader can decode in place (every layout but ``decode="gpu"``, object stores with
+    several samples per chunk included: the worker makes their copies), saying in one INFO
+    line why it keeps the threads. A source whose arrays do not pickle cannot reach a
+    worker: an error when workers were asked for."""
+    auto = f.workers == "auto"
+    workers = default_workers(in_place_possible) if auto else f.workers
     if workers:
         unsendable = _unsendable(source)
-        if unsendable is not None and f.workers != "auto":
+        if unsendable is not None and not auto:
             raise ConfigError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
                              "threads in this process).")
         if unsendable is not None:
             log.info("insitubatch: decode threads, not worker processes: %s", unsendable)
             workers = 0
+    elif auto:
+        log.info("insitubatch: decode threads, not worker processes: %s",
+                 _why_threads(in_place_possible))
     return workers
+
+
+def _why_threads(in_place_possible: bool) -> str:
+    """Why ``workers="auto"`` kept the decode threads (for the INFO line)."""
+    if not in_place_possible:
+        return "this loader does not decode into its batches (decode='gpu' or in_place=False)"
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return "a free-threaded Python (no GIL to escape; processes not measured there)"
+    return (f"{cores_per_rank()} cores per rank; worker processes start from "
+            f"{WORKERS_FROM_CORES} (below that they are not measured faster than the threads)")
 
 
 # -- decoding in place --------------------------------------------------------------------
@@ -175,17 +190,13 @@ def _in_place_by_default(source: Source) -> bool:
     return _one_sample_per_chunk(source) or all(groups_reads(a) for a in source.arrays)
 
 
-def _not_in_place(source: Source, steps: SampleWindow | None, decoder: FrameDecoder | None,
-                 layout: BatchLayout | None) -> str | None:
-    """Why the chunks cannot be decoded straight into batch rows (``None``: they can)."""
+def _not_in_place(decoder: FrameDecoder | None) -> str | None:
+    """Why the chunks cannot be decoded straight into batch rows (``None``: they can). Every
+    host layout can: a variable split across channels (some levels, an anemoi variable
+    subset) or cast to the stacked dtype is decoded into scratch and its parts copied into
+    their slots (``memory.slots``)."""
     if decoder is not None:
         return "decode='gpu' decodes on the device"
-    if layout is None:
-        return "the channels differ in dtype (stacked after the gather)"
-    split = [v.name for i, v in enumerate(source.variables) if layout.direct(i) is None]
-    if split:
-        return (f"channels take only some levels of {split} (a chunk is split across "
-                "channels); stack all their levels or none")
     return None
 
 
@@ -194,16 +205,20 @@ def decodes_in_place(source: Source) -> bool:
     (one sample per chunk, as ARCO-ERA5 / WeatherBench2 / anemoi stores, or several on
     local files), with or without time steps: ``inspection.recommend`` sizes windows for
     that path."""
-    return (_not_in_place(source, None, None, build_layout(source.variables)) is None
-            and _in_place_by_default(source))
+    return _in_place_by_default(source)
 
 
-def resolve_in_place(source: Source, f: FetchConfig, steps: SampleWindow | None,
-                     decoder: FrameDecoder | None, layout: BatchLayout | None) -> bool:
+def in_place_possible(f: FetchConfig, decoder: FrameDecoder | None) -> bool:
+    """Whether this loader may decode into its batches (with threads or workers)."""
+    return f.in_place is not False and _not_in_place(decoder) is None
+
+
+def resolve_in_place(source: Source, f: FetchConfig, decoder: FrameDecoder | None) -> bool:
     """``fetch.in_place`` decided: ``True`` where this loader can and was asked to (or to
-    start workers, which decode in place), ``None`` by ``_in_place_by_default``. Asking
-    for what it cannot do is an error saying why not."""
-    why_not = _not_in_place(source, steps, decoder, layout)
+    start workers, which decode in place), ``None`` by ``_in_place_by_default``; ``"auto"``
+    workers make it ``True`` in ``graph.resolve``. Asking for what it cannot do is an error
+    saying why not."""
+    why_not = _not_in_place(decoder)
     if f.in_place and why_not:
         raise ConfigError(f"fetch.in_place=True, but this loader cannot decode into its "
                          f"batches: {why_not}. Leave in_place=None to decide per store.")

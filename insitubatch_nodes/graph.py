@@ -25,6 +25,7 @@ from torchdata.nodes import BaseNode
 from .config import LoaderConfig, SampleConfig
 from .defaults import (
     every_steps,
+    in_place_possible,
     resolve_in_place,
     resolve_prefetch,
     resolve_workers,
@@ -233,8 +234,9 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     # on a GPU (decode="gpu") are stacked afterwards.
     layout = (build_layout(source.variables, channels, channels_key) if decoder is None
               else None)
-    in_place = resolve_in_place(source, f, steps, decoder, layout)
-    workers = resolve_workers(source, f, in_place)
+    in_place = resolve_in_place(source, f, decoder)
+    workers = resolve_workers(source, f, in_place_possible(f, decoder))
+    in_place = in_place or workers > 0  # "auto" workers decode in place
     block_chunks, run_chunks = window_size(source, s, steps, in_place)
     prefetch = resolve_prefetch(source, f, workers, s.batch_size,
                                 block_chunks * grid.chunk_size)

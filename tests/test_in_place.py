@@ -77,7 +77,7 @@ def test_equal_to_the_gather_path_over_store_kinds(kind, batch, block, seed, dro
         with ib.build_loader(src, m, "train", **kw) as default:
             assert not is_in_place(default)
     with ib.build_loader(src, m, "train", **forced, **kw) as new, \
-            ib.build_loader(src, m, "train", in_place=False, **kw) as old:
+            ib.build_loader(src, m, "train", in_place=False, **{**kw, "workers": 0}) as old:
         assert is_in_place(new) and not is_in_place(old)
         got, want = epochs(new), epochs(old)
     assert_same(got, want)
@@ -124,12 +124,18 @@ def float_epochs(loader, n=2):
     dict(window=ib.SampleWindow(2, (1,))),
     dict(window=ib.SampleWindow(3, (1, 2), stride=2), channels=["z", "t2m"], stats="stats"),
     dict(window=ib.SampleWindow(1, (2,)), rank=0, world_size=2, drop_last=True),
+    # levels split across channels: decoded into scratch, each part copied to its slot
+    dict(channels=[("z", 850), "t2m"]),
+    dict(channels=[("z", 1000), "t2m", ("z", 500)], stats="stats", dtype=torch.bfloat16),
+    dict(channels=[("z", 850), ("z", 500), "t2m"], window=ib.SampleWindow(2, (1,))),
+    dict(channels=[("z", 850), "t2m"], workers=2),
+    dict(channels=[("z", 1000), "t2m"], window=ib.SampleWindow(2, (1, 2)), workers=2),
 ])
 def test_equal_with_sample_options(weather, options):
     src, m = weather
     kw = sample_kwargs(src, m, options)
     with ib.build_loader(src, m, "train", **kw) as new, \
-            ib.build_loader(src, m, "train", in_place=False, **kw) as old:
+            ib.build_loader(src, m, "train", in_place=False, **{**kw, "workers": 0}) as old:
         assert is_in_place(new)
         got, want = float_epochs(new), float_epochs(old)
     assert_same(got, want)
@@ -151,12 +157,14 @@ def test_default_decode_threads_in_place_are_the_cores(weather, monkeypatch, cor
         assert ld.node(ib.AsyncFetchNode).decode_threads == min(4, (cores or 1) + 1)
 
 
-def test_channels_that_split_a_chunk_are_not_in_place(weather):
+def test_channels_that_split_a_chunk_are_in_place(weather):
+    """Some levels of a variable (a chunk split across channels) decode in place by default,
+    and ``in_place=True`` is accepted for them (it was refused)."""
     src, m = weather
-    with ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"]) as ld:
-        assert not is_in_place(ld)
-    with pytest.raises(ValueError, match=r"in_place=True.*some levels of \['z'\]"):
-        ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"], in_place=True)
+    for in_place in (None, True):
+        with ib.build_loader(src, m, "train", channels=[("z", 850), "t2m"],
+                             in_place=in_place) as ld:
+            assert is_in_place(ld)
 
 
 def test_several_samples_per_chunk_in_place_on_local_files_only_by_default(tmp_path):

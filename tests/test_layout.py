@@ -61,7 +61,7 @@ def test_whole_levels_and_picks_become_ranges():
 
 def _reference(src, m, cfg):
     """The same graph, gathering each variable and stacking after (the earlier path)."""
-    resolved = resolve(src, m, "train", cfg.replace(in_place=False))
+    resolved = resolve(src, m, "train", cfg.replace(in_place=False, workers=0))
     gather = build_graph(src, m, "train", resolved, upto="gather").root
     gather.layout = build_layout(src.variables)
     node = gather
@@ -121,11 +121,21 @@ def test_a_variable_with_one_level_named_alone_is_one_channel(tmp_path, chunk):
         np.testing.assert_array_equal(b["channels"].numpy(), want)
 
 
-def test_channels_of_different_dtypes_are_stacked_afterwards(weather, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_channels_of_different_dtypes_stack_in_place_in_the_promoted_dtype(weather, workers):
+    """float32 t2m and int16 q stack in place as torch.stack would (float32), the int16
+    channel cast as it is written: equal to gathering each and stacking afterwards."""
     src, m = weather
     both = ib.open_source(src.url, variables=["t2m", "q"])
     m2 = ib.split_by_chunk(both, (1.0,))
-    with ib.build_loader(both, m2, "train", batch_size=4, channels=["t2m", "q"]) as ld:
-        assert any(isinstance(n, StackChannelsNode) for n in ld.nodes())
-        b = next(iter(ld))
-    assert b["channels"].shape == (4, 2, 5, 6)
+    cfg = ib.LoaderConfig.of(batch_size=4, block_chunks=3, seed=5, channels=["t2m", "q"],
+                             workers=workers, in_place=True)
+    with ib.build_loader(both, m2, "train", cfg) as ld, _reference(both, m2, cfg) as old:
+        assert not any(isinstance(n, StackChannelsNode) for n in ld.nodes())
+        for _ in range(2):  # two epochs
+            got, want = list(ld), list(old)
+            assert len(got) == len(want) > 0
+            for g, w in zip(got, want, strict=True):
+                assert g["channels"].dtype == torch.float32 and g["channels"].shape[1] == 2
+                for k in w:
+                    torch.testing.assert_close(g[k], w[k], rtol=0, atol=0, msg=k)

@@ -19,7 +19,7 @@ from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
-from ..memory.layout import Placement, row_view
+from ..memory.slots import Slot, SlotWhere, slot_of, write_slot
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan, kept_slots
 
@@ -99,7 +99,7 @@ class InPlaceJob:
 
     plan: ReadPlan
     jobs: list[list[Item]]
-    copies: list[tuple[np.ndarray, np.ndarray, int, int]]  # dst, src, their batches
+    copies: list[tuple[Slot, np.ndarray, int, int]]  # dst, src, their batches
     batches: list[int]
     generation: int  # the arena's, when prepared
     lazy: LazyRows | None = None  # where ``(row, step)`` outs of the jobs go
@@ -119,7 +119,7 @@ class InPlaceJob:
         run_b, run_n = -1, 0
         dst = src = None
         for dst, src, b, src_b in self.copies:
-            np.copyto(dst, src)
+            write_slot(dst, src)
             if b != run_b:
                 if run_n:
                     arena.done(run_b, run_n, self.generation)
@@ -158,7 +158,7 @@ class Scatter:
     buffer instead, held for the copies made after the first batch (``prepare_scattered``)."""
 
     rows: list[int]
-    dsts: list[np.ndarray]
+    dsts: list[Slot]
     batches: list[int]
     keep: np.ndarray | None = None
 
@@ -172,7 +172,7 @@ class Scatter:
 
     def fill_from(self, stripe: np.ndarray) -> None:
         for r, dst in zip(self.rows, self.dsts, strict=True):
-            np.copyto(dst, stripe[r : r + 1])
+            write_slot(dst, stripe[r : r + 1])
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,7 +184,7 @@ class LazyRows:
     longer makes a view per sample."""
 
     arena: BatchArena
-    where: list[tuple[tuple[str, int | None, Placement], ...]]  # per variable and step
+    where: list[tuple[SlotWhere, ...]]  # per variable and step
     generation: int
 
     def resolve(self, items: list[Item]) -> list[Item]:
@@ -195,7 +195,7 @@ class LazyRows:
             if got is None:
                 got = arrays[b] = self.arena.arrays_of(b, self.generation)
             r, k = slot  # type: ignore[misc]
-            out.append((v, i, b, _slot_view(got, where[v][k], r)))
+            out.append((v, i, b, slot_of(got, where[v][k], r)))
         return out
 
 
@@ -243,25 +243,18 @@ class _Slots:
     step: np.ndarray
     n_steps: int
     arrays: dict[int, dict[str, np.ndarray]]
-    where: list[tuple[tuple[str, int | None, Placement], ...]]  # per variable and step
+    where: list[tuple[SlotWhere, ...]]  # per variable and step
     unique: bool  # each sample in one slot: the batches are expected, not allocated
 
-    def views(self, v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[np.ndarray]:
+    def views(self, v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[Slot]:
         """Variable ``v``'s part of each slot (batch, row, step)."""
         arrays, where = self.arrays, self.where
-        if self.n_steps == 1 and where[v][0][1] is None and where[v][0][2].channel is None:
-            key = where[v][0][0]
+        w = where[v][0]
+        if self.n_steps == 1 and len(w) == 1 and w[0][2].whole and w[0][1] is None \
+                and w[0][2].channel is None:
+            key = w[0][0]
             return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
-        return [_slot_view(arrays[b], where[v][k], r) for b, r, k in zip(bs, rs, ks, strict=True)]
-
-
-def _slot_view(arrays: dict[str, np.ndarray], where: tuple[str, int | None, Placement],
-               row: int) -> np.ndarray:
-    """The part of row ``row`` of a batch's ``arrays`` that one variable's step fills
-    (``where``: its key, time-step column and placement)."""
-    key, col, pl = where
-    rows = arrays[key][row : row + 1]
-    return row_view(rows if col is None else rows[:, col], pl)
+        return [slot_of(arrays[b], where[v][k], r) for b, r, k in zip(bs, rs, ks, strict=True)]
 
 
 def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slots:
@@ -299,7 +292,9 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     This runs on the consumer thread, holding the GIL the decode threads need between
     chunks: index math in a few numpy calls, and the reads built by comprehensions over
     plain lists (a per-slot loop of dicts and calls cost ~2.5 us per sample there)."""
-    if any(n != 1 for n in sample_chunks):
+    if any(n != 1 for n in sample_chunks) or not arena.layout.all_direct:
+        # several samples per chunk, or a sample split across channels: decoded into
+        # scratch once, each slot's part copied out (``Scatter``)
         return prepare_scattered(plan, arena, threads, sample_chunks, first)
     # each sample in one slot (no copies): batches taken as their first row is written
     s = _window_slots(plan, arena, lazy=True)
@@ -330,7 +325,7 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     # every variable of a sample together (one task reads them all)
     items = per_var[0] if n_vars == 1 else [it for its in zip(*per_var, strict=True) for it in its]
 
-    copies: list[tuple[np.ndarray, np.ndarray, int, int]] = []
+    copies: list[tuple[Slot, np.ndarray, int, int]] = []
     held: dict[int, int] = {}
     if dup.size:
         from_ = first[np.searchsorted(sample[first], sample[dup])]
@@ -381,9 +376,11 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         bs = s.batch[order].tolist()
         dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
         nbytes += sum(d.nbytes for d in dsts)
-        geom_shape = (per, *dsts[0].shape[1:]) if b0 is not None else None
+        # a split variable's slots are parts of a sample: scattered from scratch as usual
+        hold = b0 is not None and isinstance(dsts[0], np.ndarray)
+        geom_shape = (per, *dsts[0].shape[1:]) if hold else None
         for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
-            if b0 is None:
+            if not hold:
                 out = Scatter(offs[a:z], dsts[a:z], bs[a:z])
             else:  # the first batch's rows now, the others once every stripe is in
                 keep = arena.pool.take(geom_shape, dsts[0].dtype)

@@ -15,8 +15,9 @@ import numpy as np
 
 from ..errors import InsitubatchError
 from ..sampling.windows import SampleWindow
-from .layout import BatchLayout, Placement
+from .layout import BatchLayout
 from .ledger import BufferPool
+from .slots import SlotWhere
 
 
 class StaleBatch(InsitubatchError, RuntimeError):
@@ -77,15 +78,15 @@ class BatchArena:
         h = self.steps.history
         return (key, step) if step < h else (f"target/{key}", step - h)
 
-    def where(self, n_vars: int, n_steps: int) -> list[tuple[tuple[str, int | None, Placement],
-                                                             ...]]:
-        """Per variable and time step, where its part of a slot is: (batch key, time-step
-        column, placement); every variable is decoded whole into its placement."""
+    def where(self, n_vars: int, n_steps: int) -> list[tuple[SlotWhere, ...]]:
+        """Per variable and time step, every part of a slot it fills: (batch key, time-step
+        column, placement) per placement (one, whole, for a variable decoded straight into
+        the batch; several for levels or anemoi variables split across channels)."""
         table = []
         for v in range(n_vars):
-            pl = self.layout.direct(v)
-            assert pl is not None, f"variable {v} is not decoded whole into the batch"
-            table.append(tuple((*self.slot(pl.key, k), pl) for k in range(n_steps)))
+            pls = self.layout.placements[v]
+            table.append(tuple(tuple((*self.slot(pl.key, k), pl) for pl in pls)
+                               for k in range(n_steps)))
         return table
 
     def _allocate(self, n: int) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling.geometry import VariableGeometry
+from .dtypes import promoted
 
 CHANNELS_KEY = "channels"
 
@@ -44,17 +45,20 @@ class Placement:
     ``channel`` is where on the key's channel axis (the row's first axis): ``None`` fills
     the whole row, an ``int`` one channel (a sample without a level axis), a ``slice`` a
     range. ``levels`` is what of the sample goes there: ``None`` all of it, or a slice of
-    its level axis.
+    its level axis. ``cast``: the key's dtype is wider than the variable's (channels of
+    mixed dtypes stack in their promoted dtype, as ``torch.stack`` would).
     """
 
     key: str
     channel: int | slice | None = None
     levels: slice | None = None
+    cast: bool = False
 
     @property
     def whole(self) -> bool:
-        """The whole sample, contiguous in the row: a stripe decodes straight into it."""
-        return self.levels is None
+        """The whole sample, contiguous in the row and in the variable's own dtype: a
+        stripe decodes straight into it."""
+        return self.levels is None and not self.cast
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,11 @@ class BatchLayout:
             total += n
         return total
 
+    @property
+    def all_direct(self) -> bool:
+        """Every variable decodes straight into its batch slot (none split up or cast)."""
+        return all(self.direct(v) is not None for v in range(len(self.placements)))
+
     def direct(self, v: int) -> Placement | None:
         """Variable ``v``'s one placement when it takes the whole sample (so its stripes can
         be decoded straight into the batch); ``None`` when it is split up or unused."""
@@ -101,11 +110,11 @@ def _sample_shape(var: VariableGeometry) -> tuple[int, ...]:
 
 def build_layout(variables: Sequence[VariableGeometry],
                  channels: Sequence[Channel] | None = None,
-                 key: str = CHANNELS_KEY) -> BatchLayout | None:
+                 key: str = CHANNELS_KEY) -> BatchLayout:
     """The layout for ``variables`` with ``channels`` stacked into ``key`` (the channel
     variables are then not served on their own, as ``StackChannelsNode`` does; an anemoi
-    selection stacks into ``"data"``). ``None`` when the channels cannot share one array
-    (different dtypes)."""
+    selection stacks into ``"data"``). Channels of different dtypes stack in the dtype
+    torch promotes them to (float32 + float64: float64), each converted as it is written."""
     by_name = {v.name: i for i, v in enumerate(variables)}
     placements: list[list[Placement]] = [[] for _ in variables]
     keys: list[KeySpec] = []
@@ -115,33 +124,32 @@ def build_layout(variables: Sequence[VariableGeometry],
             keys.append(KeySpec(var.name, _sample_shape(var), var.dtype))
             placements[i].append(Placement(var.name))
     if channels:
-        dtypes = {variables[by_name[ch.variable]].dtype for ch in channels}
-        if len(dtypes) != 1:
-            return None
+        key_dtype = promoted([variables[by_name[ch.variable]].dtype for ch in channels])
         spatial = None
         c = 0
         for ch in channels:
             v = by_name[ch.variable]
+            cast = variables[v].dtype != key_dtype
             shape = _sample_shape(variables[v])
             spatial = shape[-2:] if ch.index is None else shape[1:][-2:]
             prev = placements[v][-1] if placements[v] else None
             if ch.index is None:
-                placements[v].append(Placement(key, c))
+                placements[v].append(Placement(key, c, cast=cast))
             elif (prev is not None and isinstance(prev.channel, slice) and prev.levels
                   is not None and prev.channel.stop == c and prev.levels.stop == ch.index):
                 # the next level of the same variable in the next channel: one range
                 placements[v][-1] = Placement(key, slice(prev.channel.start, c + 1),
-                                              slice(prev.levels.start, ch.index + 1))
+                                              slice(prev.levels.start, ch.index + 1), cast)
             else:
                 placements[v].append(Placement(key, slice(c, c + 1),
-                                               slice(ch.index, ch.index + 1)))
+                                               slice(ch.index, ch.index + 1), cast))
             c += 1
         assert spatial is not None
-        keys.append(KeySpec(key, (c, *spatial), dtypes.pop()))
+        keys.append(KeySpec(key, (c, *spatial), key_dtype))
         # A range holding every level of its variable, in order, is the whole sample.
         for v, ps in enumerate(placements):
             n_levels = _sample_shape(variables[v])[0] if variables[v].sample_shape else 0
-            placements[v] = [Placement(p.key, p.channel, None)
+            placements[v] = [Placement(p.key, p.channel, None, p.cast)
                              if p.levels is not None and p.levels == slice(0, n_levels)
                              and len(_sample_shape(variables[v])) == 3 else p for p in ps]
     return BatchLayout(tuple(keys), tuple(tuple(ps) for ps in placements))

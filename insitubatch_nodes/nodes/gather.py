@@ -210,8 +210,8 @@ def _take(src: np.ndarray, offsets: np.ndarray, dst: np.ndarray) -> None:
     """``dst[k] = src[offsets[k]]``, written in place. ``take(out=, mode="clip")`` when
     ``dst`` is contiguous (one call, the method: ``np.take`` adds two Python frames); a
     channel range of a batch is not, and ``take`` would buffer it through a temporary, so
-    those rows are copied one by one."""
-    if dst.flags.c_contiguous:
+    those rows are copied one by one (as are rows cast to a wider stacked dtype)."""
+    if dst.flags.c_contiguous and dst.dtype == src.dtype:
         src.take(offsets, 0, dst, "clip")
         return
     for k, off in enumerate(offsets.tolist()):
