@@ -30,7 +30,7 @@ from ..io.chunk_cache import ChunkCache
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
-from ..memory.layout import Placement, row_view
+from ..memory.slots import Slot, SlotWhere, slot_of, write_slot
 from ..sampling.geometry import VariableGeometry
 from .jobs import Read, Target
 from .shared_memory import Place, Segment, array_at, map_segment
@@ -38,9 +38,6 @@ from .shared_memory import Place, Segment, array_at, map_segment
 if TYPE_CHECKING:  # the worker itself imports neither (the source layer pulls in xarray)
     from ..memory.arena import BatchArena
     from ..store.source import Source
-
-# where one variable's step lands in a batch: (key, time-step column, placement)
-Where = tuple[str, "int | None", Placement]
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class WorkerSetup:
     retry: RetryPolicy
     cache: ChunkCache | None
     snapshot_id: str | None
-    where: tuple[tuple[Where, ...], ...]
+    where: tuple[tuple[SlotWhere, ...], ...]  # per variable and step
     max_inflight: int
 
     @classmethod
@@ -79,13 +76,6 @@ _SCRATCH = ThreadBuffer()
 # How often a worker's read counters (store/decode seconds, retries, cache hits) reach the
 # loader's: merging them per job cost the engine thread ~1 us per sample.
 TIMES_EVERY_S = 0.05
-
-
-def _slot(arrays: dict[str, np.ndarray], where: Where, row: int) -> np.ndarray:
-    """The part of batch row ``row`` one variable's step fills (``fetch.jobs``' slot view)."""
-    key, col, pl = where
-    rows = arrays[key][row : row + 1]
-    return row_view(rows if col is None else rows[:, col], pl)
 
 
 class Worker:
@@ -116,9 +106,9 @@ class Worker:
             self._event_loop().run_until_complete(self._read_all(reads, arrays))
 
     def _targets(self, read: Read, arrays: dict[int, dict[str, np.ndarray]],
-                 ) -> list[np.ndarray]:
+                 ) -> list[Slot]:
         where = self.setup.where[read[0]]
-        return [_slot(arrays[b], where[k], r) for _, b, r, k in read[2]]
+        return [slot_of(arrays[b], where[k], r) for _, b, r, k in read[2]]
 
     def _read_local(self, read: Read, arrays: dict[int, dict[str, np.ndarray]]) -> None:
         reader, dsts = self.readers[read[0]], self._targets(read, arrays)
@@ -157,21 +147,23 @@ class Worker:
             raise
 
 
-def _decode_target(reader: StripeReader, dsts: list[np.ndarray],
+def _decode_target(reader: StripeReader, dsts: list[Slot],
                    scratch: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
-    """Where a stripe decodes: a one-sample stripe straight into its first slot, one of
-    several samples into ``scratch(shape, dtype)``."""
-    if reader.geom.sample_chunk == 1:
-        return dsts[0]
+    """Where a stripe decodes: a one-sample stripe straight into its first slot when it
+    fills it whole; one of several samples, or split across channels, into
+    ``scratch(shape, dtype)``."""
+    first = dsts[0]
+    if reader.geom.sample_chunk == 1 and isinstance(first, np.ndarray):
+        return first
     return scratch(reader.geom.stripe_shape, reader.geom.dtype)
 
 
-def _fill_slots(targets: tuple[Target, ...], dsts: list[np.ndarray], buf: np.ndarray) -> None:
+def _fill_slots(targets: tuple[Target, ...], dsts: list[Slot], buf: np.ndarray) -> None:
     """Copy each target's row of the decoded stripe ``buf`` into its slot (the slot ``buf``
     is, when it is one, already holds it)."""
     for (off, _, _, _), dst in zip(targets, dsts, strict=True):
         if dst is not buf:
-            np.copyto(dst, buf[off : off + 1])
+            write_slot(dst, buf[off : off + 1])
 
 
 def _sendable(e: BaseException) -> BaseException:
