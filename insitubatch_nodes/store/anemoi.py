@@ -17,6 +17,7 @@ import numpy as np
 import zarr
 
 from ..errors import StoreError
+from .arrays import array_in
 
 DATA = "data"
 DATES = "dates"
@@ -51,15 +52,21 @@ class AnemoiLayout:
 
 def read_layout(group: zarr.Group, display: str) -> AnemoiLayout:
     """The names, dates and missing dates of an anemoi dataset (``is_anemoi`` holds)."""
-    names = tuple(str(v) for v in group.attrs["variables"])
+    listed_names = group.attrs["variables"]
+    if not isinstance(listed_names, (list, tuple)):
+        raise StoreError(f"the 'variables' attribute of the anemoi dataset {display!r} is "
+                         f"{listed_names!r}, not a list of names")
+    names = tuple(str(v) for v in listed_names)
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise StoreError(f"the anemoi dataset {display!r} names variables {dup} twice in its "
                          "'variables' attribute")
-    data = group[DATA]
-    dims = data.attrs.get("_ARRAY_DIMENSIONS") or group.attrs.get("dimensions")
-    dims = tuple(dims) if dims and len(dims) == 4 else DIMENSIONS
-    dates = np.asarray(group[DATES][:])
+    data = array_in(group, DATA, display)
+    dims: tuple[str, ...] = DIMENSIONS
+    attr = data.attrs.get("_ARRAY_DIMENSIONS") or group.attrs.get("dimensions")
+    if isinstance(attr, (list, tuple)) and len(attr) == 4:
+        dims = tuple(str(d) for d in attr)
+    dates = np.asarray(array_in(group, DATES, display)[:])
     if not np.issubdtype(dates.dtype, np.datetime64):
         raise StoreError(f"the 'dates' array of the anemoi dataset {display!r} has dtype "
                          f"{dates.dtype}; anemoi writes datetime64")
@@ -68,6 +75,9 @@ def read_layout(group: zarr.Group, display: str) -> AnemoiLayout:
                          f"'data' but 'dates' has shape {dates.shape}")
     missing = []
     listed = group.attrs.get("missing_dates") or []
+    if not isinstance(listed, (list, tuple)):
+        raise StoreError(f"the 'missing_dates' attribute of the anemoi dataset {display!r} is "
+                         f"{listed!r}, not a list of dates")
     for d in listed:
         when = np.datetime64(str(d)).astype(dates.dtype)
         hit = np.flatnonzero(dates == when)
@@ -104,7 +114,7 @@ def stored_statistics(group: zarr.Group, variables: Sequence[str], display: str,
                        f"(arrays: {sorted(have)}); compute them with ib.compute_stats")
     out = {}
     for k in STATISTICS:
-        values = np.asarray(group[k][:], dtype=np.float64)
+        values = np.asarray(array_in(group, k, display)[:], dtype=np.float64)
         if values.shape != (len(variables),):
             raise StoreError(f"statistics array {k!r} of {display!r} has shape "
                              f"{values.shape}, not one value per variable "

@@ -19,6 +19,7 @@ import zarr.storage
 from ..errors import StoreError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
+from .arrays import array_in
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 _NUMERIC_KINDS = "biufc"
@@ -59,7 +60,7 @@ class Source:
         if self.group is None or dim not in self.group.array_keys():
             have = sorted(self.group.array_keys()) if self.group is not None else []
             raise KeyError(f"no coordinate array {dim!r} in {self.url}; arrays: {have}")
-        return np.asarray(self.group[dim][:])
+        return np.asarray(array_in(self.group, dim, self.url)[:])
 
     def batch_coords(self) -> dict[str, np.ndarray]:
         """Per-sample values to put in each batch: datetimes as int64 nanoseconds."""
@@ -100,8 +101,14 @@ def _dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
     if dims is None:
         # zarr v2 arrays written by xarray keep their dims in an attribute.
         attr = arr.attrs.get("_ARRAY_DIMENSIONS")
-        dims = tuple(attr) if attr else None
-    return tuple(dims) if dims is not None else None
+        if not attr:
+            return None
+        if not isinstance(attr, (list, tuple)) or not all(
+                d is None or isinstance(d, str) for d in attr):
+            raise StoreError(f"the _ARRAY_DIMENSIONS attribute of array {arr.name!r} is "
+                             f"{attr!r}, not a list of dimension names")
+        dims = attr
+    return tuple(dims)
 
 
 # Preferred names for the sample dimension when several dimensions lead equally many arrays.
@@ -328,16 +335,19 @@ def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.
     arr = group[sample_dim]
     if not isinstance(arr, zarr.Array) or arr.shape != (n,):
         return None
-    values = arr[:]
+    values = np.asarray(arr[:])
     units = arr.attrs.get("units")
+    calendar = arr.attrs.get("calendar", "standard")
     if isinstance(units, str) and " since " in units:
         from xarray.coding.times import decode_cf_datetime
 
         try:
-            values = decode_cf_datetime(values, units, arr.attrs.get("calendar", "standard"))
+            if not isinstance(calendar, str):  # xarray would fail on it below as well
+                raise TypeError(f"calendar {calendar!r} is not a string")
+            return np.asarray(decode_cf_datetime(values, units, calendar))
         except Exception:
-            return np.asarray(values)
-    return np.asarray(values)
+            return values
+    return values
 
 
 def _describe(group: zarr.Group, display: str, variables: Sequence[str] | None,
@@ -424,7 +434,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
                   static=static)
 
 
-def _geometry(name: str, arr: zarr.Array, dims: tuple[str, ...] | None,
+def _geometry(name: str, arr: zarr.Array, dims: tuple[str | None, ...] | None,
               labels: tuple[str, ...] | None = None) -> VariableGeometry:
     """How ``arr`` is laid out, decoded native-endian."""
     return VariableGeometry(
@@ -440,7 +450,7 @@ def _describe_anemoi(group: zarr.Group, display: str, variables: Sequence[str] |
     1 (``variables=`` picks and orders them), ``dates`` as the sample coordinate."""
     layout = read_layout(group, display)
     chosen = None if variables is None else select(layout, variables, display)
-    arr = group[DATA]
+    arr = array_in(group, DATA, display)
     geom = _geometry(DATA, arr, layout.dimension_names, labels=layout.variables)
     grid = SampleGrid(n_samples=geom.shape[0], chunk_size=geom.sample_chunk)
     return Source(url=display, variables=(geom,), grid=grid, arrays=(arr,),

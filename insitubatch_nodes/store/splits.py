@@ -6,6 +6,8 @@ autocorrelated neighbours on one side, so nothing leaks between train and val.
 
 from __future__ import annotations
 
+import datetime
+import enum
 import hashlib
 import json
 import os
@@ -13,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any, SupportsFloat, SupportsIndex, TypeVar
 
 import numpy as np
 
@@ -189,18 +192,23 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-_MISSING = object()
+class _Missing(enum.Enum):
+    MISSING = enum.auto()
 
 
-def _field(d: dict, key: str, kind: type, default: object = _MISSING) -> object:
+_MISSING = _Missing.MISSING
+_T = TypeVar("_T")
+
+
+def _field(d: Mapping[str, Any], key: str, kind: type[_T],
+           default: _T | _Missing = _MISSING) -> _T:
     """``d[key]``, checked to be a ``kind`` (ints: not bools), else a ValueError naming it."""
     if key not in d:
-        if default is _MISSING:
+        if isinstance(default, _Missing):
             raise StoreError(f"split manifest has no field {key!r} (it has {sorted(d)})")
         return default
     value = d[key]
-    ok = _is_int(value) if kind is int else isinstance(value, kind)
-    if not ok:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise StoreError(f"split manifest field {key!r} must be {kind.__name__}, got {value!r}")
     return value
 
@@ -355,15 +363,22 @@ def split_by_chunk(
 
 
 def _as_bound(value: object, coord: np.ndarray, end: bool) -> int:
-    """Index where a period starts (or, for ``end``, the index just after it ends)."""
+    """Index where a period starts (or, for ``end``, the index just after it ends); a
+    ``TypeError`` or ``ValueError`` where ``value`` is no date (or number) of ``coord``."""
     n = coord.size
     if value is None:
         return n if end else 0
     if np.issubdtype(coord.dtype, np.datetime64):
+        if not isinstance(value, (str, bytes, datetime.date, np.datetime64)):
+            raise TypeError(f"{value!r} is not a date (a string such as '2015-06-30', a "
+                            "datetime or a numpy datetime64)")
         t = np.datetime64(value)
         if end:  # "2015" means through the end of 2015; "2015-06-30" through that day
-            t = t + np.timedelta64(1, np.datetime_data(t.dtype)[0])
+            unit = np.datetime_data(t.dtype)[0]
+            t = t + np.timedelta64(1, unit)  # type: ignore[call-overload]  # numpy's stubs want the unit as a Literal; datetime_data gives a str
         return int(np.searchsorted(coord, t.astype(coord.dtype), side="left"))
+    if not isinstance(value, (str, bytes, bytearray, SupportsFloat, SupportsIndex)):
+        raise TypeError(f"{value!r} is not a number")
     v = float(value)  # numeric coordinate: inclusive bounds
     return int(np.searchsorted(coord, v, side="right" if end else "left"))
 

@@ -13,16 +13,18 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import zarr
 
 from ..errors import StoreError
 from ..sampling.windows import chunks_touching
 from .anemoi import stored_statistics
+from .arrays import array_in
 from .source import Source
 from .splits import SplitManifest
 
@@ -58,9 +60,10 @@ class VariableStats:
                 **{k: np.asarray(getattr(self, k)).tolist() for k in ("mean", "std", "min", "max")}}
 
     @classmethod
-    def from_dict(cls, name: str, d: Mapping) -> VariableStats:
-        return cls(name, tuple(d["kept_dims"]), *(np.asarray(d[k], dtype=np.float64)
-                                                  for k in ("mean", "std", "min", "max")),
+    def from_dict(cls, name: str, d: Mapping[str, Any]) -> VariableStats:
+        mean, std, lo, hi = (np.asarray(d[k], dtype=np.float64)
+                             for k in ("mean", "std", "min", "max"))
+        return cls(name, tuple(d["kept_dims"]), mean, std, lo, hi,
                    count=int(d["count"]), nan_fraction=float(d.get("nan_fraction", 0.0)),
                    coords=tuple(d.get("coords", ())))
 
@@ -153,33 +156,35 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     ids = np.setdiff1d(manifest.chunk_ids(split), chunks_touching(source.missing, source.grid))
     if ids.size == 0:
         raise StoreError(f"split {split!r} has no chunks to compute statistics over")
-    plans = []
+    # (name, array, axes reduced over, names of the dims kept)
+    plans: list[tuple[str, zarr.Array, tuple[int, ...], tuple[str, ...]]] = []
     coords: dict[str, tuple[Any, ...]] = {}
     for name in names:
         g = source.variable(name)
         dims = g.dimension_names or tuple(f"dim_{i}" for i in range(len(g.shape)))
-        kept = tuple(i for i, d in enumerate(dims) if i > 0 and d in keep_dims)
-        axes = tuple(i for i in range(len(g.shape)) if i not in kept)
-        plans.append((name, source.arrays[source.names.index(name)], kept, axes,
-                      tuple(dims[i] for i in kept)))
-        if len(kept) == 1 and dims[kept[0]] not in coords:
+        # a kept dim is one named in keep_dims: a str, never an unnamed (None) dim
+        kept_at = {i: d for i, d in enumerate(dims) if i > 0 and d is not None and d in keep_dims}
+        axes = tuple(i for i in range(len(g.shape)) if i not in kept_at)
+        kept_names = tuple(kept_at.values())
+        plans.append((name, source.arrays[source.names.index(name)], axes, kept_names))
+        if len(kept_names) == 1 and kept_names[0] not in coords:
             try:
-                coords[dims[kept[0]]] = tuple(source.coordinate(dims[kept[0]]).tolist())
+                coords[kept_names[0]] = tuple(source.coordinate(kept_names[0]).tolist())
             except (KeyError, ValueError):
-                coords[dims[kept[0]]] = ()
-    acc = {name: None for name in names}
-    it = ids.tolist()
+                coords[kept_names[0]] = ()
+    acc: dict[str, Moments] = {}
+    it: Iterable[int] = ids.tolist()
     if progress:
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"statistics of {split!r}", unit="chunk", file=sys.stderr)
     for c in it:
         a, b = source.grid.chunk_range(c)
-        for name, arr, _, axes, _ in plans:
+        for name, arr, axes, _ in plans:
             part = _moments(np.asarray(arr[a:b], dtype=np.float64), axes)
-            acc[name] = part if acc[name] is None else _combine(acc[name], part)
+            acc[name] = _combine(acc[name], part) if name in acc else part
     out = []
-    for name, _, _, _, kept_names in plans:
+    for name, _, _, kept_names in plans:
         n, m, m2, lo, hi, total = acc[name]
         empty = np.asarray(n) == 0
         if empty.any():
@@ -250,14 +255,14 @@ def dataset_stats(source: Source) -> Stats:
         raise StoreError(f"the statistics stored in {source.url!r} are not finite for "
                          f"{bad} (a variable with missing values counted them); compute "
                          "them over the finite values with ib.compute_stats(source, manifest)")
-    count = (np.asarray(source.group["count"][:], dtype=np.int64)
+    count = (np.asarray(array_in(source.group, "count", source.url)[:], dtype=np.int64)
              if "count" in source.group.array_keys() else np.zeros(len(names), dtype=np.int64))
     assert data.dimension_names is not None
     whole = VariableStats(data.name, (str(data.dimension_names[1]),), stored["mean"],
                           stored["stdev"], stored["minimum"], stored["maximum"],
                           int(count.sum()), coords=tuple(names))
-    each = tuple(VariableStats(name, (), *(np.asarray(stored[k][i]) for k in
-                                          ("mean", "stdev", "minimum", "maximum")),
-                               count=int(count[i]))
+    each = tuple(VariableStats(name, (), np.asarray(stored["mean"][i]),
+                               np.asarray(stored["stdev"][i]), np.asarray(stored["minimum"][i]),
+                               np.asarray(stored["maximum"][i]), count=int(count[i]))
                  for i, name in enumerate(names))
     return Stats("stored", (whole, *each))

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import zarr
 import zarr.errors
 import zarr.storage
-from zarr.abc.store import ByteRequest
+from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
@@ -285,7 +285,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
         known = {"branches": _safe(repo.list_branches), "tags": _safe(repo.list_tags)}
         raise KeyError(f"{ref} not found in {display} ({_first_line(e).strip(' x')}); "
                        f"it has branches {known['branches']} and tags {known['tags']}") from None
-    store = session.store
+    store: Store = session.store
     if containers:  # virtual chunks may be read: their refusals re-worded for humans
         store = VirtualChunkGate(store, f"{display} @ {ref}", containers, locked)
     return OpenedStore(store, f"{display} @ {ref}", snapshot_id=session.snapshot_id)
