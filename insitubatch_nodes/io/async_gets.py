@@ -17,8 +17,26 @@ import numpy as np
 from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 
+from .partial.ranges import ChunkPart, PartSpec, Ranges
+from .partial.sparse import SparseFrame
 from .pool_task import OneShot
-from .read_path_base import FrameCheck, Frames, Loop, ReadPath, Stripes, check_frames
+from .read_path_base import (
+    Datas,
+    FrameCheck,
+    Frames,
+    Loop,
+    Parts,
+    ReadPath,
+    Stripes,
+    check_frames,
+)
+
+Data = bytes | memoryview
+
+
+async def _none() -> None:
+    """A chunk a partial read does not need."""
+    return None
 
 
 class AsyncGets(ReadPath):
@@ -29,18 +47,35 @@ class AsyncGets(ReadPath):
     async def get(self, key: str) -> bytes | memoryview | None:
         """One stored object (``None``: never written)."""
 
-    async def get_all(self, stripes: Stripes, index: int) -> tuple[list[str], Frames]:
+    async def get_part(self, stripes: Stripes, key: str, cp: ChunkPart,
+                       known: SparseFrame | None = None) -> Data | SparseFrame | None:
+        """What a partial read of chunk ``key`` needs: the whole stored chunk here (it
+        decodes in part); object stores fetch only the blocks (``ObjectStoreGets``).
+        ``known``: parts of it from the chunk cache."""
+        return await self.get(key)
+
+    async def get_all(self, stripes: Stripes, index: int,
+                      parts: Parts | None = None) -> tuple[list[str], Datas]:
+        """Stripe ``index``'s stored chunks (with ``parts``, what each wanted one needs;
+        ``None`` for the others)."""
         keys = stripes.keys(index)
         t0 = time.perf_counter()
-        datas = await asyncio.gather(*(self.get(k) for k in keys))
+        if parts is None:
+            datas: list = await asyncio.gather(*(self.get(k) for k in keys))
+        else:
+            datas = await asyncio.gather(*(_none() if cp is None else self.get(k) if cp.whole
+                                           else self.get_part(stripes, k, cp)
+                                           for k, cp in zip(keys, parts, strict=True)))
+            stripes.partial_stats.skipped(sum(cp is None for cp in parts))
         stripes.times.add(time.perf_counter() - t0, 0.0)
         return keys, list(datas)
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
-                   pool: Executor) -> None:
-        _, datas = await self.get_all(stripes, index)
+                   pool: Executor, part: PartSpec | None = None) -> None:
+        parts = stripes.chunk_parts(part)
+        _, datas = await self.get_all(stripes, index, parts)
         await loop.run_in_executor(pool, OneShot(stripes.place_all, datas, out,
-                                                 time.perf_counter()))
+                                                 time.perf_counter(), parts))
 
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:
@@ -65,6 +100,35 @@ class ObjectStoreGets(AsyncGets):
         except FileNotFoundError:
             return None
         return memoryview(await resp.bytes_async())
+
+    async def get_range(self, key: str, start: int, end: int) -> Data | None:
+        """Bytes ``[start, end)`` of ``key`` (fewer where it ends sooner; ``None``: never
+        written)."""
+        import obstore
+
+        try:
+            return memoryview(await obstore.get_range_async(self.store, key, start=start,
+                                                            end=end))
+        except FileNotFoundError:
+            return None
+
+    async def get_ranges(self, key: str, ranges: Ranges) -> list[Data]:
+        """These byte ranges of ``key``, one ranged GET each, at once (not coalesced:
+        ``partial.blocks.coalesce`` chose them)."""
+        import obstore
+
+        got = await obstore.get_ranges_async(self.store, key, starts=[s for s, _ in ranges],
+                                             ends=[e for _, e in ranges], coalesce=0)
+        return [memoryview(b) for b in got]
+
+    async def get_part(self, stripes: Stripes, key: str, cp: ChunkPart,
+                       known: SparseFrame | None = None) -> Data | SparseFrame | None:
+        """The header and offsets, then only the blocks ``cp`` needs (``partial.fetch``),
+        where the chunks are lone blosc frames; else the whole chunk."""
+        if not stripes.blocks_ok:
+            return await self.get(key)
+        return await stripes.partial.fetch(self, key, stripes.chunk_nbytes, cp.byte_ranges,
+                                           known)
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .blosc_frame import written_by_blosc1
+from .partial.ranges import Ranges
 
 _MAJORS = ("2", "3")  # c-blosc2 versions whose blosc2_dparams _DParams matches
 _NAMES = {"linux": ("libblosc2.so",), "darwin": ("libblosc2.dylib",),
@@ -60,10 +61,15 @@ class _Lib:
         lib.blosc2_decompress_ctx.restype = ctypes.c_int
         lib.blosc2_decompress_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                               ctypes.c_void_p, ctypes.c_int32]
+        lib.blosc2_getitem_ctx.restype = ctypes.c_int
+        lib.blosc2_getitem_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_int32]
         lib.blosc2_init()
         self.path = path
         self._lib = lib
         self._decompress = lib.blosc2_decompress_ctx
+        self._getitem = lib.blosc2_getitem_ctx
         self._local = threading.local()
 
     def decompress_into(self, data: object, out: np.ndarray) -> bool:
@@ -78,9 +84,7 @@ class _Lib:
             view = view.cast("B")
         if not written_by_blosc1(view, size):
             return False
-        ctx = getattr(self._local, "ctx", None)
-        if ctx is None:
-            ctx = self._local.ctx = _Context(self._lib)
+        ctx = self._context()
         # Addresses without numpy's __array_interface__ dicts (~1 us each, per chunk, while
         # holding the GIL): ctypes takes bytes as they are and views a writable buffer.
         src = data if isinstance(data, bytes) else _address(data)
@@ -89,6 +93,34 @@ class _Lib:
         # Whatever state a failed frame left in the context is not carried to the next.
         self._local.ctx = None
         return False
+
+
+    def _context(self) -> _Context:
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = self._local.ctx = _Context(self._lib)
+        return ctx
+
+    def decode_ranges(self, frame: memoryview, out: np.ndarray, ranges: Ranges,
+                      typesize: int) -> bool:
+        """Decode the decoded-byte ``ranges`` of the blosc frame ``frame`` (bytes; its
+        header checked by the caller, ``blocks.parse_header``) into the same bytes of
+        ``out`` (C-contiguous), one ``blosc2_getitem_ctx`` each: only the blocks holding
+        them are decoded. Ranges are whole items of ``typesize``. True when each filled
+        exactly; False on any error (the caller decides what a failure means)."""
+        n = frame.nbytes
+        if not out.flags.c_contiguous or n > _MAX or out.nbytes > _MAX:
+            return False
+        ctx = self._context()
+        base = _address(out)
+        src = _address(frame)
+        for lo, hi in ranges:
+            size = hi - lo
+            if self._getitem(ctx.ptr, src, n, lo // typesize, size // typesize, base + lo,
+                             size) != size:
+                self._local.ctx = None  # a failed frame's state is not carried on
+                return False
+        return True
 
 
 def _address(buf: object) -> int:

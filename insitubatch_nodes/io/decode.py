@@ -20,6 +20,9 @@ import zarr
 from . import blosc2_lib
 from .blosc_frame import check_header
 from .codec_chain import CodecChain, classify
+from .partial.decode import decode_blocks
+from .partial.ranges import Ranges
+from .partial.sparse import SparseFrame
 from .retry import DECODE_ERRORS, ChunkDecodeError
 from .thread_buffer import ThreadBuffer
 
@@ -101,6 +104,27 @@ class ChunkDecoder:
             self._decode_into(data, out)
         except _CODEC_ERRORS as e:
             raise ChunkDecodeError(f"{self.chain}: {e}") from e
+
+    @property
+    def blosc_only(self) -> bool:
+        """One blosc codec and native bytes: chunks that can be decoded in part
+        (``decode_part_into``)."""
+        return self._blosc_only
+
+    def decode_part_into(self, data: bytes | memoryview | SparseFrame, out: np.ndarray,
+                         wanted: Ranges) -> bool:
+        """Decode at least the decoded-byte ranges ``wanted`` of ``data`` into ``out``:
+        only the blosc blocks holding them where the chain is a lone blosc and the frame
+        allows it (True), else the whole chunk (False). A ``SparseFrame`` (only some blocks
+        fetched) must decode in part. Errors as ``decode_into``'s."""
+        try:
+            if ((isinstance(data, SparseFrame) or self._blosc_only)
+                    and decode_blocks(data, out, wanted)):
+                return True
+            self._decode_into(data, out)  # type: ignore[arg-type]
+        except _CODEC_ERRORS as e:
+            raise ChunkDecodeError(f"{self.chain}: {e}") from e
+        return False
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         if self._blosc_only:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from .partial.ranges import PartSpec
 from .pool_task import OneShot
 from .read_path_base import FrameCheck, Frames, Loop, ReadPath, Stripes, check_frame
 from .thread_buffer import ThreadBuffer
@@ -70,30 +71,38 @@ class LocalFiles(ReadPath):
             os.close(fd)
 
     def read_blocking(self, stripes: Stripes, index: int, out: np.ndarray,
-                      submitted: float | None = None) -> None:
-        """Read and decode stripe ``index`` into ``out`` on this thread; ``submitted`` (a
-        ``perf_counter`` time) is when it was handed to the pool, to count the queueing."""
+                      submitted: float | None = None, part: PartSpec | None = None) -> None:
+        """Read and decode stripe ``index`` (``part`` of it) into ``out`` on this thread;
+        ``submitted`` (a ``perf_counter`` time) is when it was handed to the pool, to count
+        the queueing. A part reads the whole file of each chunk it needs (local reads are
+        cheap) and decodes only the blocks it wants."""
         t0 = time.perf_counter()
         wait = t0 - submitted if submitted is not None else 0.0
-        if stripes.whole_key is not None:  # one chunk: the per-sample hot path, no loop
+        parts = stripes.chunk_parts(part)
+        if stripes.whole_key is not None and parts is None:  # the per-sample hot path
             data = self.get_scratch(stripes.whole_key.format(index))
             t1 = time.perf_counter()
             stripes.place(data, stripes.inner[0], out)
             stripes.times.add(t1 - t0, time.perf_counter() - t1, wait)
             return
         store = 0.0
-        for inner in stripes.inner:
+        for i, inner in enumerate(stripes.inner):
+            cp = None if parts is None else parts[i]
+            if parts is not None and cp is None:
+                stripes.partial_stats.skipped(1)  # no wanted index in this chunk
+                continue
             key = stripes.chunk_key((index, *inner))
             t1 = time.perf_counter()
             data = self.get_scratch(key)
             store += time.perf_counter() - t1
-            stripes.place(data, inner, out)
+            stripes.place(data, inner, out, cp)
         stripes.times.add(store, time.perf_counter() - t0 - store, wait)
 
     def read_many_blocking(self, stripes: Stripes, indices: list[int], outs: list[np.ndarray],
-                           submitted: float | None = None) -> None:
+                           submitted: float | None = None,
+                           part: PartSpec | None = None) -> None:
         for index, out in zip(indices, outs, strict=True):
-            self.read_blocking(stripes, index, out, submitted)
+            self.read_blocking(stripes, index, out, submitted, part)
             submitted = None  # only the first stripe waited in the queue
 
     def frames_blocking(self, stripes: Stripes, index: int, check: FrameCheck) -> Frames:
@@ -112,14 +121,14 @@ class LocalFiles(ReadPath):
         return [self.frames_blocking(stripes, i, check) for i in indices]
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
-                   pool: Executor) -> None:
+                   pool: Executor, part: PartSpec | None = None) -> None:
         await loop.run_in_executor(pool, OneShot(self.read_blocking, stripes, index, out,
-                                                 time.perf_counter()))
+                                                 time.perf_counter(), part))
 
     async def read_many(self, stripes: Stripes, indices: list[int], outs: list[np.ndarray],
-                        loop: Loop, pool: Executor) -> None:
+                        loop: Loop, pool: Executor, part: PartSpec | None = None) -> None:
         await loop.run_in_executor(pool, OneShot(self.read_many_blocking, stripes, indices,
-                                                 outs, time.perf_counter()))
+                                                 outs, time.perf_counter(), part))
 
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:

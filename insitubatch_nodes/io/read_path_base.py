@@ -16,9 +16,16 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from ..metrics.counters import ReadTimes
+from .partial.fetch import PartialFetch
+from .partial.ranges import ChunkPart, PartSpec
+from .partial.sparse import SparseFrame
+from .partial.stats import PartialStats
 from .retry import ChunkDecodeError
 
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
+# What a read decodes: stored chunks, or parts of them (a partial fetch), in inner order.
+Datas = list[bytes | memoryview | SparseFrame | None]
+Parts = tuple[ChunkPart | None, ...]  # per inner chunk, what a partial read wants of it
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
 Loop = asyncio.AbstractEventLoop
 
@@ -30,6 +37,12 @@ class Stripes(Protocol):
     times: ReadTimes
     inner: list[tuple[int, ...]]
     whole_key: str | None  # a stripe stored as one chunk: its key is format(stripe)
+    chunk_nbytes: int  # one stored chunk, decoded
+    blocks_ok: bool  # chunks are lone blosc frames: they decode and fetch in part
+    partial: PartialFetch
+    partial_stats: PartialStats
+
+    def chunk_parts(self, part: PartSpec | None) -> Parts | None: ...
 
     def chunk_key(self, coords: tuple[int, ...]) -> str: ...
 
@@ -37,11 +50,11 @@ class Stripes(Protocol):
 
     def rows(self, index: int) -> slice: ...
 
-    def place(self, data: bytes | memoryview | None, inner: tuple[int, ...],
-              out: np.ndarray) -> None: ...
+    def place(self, data: bytes | memoryview | SparseFrame | None, inner: tuple[int, ...],
+              out: np.ndarray, cp: ChunkPart | None = None) -> None: ...
 
-    def place_all(self, datas: Frames, out: np.ndarray,
-                  submitted: float | None = None) -> None: ...
+    def place_all(self, datas: Datas, out: np.ndarray, submitted: float | None = None,
+                  parts: Parts | None = None) -> None: ...
 
 
 class ReadPath(ABC):
@@ -53,8 +66,8 @@ class ReadPath(ABC):
 
     @abstractmethod
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
-                   pool: Executor) -> None:
-        """Fill ``out`` with stripe ``index``."""
+                   pool: Executor, part: PartSpec | None = None) -> None:
+        """Fill ``out`` with stripe ``index`` (``part`` of it: ``StripeReader``)."""
 
     @abstractmethod
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
@@ -62,7 +75,7 @@ class ReadPath(ABC):
         """Stripe ``index``'s stored chunks (``None``: never written), each ``check``-ed."""
 
     async def read_many(self, stripes: Stripes, indices: list[int], outs: list[np.ndarray],
-                        loop: Loop, pool: Executor) -> None:
+                        loop: Loop, pool: Executor, part: PartSpec | None = None) -> None:
         """``read`` of several stripes in one pool task (only where ``groups_reads``)."""
         raise TypeError(f"the {self.name!r} read path cannot group reads")
 

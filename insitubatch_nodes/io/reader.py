@@ -28,19 +28,24 @@ from ..store.storage import redact_urls
 from .chunk_cache import CacheScope, ChunkCache
 from .codec_chain import CodecChain, classify
 from .decode import ChunkDecoder, decoder_from
+from .partial.fetch import PartialFetch, PartialRule
+from .partial.ranges import ChunkPart, PartSpec, copy_wanted, stripe_parts
+from .partial.sparse import SparseFrame
+from .partial.stats import PartialStats
+from .read_path_base import Datas, Parts
 from .read_paths import CachedGets, FrameCheck, Frames, LocalFiles, ReadPath, cached, read_path_for
 from .retry import (
     NO_RETRY,
     ChunkDecodeError,
     ChunkReadError,
-    CorruptChunkError,
     RetryPolicy,
+    final_error,
     is_store_error,
 )
 from .retry import classify as classify_error
 from .thread_buffer import ThreadBuffer
 
-__all__ = ["FrameCheck", "Frames", "StripeReader"]
+__all__ = ["FrameCheck", "Frames", "PartSpec", "PartialRule", "PartialStats", "StripeReader"]
 
 T = TypeVar("T")
 # A chunk that covers only part of its stripe decodes here first (per decode thread).
@@ -64,7 +69,15 @@ def groups_reads(arr: zarr.Array) -> bool:
 
 
 class StripeReader:
-    """Fills ``out`` (shape ``geom.stripe_shape``, native dtype) with one stripe of data."""
+    """Fills ``out`` (shape ``geom.stripe_shape``, native dtype) with one stripe of data.
+
+    Every read takes ``part``: a ``PartSpec`` of the index ranges along the stripe's axis 1
+    it wants (levels, variables; the same in every sample), or ``None`` for all of it.
+    With a part, stored chunks holding no wanted index are not read, blosc chunks decode
+    only the blocks holding wanted bytes, and object stores fetch only those (header and
+    offsets first: ``partial.fetch``); bytes of ``out`` outside the part are left as they
+    are or get their stored values. ``partial_stats`` counts what the parts did.
+    """
 
     def __init__(self, arr: zarr.Array, geom: VariableGeometry, source_url: str) -> None:
         self.arr = arr
@@ -85,6 +98,32 @@ class StripeReader:
         # Decode straight into the stripe buffer when one stored chunk is exactly a stripe.
         self.direct = geom.chunks[1:] == geom.shape[1:]
         self.chunk_nbytes = int(np.prod(geom.chunks, dtype=np.int64)) * geom.dtype.itemsize
+        # Blosc alone on native bytes: chunks decode (and fetch) in part.
+        self.blocks_ok = self.decoder is not None and self.decoder.blosc_only
+        self.partial_stats = PartialStats()
+        self.partial = PartialFetch(PartialRule(), self.partial_stats)
+        self._parts: dict[PartSpec, Parts] = {}
+
+    @property
+    def partial_rule(self) -> PartialRule:
+        """When object-store chunks are fetched in part (``PartialRule``); settable."""
+        return self.partial.rule
+
+    @partial_rule.setter
+    def partial_rule(self, rule: PartialRule) -> None:
+        self.partial = PartialFetch(rule, self.partial_stats)
+
+    def chunk_parts(self, part: PartSpec | None) -> Parts | None:
+        """Per inner chunk of a stripe (``inner`` order), what a read of ``part`` wants
+        of it (``None``: nothing, not read); ``None`` for no part. Computed once per part."""
+        if part is None:
+            return None
+        parts = self._parts.get(part)
+        if parts is None:
+            g = self.geom
+            parts = self._parts[part] = stripe_parts(part, g.name, g.shape, g.chunks,
+                                                     g.dtype.itemsize, self.inner)
+        return parts
 
     @property
     def mode(self) -> str:
@@ -103,19 +142,22 @@ class StripeReader:
         here: a stripe whose chunks are all cached can be read on a pool thread directly."""
         return isinstance(self._path, CachedGets)
 
-    def is_cached(self, index: int) -> bool:
-        """Every stored chunk of stripe ``index`` is in the cache now (``reads_cache``)."""
+    def is_cached(self, index: int, *, part: PartSpec | None = None) -> bool:
+        """Every stored chunk of stripe ``index`` (that ``part`` needs) is in the cache now
+        (``reads_cache``)."""
         assert isinstance(self._path, CachedGets)
-        return self._path.all_cached(self, index)
+        return self._path.all_cached(self, index, part)
 
     def read_cached(self, indices: list[int], outs: list[np.ndarray],
-                    submitted: float | None = None) -> list[int]:
-        """Decode stripes from the cache on this (pool) thread; the indices that were not
-        all there after all (dropped or damaged meanwhile), for the store path."""
+                    submitted: float | None = None, *,
+                    part: PartSpec | None = None) -> list[int]:
+        """Decode stripes (``part`` of them) from the cache on this (pool) thread; the
+        indices that were not all there after all (dropped or damaged meanwhile, or cached
+        for a narrower part), for the store path."""
         assert isinstance(self._path, CachedGets)
         missed = []
         for i, out in zip(indices, outs, strict=True):
-            if not self._path.read_cached_blocking(self, i, out, submitted):
+            if not self._path.read_cached_blocking(self, i, out, submitted, part):
                 missed.append(i)
             submitted = None  # only the first stripe waited in the queue
         return missed
@@ -192,33 +234,51 @@ class StripeReader:
         return tuple(dst), tuple(src)
 
     # -- decoding into the stripe buffer ----------------------------------------------
-    def place(self, data: bytes | memoryview | None, inner: tuple[int, ...],
-              out: np.ndarray) -> None:
+    def place(self, data: bytes | memoryview | SparseFrame | None, inner: tuple[int, ...],
+              out: np.ndarray, cp: ChunkPart | None = None) -> None:
         """Decode one stored inner chunk (``None``: never written) into its region of
-        ``out``."""
+        ``out``; with ``cp``, at least the part of it that ``cp`` wants."""
         if data is None:  # a chunk never written reads as the fill value, as in zarr
             dst, _ = self.region(inner)
             out[dst] = self.fill_value
             return
         assert self.decoder is not None
+        some = cp is not None and not cp.whole
         try:
-            if self.direct:
-                self.decoder.decode_into(data, out)
-                return
-            tmp = _PARTIAL.array(self.geom.chunks, self.geom.dtype)  # copied out below
-            self.decoder.decode_into(data, tmp)
+            target = out if self.direct else _PARTIAL.array(self.geom.chunks, self.geom.dtype)
+            if some:
+                assert cp is not None
+                self.partial_stats.decoded(
+                    self.decoder.decode_part_into(data, target, cp.byte_ranges))
+            else:
+                if cp is not None:
+                    self.partial_stats.decoded(False)
+                self.decoder.decode_into(data, target)  # type: ignore[arg-type]
         except ChunkDecodeError as e:
             e.inner = inner  # the reader names the chunk key (it knows the stripe)
             raise
+        if self.direct:
+            return
         dst, src = self.region(inner)
-        out[dst] = tmp[src]
+        if not some:
+            out[dst] = target[src]
+            return
+        assert cp is not None
+        copy_wanted(out, dst, target, src, cp.axis1)  # the rest may not be decoded
 
-    def place_all(self, datas: Frames, out: np.ndarray, submitted: float | None = None) -> None:
-        """``place`` every inner chunk of a stripe, counting the decode (and the time queued
-        for the pool since ``submitted``, a ``perf_counter`` time)."""
+    def place_all(self, datas: Datas, out: np.ndarray, submitted: float | None = None,
+                  parts: Parts | None = None) -> None:
+        """``place`` every inner chunk of a stripe (with ``parts``, those wanted), counting
+        the decode (and the time queued for the pool since ``submitted``, a
+        ``perf_counter`` time)."""
         t0 = time.perf_counter()
-        for inner, data in zip(self.inner, datas, strict=True):
-            self.place(data, inner, out)
+        if parts is None:
+            for inner, data in zip(self.inner, datas, strict=True):
+                self.place(data, inner, out)
+        else:
+            for inner, data, cp in zip(self.inner, datas, parts, strict=True):
+                if cp is not None:
+                    self.place(data, inner, out, cp)
         self.times.add(0.0, time.perf_counter() - t0,
                        t0 - submitted if submitted is not None else 0.0)
 
@@ -229,19 +289,22 @@ class StripeReader:
                             f"{self.mode!r} path, not from local files")
         return self._path
 
-    def read_local(self, index: int, out: np.ndarray, submitted: float | None = None) -> None:
-        """Read and decode stripe ``index`` into ``out`` on this thread (local stores).
+    def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,
+                   part: PartSpec | None = None) -> None:
+        """Read and decode stripe ``index`` (``part`` of it) into ``out`` on this thread
+        (local stores).
 
         ``submitted`` (a ``perf_counter`` time) is when the read was handed to the pool, to
         count the time it queued.
         """
-        self._local().read_blocking(self, index, out, submitted)
+        self._local().read_blocking(self, index, out, submitted, part)
 
     def read_local_many(self, indices: list[int], outs: list[np.ndarray],
-                        submitted: float | None = None) -> None:
+                        submitted: float | None = None, *,
+                        part: PartSpec | None = None) -> None:
         """Several stripes in one pool task: small chunks are dominated by the per-task
         hand-off (~0.1 ms), so a window's small stripes are read in a few groups."""
-        self._local().read_many_blocking(self, indices, outs, submitted)
+        self._local().read_many_blocking(self, indices, outs, submitted, part)
 
     def _read_file(self, key: str) -> bytes | None:
         """One stored object of a local store (``benchmarks/bench_gpu_decode.py``)."""
@@ -249,8 +312,10 @@ class StripeReader:
 
     # -- reads with retries ----------------------------------------------------------
     async def read(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
-                   pool: Executor, retry: RetryPolicy = NO_RETRY) -> int:
-        """Fill ``out`` with stripe ``index``, retrying transient failures; returns attempts.
+                   pool: Executor, retry: RetryPolicy = NO_RETRY, *,
+                   part: PartSpec | None = None) -> int:
+        """Fill ``out`` with stripe ``index`` (``part`` of it), retrying transient
+        failures; returns attempts.
 
         A store or decode failure that ends the retries is raised as ``ChunkReadError``
         (``CorruptChunkError`` for bytes that never decoded) naming the store (without
@@ -258,23 +323,25 @@ class StripeReader:
         ``__cause__``; any other error keeps its type. Either gets a note naming the stripe.
         """
         _, attempts = await self._retrying(
-            index, retry, lambda: self._path.read(self, index, out, loop, pool))
+            index, retry, lambda: self._path.read(self, index, out, loop, pool, part))
         return attempts
 
     async def read_group(self, indices: list[int], outs: list[np.ndarray],
                          loop: asyncio.AbstractEventLoop, pool: Executor,
-                         retry: RetryPolicy = NO_RETRY) -> int:
+                         retry: RetryPolicy = NO_RETRY, *,
+                         part: PartSpec | None = None) -> int:
         """``read`` for several stripes: in one pool hand-off where ``groups_reads`` (see
         ``_grouped``), else one after another. Returns attempts."""
         out_of = dict(zip(indices, outs, strict=True))
 
         def one(i: int) -> Awaitable[tuple[None, int]]:
             return self._retrying(i, retry, lambda: self._path.read(self, i, out_of[i], loop,
-                                                                    pool))
+                                                                    pool, part))
 
         if self.groups_reads:
             _, attempts = await self._grouped(
-                indices, lambda: self._path.read_many(self, indices, outs, loop, pool), one)
+                indices, lambda: self._path.read_many(self, indices, outs, loop, pool, part),
+                one)
         else:
             _, attempts = await self._each(indices, one)
         return attempts
@@ -362,31 +429,34 @@ class StripeReader:
     # -- local stores, retried on the pool thread -------------------------------------
     def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
                             retry: RetryPolicy = NO_RETRY,
-                            submitted: float | None = None) -> int:
+                            submitted: float | None = None, *,
+                            part: PartSpec | None = None) -> int:
         """``read_group`` for a local store, run on the calling (pool) thread: the same
         grouped try, per-stripe fallback and retries, without an event loop, so the
         consumer thread can submit a window's reads straight to the pool. Returns attempts."""
         if len(indices) == 1:  # its first try is the one that waited in the pool's queue
-            return self._read_local_one(indices[0], outs[0], retry, submitted)
+            return self._read_local_one(indices[0], outs[0], retry, submitted, part)
         if not indices:
             return 0
         try:
-            self.read_local_many(indices, outs, submitted)
+            self.read_local_many(indices, outs, submitted, part=part)
             return len(indices)
         except Exception:
             self.times.retried(len(indices))
             attempts = len(indices)  # the failed group try, once per stripe
         for index, out in zip(indices, outs, strict=True):
-            attempts += self._read_local_one(index, out, retry)
+            attempts += self._read_local_one(index, out, retry, None, part)
         return attempts
 
     def _read_local_one(self, index: int, out: np.ndarray, retry: RetryPolicy,
-                        submitted: float | None = None) -> int:
+                        submitted: float | None = None,
+                        part: PartSpec | None = None) -> int:
         tries = _Tries()
         while True:
             tries.attempt += 1
             try:
-                self.read_local(index, out, submitted if tries.attempt == 1 else None)
+                self.read_local(index, out, submitted if tries.attempt == 1 else None,
+                                part=part)
                 return tries.attempt
             except Exception as e:
                 time.sleep(self._after_failure(index, e, tries, retry))
@@ -407,21 +477,8 @@ class StripeReader:
             chunk = (f"one of the {len(stored)} {what}s {stored[0]!r} ... {stored[-1]!r} of "
                      f"sample-axis chunk {index}")
         where = f"{chunk} of variable {self.geom.name!r} in {self.source_url}"
-        plural = "s" if attempts != 1 else ""
         last = f"{type(exc).__name__}: {_summary(exc)}"
-        if kind == "decode":
-            return CorruptChunkError(
-                f"{where} did not decode in {attempts} attempt{plural} (the stored bytes are "
-                f"damaged, or every transfer was cut short): {last}",
-                self.source_url, self.geom.name, key, attempts)
-        if kind == "permanent":
-            return ChunkReadError(
-                f"cannot read {where}: failed after {attempts} attempt{plural}, not retried "
-                f"further since this error does not heal by waiting: {last}",
-                self.source_url, self.geom.name, key, attempts)
-        return ChunkReadError(f"cannot read {where}: gave up after {attempts} "
-                              f"attempt{plural}: {last}",
-                              self.source_url, self.geom.name, key, attempts)
+        return final_error(kind, where, last, attempts, self.source_url, self.geom.name, key)
 
 
 # Where a response body starts (``<?xml``, ``<!DOCTYPE``, ``<Error>``); not ``'<f4'``.

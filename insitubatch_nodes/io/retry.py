@@ -140,3 +140,23 @@ def is_store_error(exc: BaseException) -> bool:
     """A failure of the store or of its bytes (wrapped in ``ChunkReadError`` when final),
     as opposed to a programming error, which keeps its own type."""
     return isinstance(exc, (oe.BaseError, OSError, ChunkDecodeError))
+
+
+def final_error(kind: str, where: str, last: str, attempts: int, url: str,
+                variable: str, key: str | None) -> ChunkReadError:
+    """The error that ends a stripe's reads (``kind`` as ``classify`` said): its message
+    alone says ``where`` (store, variable, chunk key), how often it was tried, and what
+    failed ``last``."""
+    plural = "s" if attempts != 1 else ""
+    if kind == "decode":
+        return CorruptChunkError(
+            f"{where} did not decode in {attempts} attempt{plural} (the stored bytes are "
+            f"damaged, or every transfer was cut short): {last}", url, variable, key, attempts)
+    if kind == "permanent":
+        return ChunkReadError(
+            f"cannot read {where}: failed after {attempts} attempt{plural}, not retried "
+            f"further since this error does not heal by waiting: {last}",
+            url, variable, key, attempts)
+    return ChunkReadError(f"cannot read {where}: gave up after {attempts} "
+                          f"attempt{plural}: {last}", url, variable, key, attempts)
+

@@ -23,6 +23,7 @@ from zarr.storage import WrapperStore
 from ..metrics.counters import ReadTimes
 from .async_gets import AsyncGets
 from .chunk_cache import CacheScope, ChunkCache
+from .partial.ranges import PartSpec
 from .pool_task import OneShot
 from .read_path_base import FrameCheck, Frames, Loop, ReadPath, Stripes
 from .retry import DECODE_ERRORS, ChunkDecodeError
@@ -39,7 +40,8 @@ class ZarrGetitem(ReadPath):
     name: ClassVar[str] = "zarr"
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
-                   pool: Executor) -> None:
+                   pool: Executor, part: PartSpec | None = None) -> None:
+        """The whole stripe, whatever ``part`` says: zarr decodes these chains."""
         t0 = time.perf_counter()
         try:
             data = await self.arr.async_array.getitem((stripes.rows(index),))
@@ -107,7 +109,7 @@ class CachedGetitem(ZarrGetitem):
     name: ClassVar[str] = "cached-zarr"
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
-                   pool: Executor) -> None:
+                   pool: Executor, part: PartSpec | None = None) -> None:
         self.store.times = stripes.times
         pending: list[tuple[str, bytes]] = []
         token = _fetched.set(pending)
