@@ -1,0 +1,192 @@
+"""Chunks split across channels decode in place, on the decode threads and in worker
+processes alike (memory/slots.py): some levels of an ARCO-ERA5 / WeatherBench2 variable, an
+anemoi variable subset, channels of mixed dtypes, several samples per chunk on S3 under
+``workers="auto"``. Each is bit for bit the batches of ``workers=0``, two epochs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from stores import BLOSC, Var, assert_rows_stored
+
+import insitubatch_nodes as ib
+from insitubatch_nodes import defaults
+from insitubatch_nodes.synthetic import write_anemoi_store
+
+ARCO_LEVELS = [1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100, 125, 150, 175, 200, 225, 250, 300,
+               350, 400, 450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900,
+               925, 950, 975, 1000]
+GRAPHCAST = [50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000]
+
+
+@pytest.fixture(scope="module")
+def arco(tmp_path_factory):
+    """An ARCO-ERA5-like store as xarray writes it: Zarr v2, blosc lz4 + shuffle, all 37
+    levels of a variable in one chunk, one step per chunk, a surface variable beside."""
+    import numcodecs
+    import xarray as xr
+
+    path = tmp_path_factory.mktemp("arco") / "arco.zarr"
+    rng = np.random.default_rng(7)
+    n, lat, lon = 30, 5, 8
+    level = ("time", "level", "latitude", "longitude")
+    ds = xr.Dataset(
+        {"geopotential": (level, rng.standard_normal((n, 37, lat, lon), dtype="f4") * 900),
+         "temperature": (level, rng.standard_normal((n, 37, lat, lon), dtype="f4") + 250),
+         "2m_temperature": (("time", "latitude", "longitude"),
+                            rng.standard_normal((n, lat, lon), dtype="f4") + 280)},
+        coords={"time": np.arange(n) * np.timedelta64(1, "h") + np.datetime64("2020-01-01"),
+                "level": np.asarray(ARCO_LEVELS, np.int64),
+                "latitude": np.linspace(90, -90, lat), "longitude": np.linspace(0, 315, lon)})
+    blosc = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE)
+    enc = {"geopotential": {"chunks": (1, 37, lat, lon), "compressors": [blosc]},
+           "temperature": {"chunks": (1, 37, lat, lon), "compressors": [blosc]},
+           "2m_temperature": {"chunks": (1, lat, lon), "compressors": [blosc]}}
+    ds.to_zarr(path, zarr_format=2, encoding=enc, consolidated=True)
+    src = ib.open_source(path, variables=["geopotential", "temperature", "2m_temperature"])
+    return src, ib.split_by_chunk(src, (0.8, 0.2)), ds
+
+
+def _epochs(loader, n=2):
+    return [[{k: v.clone() for k, v in b.items()} for b in loader] for _ in range(n)]
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for eg, ew in zip(got, want, strict=True):
+        assert len(eg) == len(ew) > 0
+        for g, w in zip(eg, ew, strict=True):
+            assert g.keys() == w.keys()
+            for k in g:
+                assert g[k].dtype == w[k].dtype, k
+                torch.testing.assert_close(g[k], w[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
+def _on_workers_and_threads(src, m, split="train", **kw):
+    """Two epochs of ``kw`` with 2 workers, and with the decode threads."""
+    with ib.build_loader(src, m, split, workers=2, **kw) as ld, \
+            ib.build_loader(src, m, split, workers=0, **kw) as ref:
+        assert ld.node(ib.AsyncFetchNode).workers == 2
+        assert ld.node(ib.AsyncFetchNode).arena is not None  # in place
+        return _epochs(ld), _epochs(ref)
+
+
+def test_graphcast_levels_of_two_variables_and_a_surface_field(arco):
+    """13 of 37 levels of geopotential and temperature plus 2m_temperature: the rows are
+    the stored levels, the same with workers as with threads."""
+    src, m, ds = arco
+    channels = ([("geopotential", lv) for lv in GRAPHCAST]
+                + [("temperature", lv) for lv in GRAPHCAST] + ["2m_temperature"])
+    got, want = _on_workers_and_threads(src, m, batch_size=4, seed=3, channels=channels)
+    _assert_same(got, want)
+    idx = [ARCO_LEVELS.index(lv) for lv in GRAPHCAST]
+    for b in got[0]:
+        i = b["sample_index"].numpy()
+        stored = np.concatenate([ds["geopotential"].values[i][:, idx],
+                                 ds["temperature"].values[i][:, idx],
+                                 ds["2m_temperature"].values[i][:, None]], axis=1)
+        np.testing.assert_array_equal(b["channels"].numpy(), stored)
+
+
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(levels=st.lists(st.sampled_from(ARCO_LEVELS), min_size=1, max_size=12, unique=True),
+       surface_first=st.booleans(), batch=st.integers(1, 9),
+       window=st.sampled_from([None, (2, (1,)), (1, (1, 3))]))
+def test_random_level_subsets_with_and_without_time_steps(arco, levels, surface_first, batch,
+                                                          window):
+    src, m, _ = arco
+    channels = [("temperature", lv) for lv in levels]
+    channels = (["2m_temperature", *channels] if surface_first
+                else [*channels, "2m_temperature"])
+    steps = None if window is None else ib.SampleWindow(window[0], window[1])
+    got, want = _on_workers_and_threads(src, m, batch_size=batch, seed=batch,
+                                        channels=channels, window=steps)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("options", [
+    dict(channels_last=True),
+    dict(channels_last=True, drop_ensemble=True, window=ib.SampleWindow(2, (1,))),
+])
+def test_anemoi_variable_subsets(tmp_path_factory, options):
+    """``open_source(variables=[...])`` on an anemoi dataset (its ``data`` chunk holds every
+    variable of a date): the subset, in the order given, equal on workers and threads."""
+    path = write_anemoi_store(tmp_path_factory.mktemp("an") / "an.zarr", n_dates=24)
+    src = ib.open_source(path, variables=["z_850", "2t", "t_500", "10u"])
+    m = ib.split_by_chunk(src, (1.0,))
+    got, want = _on_workers_and_threads(src, m, batch_size=5, seed=2, **options)
+    _assert_same(got, want)
+    assert "data" in got[0][0]
+
+
+def test_float32_and_float64_channels(store_factory):
+    """Mixed dtypes stack in the dtype torch promotes them to, converted as written."""
+    import zarr
+
+    dims = ("time", "lat", "lon")
+    path, data = store_factory([
+        Var("a", (40, 4, 5), (1, 4, 5), compressors=BLOSC, extra=dict(dimension_names=dims)),
+        Var("b", (40, 2, 4, 5), (1, 2, 4, 5), dtype="float64", compressors=BLOSC,
+            extra=dict(dimension_names=("time", "level", *dims[1:])))])
+    zarr.open_group(path).create_array("level", shape=(2,), dtype="int64",
+                                       dimension_names=("level",))[:] = [500, 850]
+    src = ib.open_source(path, variables=["a", "b"])
+    m = ib.split_by_chunk(src, (1.0,))
+    got, want = _on_workers_and_threads(src, m, batch_size=6, seed=1,
+                                        channels=["a", ("b", 850)])
+    _assert_same(got, want)
+    for b in got[0]:
+        i = b["sample_index"].numpy()
+        assert b["channels"].dtype == torch.float64
+        np.testing.assert_array_equal(b["channels"][:, 0].numpy(), data["a"][i])
+        np.testing.assert_array_equal(b["channels"][:, 1].numpy(), data["b"][i][:, 1])
+
+
+def test_auto_takes_workers_for_several_samples_per_chunk_on_s3(tmp_path, monkeypatch):
+    """On a node with 4+ cores, ``workers="auto"`` starts workers for an object store whose
+    chunks hold several samples (the worker makes the copies the event loop would)."""
+    from stores import stores_on_s3
+
+    monkeypatch.setattr(defaults, "WORKERS_FROM_CORES", 4)
+    monkeypatch.setattr(defaults, "cores_per_rank", lambda: 4)
+    variables = [Var("x", (40, 3, 4), (4, 3, 4), compressors=BLOSC),
+                 Var("y", (40, 2), (8, 2), dtype="int16")]
+    with stores_on_s3(tmp_path / "s3", {"s.zarr": variables}) as (server, stored):
+        src = ib.open_source("s3://data/s.zarr", storage_options=server.options())
+        m = ib.split_by_chunk(src, (1.0,))
+        kw = dict(batch_size=6, block_chunks=3, seed=3)
+        with ib.build_loader(src, m, "train", **kw) as auto, \
+                ib.build_loader(src, m, "train", workers=0, **kw) as threads:
+            assert auto.node(ib.AsyncFetchNode).workers == 3
+            assert threads.node(ib.AsyncFetchNode).arena is None  # gathered, as before
+            got, want = _epochs(auto), _epochs(threads)
+    _assert_same(got, want)
+    assert_rows_stored([{k: v.numpy() for k, v in b.items()} for b in got[0]],
+                       stored["s.zarr"])
+
+
+def test_auto_says_why_it_keeps_the_threads(weather, caplog):
+    src, m = weather
+    with caplog.at_level("INFO", logger="insitubatch_nodes"), \
+            ib.build_loader(src, m, "train", batch_size=4):
+        pass
+    assert any("decode threads, not worker processes" in r.getMessage()
+               and "cores per rank" in r.getMessage() for r in caplog.records)
+
+
+def test_split_chunks_fill_only_their_channels(weather):
+    """A level subset writes every byte of its batch: no row keeps a value of an earlier
+    batch (batch memory is reused from the pool), on threads and workers."""
+    src, m = weather
+    z = src.arrays[src.names.index("z")][:]
+    for workers in (0, 2):
+        with ib.build_loader(src, m, "train", batch_size=4, workers=workers,
+                             channels=[("z", 1000), ("z", 500)]) as ld:
+            for _ in range(2):
+                for b in ld:
+                    i = b["sample_index"].numpy()
+                    np.testing.assert_array_equal(b["channels"].numpy(), z[i][:, [2, 0]])
