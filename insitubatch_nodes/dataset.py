@@ -320,6 +320,9 @@ def summarize_sample(sample: dict[str, torch.Tensor]) -> list[KeySummary]:
     for key, t in sample.items():
         x = t.detach().cpu()
         x = x.to(torch.float64) if x.dtype.is_floating_point or x.dtype == torch.bool else x
+        lo: float | None
+        hi: float | None
+        mean: float | None
         nan = int(torch.isnan(x).sum()) if x.dtype.is_floating_point else 0
         finite = x[torch.isfinite(x)] if x.dtype.is_floating_point else x.reshape(-1)
         if finite.numel():

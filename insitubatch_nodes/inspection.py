@@ -190,7 +190,8 @@ def _sample_axis(source: Source) -> str | None:
     v = np.asarray(values)
     if np.issubdtype(v.dtype, np.datetime64):
         first, last = (np.datetime_as_string(x, unit="m") for x in (v[0], v[-1]))
-        steps = np.unique(np.diff(v.astype("datetime64[m]"))) if v.size > 1 else []
+        steps = (np.unique(np.diff(v.astype("datetime64[m]"))) if v.size > 1
+                 else np.empty(0, dtype="timedelta64[m]"))
         every = (f", every {_duration(steps[0])}" if len(steps) == 1
                  else f", irregular steps ({len(steps)} kinds)" if len(steps) else "")
         return f"{dim} {first} .. {last}{every}"

@@ -56,6 +56,11 @@ class _ExactIterator(LoaderIterator):
     delivered (kept at each one: ~3 us), so asking again serves the failed batch, and a
     ``state_dict()`` taken after the error resumes at it; a lasting failure raises again."""
 
+    # LoaderIterator's own (torchdata ships no type information): the item has_next()
+    # looked ahead to, and the state before it
+    _cached_item: Any
+    _cached_state_dict: dict[str, Any] | None
+
     def __init__(self, loader: Loader) -> None:
         self._busy = threading.Lock()
         self._delivered: dict[str, Any] | None = None  # set by reset()
@@ -170,6 +175,11 @@ class InSituLoader(Loader):
     snapshot read, checked on resume) and ``fingerprint`` (what every state records and
     ``load_state_dict`` checks). Wrapping a hand-built graph leaves them ``None``.
     """
+
+    # Loader's own (torchdata ships no type information): the iterator, and a loaded state
+    # that the next iter() applies
+    _it: LoaderIterator | None
+    _next_iter_state_dict: dict[str, Any] | None
 
     def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
                  keep_states: int = 0, log_every_s: float | None = None, *,

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 
@@ -108,7 +108,7 @@ def clear_store(path: str | Path) -> None:
 
 
 def write_store(path: str | Path, spec: DemoSpec, *, compressors: Any = None,
-                zarr_format: int = 3, progress: bool = True) -> Path:
+                zarr_format: Literal[2, 3] = 3, progress: bool = True) -> Path:
     """Write the store at ``path`` (replacing a Zarr store there) and return the path.
 
     Variables are (time, lat, lon) float32 in chunks of ``time_chunk`` steps, blosc-zstd
@@ -193,7 +193,12 @@ WB2_VARIABLES = WB2_LEVEL_VARIABLES + WB2_SURFACE_VARIABLES
 # NaN over land, as ERA5's is (WB2Spec.sea_surface_temperature): the store's missing values
 WB2_SST = "sea_surface_temperature"
 WB2_TIME_UNITS = "hours since 1959-01-01"
-WB2_SMALL = {"n_lon": 24, "n_lat": 12}  # the test preset: every channel, a tiny grid
+class _Grid(TypedDict):
+    n_lon: int
+    n_lat: int
+
+
+WB2_SMALL: _Grid = {"n_lon": 24, "n_lat": 12}  # the test preset: every channel, a tiny grid
 _WB2_UNITS = {"geopotential": "m**2 s**-2", "temperature": "K", "u_component_of_wind": "m s**-1",
               "v_component_of_wind": "m s**-1", "specific_humidity": "kg kg**-1",
               "vertical_velocity": "Pa s**-1", "2m_temperature": "K",
@@ -452,13 +457,13 @@ def write_anemoi_store(path: str | Path, *, n_dates: int = 16, n_cells: int = 40
     present = np.setdiff1d(np.arange(n_dates), np.asarray(missing, dtype=np.int64))
     x = data[present].astype(np.float64)
     g = zarr.open_group(path, mode="w", zarr_format=2)
-    dims = {"_ARRAY_DIMENSIONS": ["time", "variable", "ensemble", "cell"]}
+    dims: dict[str, Any] = {"_ARRAY_DIMENSIONS": ["time", "variable", "ensemble", "cell"]}
     g.create_array("data", shape=data.shape, chunks=(1, nv, n_ensemble, n_cells),
                    dtype="float32", compressors=_blosc_lz4(), fill_value=np.nan,
                    attributes=dims if dimensions_attr else {})[:] = data
 
     def small(name: str, values: np.ndarray, dim: str) -> None:
-        attrs = {"_ARRAY_DIMENSIONS": [dim]} if dimensions_attr else {}
+        attrs: dict[str, Any] = {"_ARRAY_DIMENSIONS": [dim]} if dimensions_attr else {}
         g.create_array(name, shape=values.shape, chunks=values.shape, dtype=values.dtype,
                        compressors=_blosc_lz4(), attributes=attrs)[:] = values
 

@@ -145,9 +145,15 @@ class OtherLoad:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> float:
+        """End the measurement: the cores the rest of the machine used since ``__enter__``
+        (also kept in ``cores``)."""
         wall = time.perf_counter() - self.t0
         other = (self.busy() - self.busy0) - (float(usage()[0]) - self.own0)
-        self.cores = max(0.0, other / wall) if wall > 0 else 0.0
+        self.cores = cores = max(0.0, other / wall) if wall > 0 else 0.0
+        return cores
 
 
 def rotated(names: Sequence[str], r: int) -> list[str]:
@@ -210,7 +216,7 @@ class LoaderSettings:
     url: str
     variables: list[str] | None = None
     batch_size: int = 32
-    block_chunks: int = 16
+    block_chunks: int | None = 16  # None: what the loader picks (``--block-chunks auto``)
     max_inflight: int = 32
     decode_threads: int | None = None
     seed: int = 0

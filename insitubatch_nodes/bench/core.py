@@ -161,12 +161,12 @@ def run_core(cfg: CoreConfig) -> dict[str, Any]:
     print_summary(result, runs, cfg)
     print_loader_details(result, runs)
     total = time.perf_counter() - t_start
-    whole.__exit__()
+    cores = whole.stop()
     result["total_seconds"] = total
-    result["other_load_cores"] = whole.cores
-    print(f"total benchmark time {total:.1f} s; other processes used {whole.cores:.2f} cores "
+    result["other_load_cores"] = cores
+    print(f"total benchmark time {total:.1f} s; other processes used {cores:.2f} cores "
           "on average meanwhile"
           + (" -- the machine was busy, numbers are pessimistic; rerun when it is quiet"
-             if whole.cores > 0.25 else ""))
+             if cores > 0.25 else ""))
     write_outputs(result, cfg)
     return result

@@ -28,7 +28,30 @@ def _split_jobs(source: ib.Source, chunk_ids: np.ndarray) -> list[tuple[int, int
             for i in np.unique(samples // g.sample_chunk)]
 
 
-class StripeFloor:
+class _Floor:
+    """What the floors share: their readers, the passes timed so far, and the best as a
+    ``Run``."""
+
+    readers: list[StripeReader]
+    seconds: list[float]
+    usage: list[np.ndarray]
+
+    @property
+    def mode(self) -> str:
+        return "/".join(sorted({r.mode for r in self.readers}))
+
+    def result(self, name: str, n_samples: int, sample_nbytes: int) -> Run:
+        """The best pass (least disturbed by the machine's noise), with all passes kept."""
+        best = int(np.argmin(self.seconds))
+        return Run(name, n_samples, self.seconds[best], sample_nbytes,
+                   cpu_s=float(self.usage[best][0]),
+                   extra={**usage_extra(self.usage[best]), "mode": self.mode,
+                          "all_seconds": self.seconds,
+                          "decoder": [r.decoder.chain if r.decoder else None
+                                      for r in self.readers]})
+
+
+class StripeFloor(_Floor):
     """Every stripe of the split fetched and decoded once, unshuffled, on the library's best
     path: ``StripeReader.read_local`` as one thread task per stripe for local stores, else the
     reader's async path with ``max_inflight`` reads in flight.
@@ -52,12 +75,8 @@ class StripeFloor:
             for _ in range(n_bufs):  # more buffers than readers: get() never blocks
                 q.put(np.ones(g.stripe_shape, g.dtype))
             self._free.append(q)
-        self.seconds: list[float] = []
-        self.usage: list[np.ndarray] = []
-
-    @property
-    def mode(self) -> str:
-        return "/".join(sorted({r.mode for r in self.readers}))
+        self.seconds = []
+        self.usage = []
 
     def _task(self, job: tuple[int, int]) -> None:
         v, idx = job
@@ -91,21 +110,11 @@ class StripeFloor:
         self.usage.append(usage() - u0)
         return self.seconds[-1]
 
-    def result(self, name: str, n_samples: int, sample_nbytes: int) -> Run:
-        """The best pass (least disturbed by the machine's noise), with all passes kept."""
-        best = int(np.argmin(self.seconds))
-        return Run(name, n_samples, self.seconds[best], sample_nbytes,
-                   cpu_s=float(self.usage[best][0]),
-                   extra={**usage_extra(self.usage[best]), "mode": self.mode,
-                          "all_seconds": self.seconds,
-                          "decoder": [r.decoder.chain if r.decoder else None
-                                      for r in self.readers]})
-
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
-class GatherFloor:
+class GatherFloor(_Floor):
     """The read floor plus the one copy every shuffling loader must make: each sample copied
     once, in shuffled batches, from the decoded stripes into ``HELD`` batch buffers per
     variable, in turn (local stores only).
@@ -166,10 +175,12 @@ class GatherFloor:
         self.outs = [[np.ones((batch_size, *g.sample_shape), g.dtype) for g in geoms]
                      for _ in range(self.HELD)]
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gfloor")
-        self.seconds: list[float] = []
-        self.usage: list[np.ndarray] = []
+        self.seconds = []
+        self.usage = []
 
-    mode = "local"
+    @property
+    def mode(self) -> str:
+        return "local"
 
     def _submit(self, w: int) -> list[Any]:
         bufs = self.slots[w % len(self.slots)]
@@ -197,8 +208,6 @@ class GatherFloor:
         self.seconds.append(time.perf_counter() - t0)
         self.usage.append(usage() - u0)
         return self.seconds[-1]
-
-    result = StripeFloor.result
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

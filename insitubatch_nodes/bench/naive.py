@@ -10,13 +10,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
+import torch.utils.data as tud
 
 import insitubatch_nodes as ib
 
 from .common import OtherLoad, RssSampler, Run, consume, local_path, usage_extra
 
 
-class PerSampleZarr:
+class PerSampleZarr(tud.Dataset[dict[str, Any]]):
     """What people write today: one zarr ``getitem`` (a whole chunk decoded) per sample and
     variable. Arrays are opened lazily, so each worker process opens its own store."""
 
@@ -30,8 +32,6 @@ class PerSampleZarr:
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import torch
-
         if self._arrays is None:
             self._arrays = ib.open_source(self.url, variables=self.variables).arrays
         return {name: torch.from_numpy(np.asarray(arr[int(i)]))
@@ -42,12 +42,9 @@ def time_naive(source: ib.Source, url: str, indices: np.ndarray, batch_size: int
                workers: int, progress: bool = True) -> Run:
     """Shuffled per-sample DataLoader over a random subset of the split (bounded time); the
     rate per sample is what matters, and it does not depend on the subset's size."""
-    import torch
-    import torch.utils.data as tud
-
     local = local_path(url) is not None
     ds = PerSampleZarr(url, source.names, source.n_samples)
-    subset = tud.Subset(ds, indices.tolist())  # type: ignore[arg-type]
+    subset = tud.Subset(ds, indices.tolist())
     # obstore clients hang in forked children: remote stores need spawned workers.
     ctx = ("fork" if local else "spawn") if workers else None
     dl = tud.DataLoader(subset, batch_size=batch_size, shuffle=True, num_workers=workers,

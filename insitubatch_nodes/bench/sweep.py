@@ -46,6 +46,7 @@ SPLIT = "train"
 
 @dataclass(frozen=True)
 class SweepConfig(LoaderSettings):
+    block_chunks: int = 16  # the sweep's windows grow from it: a number, never auto
     samples_per_chunk: tuple[int, ...] = (1, 8, 24, 96)
     block_chunks_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_inflight_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -245,13 +246,13 @@ def run_sweep(cfg: SweepConfig) -> dict[str, Any]:
         result["max_inflight"] = sweep_knob(cfg, source, manifest, "max_inflight",
                                             cfg.max_inflight_values)
     result["total_seconds"] = time.perf_counter() - t0
-    other.__exit__()
-    result["other_load_cores"] = other.cores
+    cores = other.stop()
+    result["other_load_cores"] = cores
     print()
     print(format_sweep(result))
     print(f"\ntotal sweep time {result['total_seconds']:.1f} s; other processes used "
-          f"{other.cores:.2f} cores on average meanwhile"
-          + (" -- the machine was busy; rerun when it is quiet" if other.cores > 0.25 else ""))
+          f"{cores:.2f} cores on average meanwhile"
+          + (" -- the machine was busy; rerun when it is quiet" if cores > 0.25 else ""))
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     path = cfg.out_dir / "sweep.json"
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")

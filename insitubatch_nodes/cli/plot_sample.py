@@ -71,11 +71,11 @@ def plot_sample(parser: argparse.ArgumentParser, sample: dict[str, Any], path: P
         if axes:
             (ydim, yv), (xdim, xv) = axes
             north_up = bool(yv[-1] >= yv[0])  # ascending: first row at the bottom
-            extent = [float(xv[0]), float(xv[-1]), float(yv[0]), float(yv[-1])]
+            extent = (float(xv[0]), float(xv[-1]), float(yv[0]), float(yv[-1]))
             im = ax.imshow(x, aspect="auto", interpolation="nearest",
                            origin="lower" if north_up else "upper",
-                           extent=extent if north_up else [extent[0], extent[1], extent[3],
-                                                           extent[2]])
+                           extent=extent if north_up else (extent[0], extent[1], extent[3],
+                                                           extent[2]))
             ax.set_xlabel(xdim)
             ax.set_ylabel(ydim)
             drawn = f", {ydim} up x {xdim} across"

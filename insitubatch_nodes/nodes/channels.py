@@ -49,6 +49,8 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                                      f"(level, y, x); its dims are {var.dimension_names}")
                 dim = var.dimension_names[1] if var.dimension_names else "level"
                 try:
+                    if dim is None:  # an unnamed dim has no coordinate: index its levels
+                        raise KeyError(dim)
                     values = source.coordinate(dim).tolist()
                 except (KeyError, ValueError):
                     values = list(range(var.sample_shape[0]))
@@ -69,6 +71,9 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
             raise ConfigError(f"picking level {level!r} of {name!r} needs samples shaped "
                              f"(level, y, x); its dims are {var.dimension_names}")
         dim = var.dimension_names[1]
+        if dim is None:
+            raise KeyError(f"the level dimension of {name!r} has no name (dims "
+                           f"{var.dimension_names}), so no coordinate to pick {level!r} from")
         values = source.coordinate(dim)
         hits = np.flatnonzero(values == level)
         if hits.size != 1:

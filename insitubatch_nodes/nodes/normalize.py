@@ -135,10 +135,10 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                                  "on this one")
             per_label = (var.labels is not None and st.kept_dims == (dims[1],)
                          and np.size(st.mean) == len(var.labels))
-            names = var.labels if per_label and var.labels is not None else None
-            if names is None and var.labels is not None:
+            labels = var.labels if per_label and var.labels is not None else None
+            if labels is None and var.labels is not None:
                 _check_label_schemes(self.schemes, var, st.kept_dims)
-            offset, scale = _offset_scale(st, self.schemes, var.name, names)
+            offset, scale = _offset_scale(st, self.schemes, var.name, labels)
             # A zero scale (a constant field) divides by eps; a negative one ("max" of a
             # field below zero) is kept, as anemoi-training keeps it.
             scale = np.where(np.abs(scale) < eps, eps, scale)

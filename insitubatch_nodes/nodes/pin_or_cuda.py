@@ -278,7 +278,8 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
             raise ConfigError(f"ring_size must be an integer >= 1, got {ring_size!r}")
         self.source = source
         # ``ops``: a CudaOps-like object (tests pass a CPU fake; its ``device`` is used)
-        self.device = ops.device if ops is not None else resolve_device(device)
+        self.device: torch.device | None = (ops.device if ops is not None
+                                            else resolve_device(device))
         self.ring_size = ring_size
         self._ops = ops
         self._stager: CudaStager | None = None  # made on the first CUDA batch
@@ -318,7 +319,12 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
 
     def _cuda_next(self) -> dict[str, torch.Tensor]:
         if self._stager is None:
-            self._stager = CudaStager(self._ops or CudaOps(self.device), self.ring_size)
+            ops = self._ops
+            if not ops:
+                if self.device is None:  # next() takes this path for a CUDA device only
+                    raise RuntimeError("PinOrCudaNode: the CUDA path runs without a device")
+                ops = CudaOps(self.device)
+            self._stager = CudaStager(ops, self.ring_size)
             if self.staging is not None:
                 self.staging.attach(self._stager)
         stager = self._stager

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections import ChainMap, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, StateError
@@ -107,7 +108,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         super().reset(initial_state)
         self._resident.clear()
         self._exhausted = False
-        self._error: BaseException | None = None
+        self._error = None
         self._served = 0  # batches handed out since this reset
         # The skip and the first batch's reach are set before upstream resets: a prefetching
         # stage between may ask the fetch for windows as soon as it is reset.
@@ -240,6 +241,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         runs: dict[int, list] = {}  # per sample chunking: the runs, shared by its variables
         parts = []
         for v, var in enumerate(self.variables):
+            lookup: Mapping[int, np.ndarray | torch.Tensor]
             if len(drawn) == 1:
                 lookup = drawn[0].window.arrays[v]
             else:  # a batch across a window edge: stripe indices are global, so chain

@@ -11,6 +11,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError
+from ..store.arrays import array_in
 from ..store.source import Source, discover
 from ..store.storage import explain, open_url
 from .transform import TransformNode
@@ -54,7 +55,7 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
     if missing:
         raise KeyError(f"unknown static variable(s) {missing} in {display}; "
                        f"arrays there: {have}")
-    return {v: np.asarray(group[v][:]) for v in variables}
+    return {v: np.asarray(array_in(group, v, display)[:]) for v in variables}
 
 
 def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...]],

@@ -349,7 +349,7 @@ def _redeal(ctx: ScheduleContext, epoch: int, g: int, world_size: int,
             a, z = max(lo - s0, 0), min(hi - s0, sizes[k])
             key = (g, r, world_size, len(mine))
             if k < len(tails):
-                d = tails[k].draws[a:z]
+                d = tails[k].base_draws()[a:z]  # a tail's draws, always explicit
                 chunks = (tails[k].chunk_ids if ctx.contiguous
                           else np.unique(d // ctx.grid.chunk_size))
                 mine.append(WindowSpec(ctx, epoch, key, chunks, draws=d))

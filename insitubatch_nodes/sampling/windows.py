@@ -34,13 +34,13 @@ class SampleWindow:
                 raise ConfigError(f"SampleWindow {name} must be an integer >= 1 (steps), got "
                                  f"{value!r}")
             object.__setattr__(self, name, int(value))
-        lead = self.lead
-        if whole(lead):
-            lead = (lead,)
-        if isinstance(lead, (str, bytes)) or not isinstance(lead, Sequence | np.ndarray):
+        given: object = self.lead  # as the caller wrote it: checked here
+        if whole(given):
+            given = (given,)
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence | np.ndarray):
             raise ConfigError(f"SampleWindow lead must be a step count or a sequence of them "
-                             f"(e.g. (1, 6)), got {lead!r}")
-        lead = tuple(lead)
+                             f"(e.g. (1, 6)), got {given!r}")
+        lead = tuple(given)
         if (not all(whole(x) and x >= 1 for x in lead)) or len(set(lead)) != len(lead):
             raise ConfigError(f"SampleWindow leads must be distinct integers >= 1, got {lead!r}")
         object.__setattr__(self, "lead", tuple(int(x) for x in lead))

@@ -139,13 +139,13 @@ class StateFingerprint:
             if name not in obj:  # an optional field an older state lacks
                 continue
             v = obj[name]
-            kind = _FIELD_KINDS[name]
-            ok = (isinstance(v, bool) if kind is bool else
-                  isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind is int
-                  else isinstance(v, str))
+            field_kind = _FIELD_KINDS[name]
+            ok = (isinstance(v, bool) if field_kind is bool else
+                  isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                  if field_kind is int else isinstance(v, str))
             if not ok:
-                raise StateError(f"loader state field 'fingerprint.{name}' must be "
-                                 f"{'an integer >= 0' if kind is int else kind.__name__}, "
+                what = "an integer >= 0" if field_kind is int else field_kind.__name__
+                raise StateError(f"loader state field 'fingerprint.{name}' must be {what}, "
                                  f"got {v!r}")
             values[name] = v
         if values["uneven"] not in UNEVEN_POLICIES:
