@@ -95,8 +95,8 @@ def candidates(codec: str) -> tuple[dict[str, Decode], list[str]]:
     try:
         import imagecodecs
 
-        def flat(o: np.ndarray) -> np.ndarray:
-            return o.reshape(-1).view(np.uint8)
+        def flat(o: np.ndarray) -> memoryview:  # decoded into, in place
+            return o.reshape(-1).view(np.uint8).data
 
         if codec == "blosc":
             out["imagecodecs"] = lambda b, o: imagecodecs.blosc_decode(b, numthreads=1,

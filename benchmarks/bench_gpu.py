@@ -269,9 +269,11 @@ def train_loop(batches: Iterator[dict], step: Callable[[dict], None], steps: int
     """Run ``warmup + steps`` steps; measure the last ``steps``. The CPU runs at most
     ``lag`` steps ahead of the GPU (it waits on the mark of step k - lag)."""
     marks: collections.deque = collections.deque()
+    if steps < 1:
+        raise ValueError(f"train_loop: steps must be >= 1, got {steps}")
     busy_ms = waited = 0.0
-    pairs = []
-    t_start = None
+    pairs: list[tuple[Any, Any]] = []  # (mark before, mark after) each step
+    t_start = time.perf_counter()  # set again when the measured steps begin
     for i in range(warmup + steps):
         if i == warmup:
             if marks:

@@ -67,8 +67,14 @@ def write_store(path: Path, codec: str, n_times: int, time_chunk: int) -> Path:
 
 
 def chunk_frames(reader: StripeReader) -> list[bytes]:
-    return [reader._read_file(reader.chunk_key((i, 0, 0)))
-            for i in range(reader.geom.n_sample_chunks)]
+    frames = []
+    for i in range(reader.geom.n_sample_chunks):
+        key = reader.chunk_key((i, 0, 0))
+        data = reader._read_file(key)
+        if data is None:  # write_store writes every chunk
+            raise FileNotFoundError(f"chunk {key!r} of {reader.source_url} is not stored")
+        frames.append(data)
+    return frames
 
 
 def bench_cpu(reader: StripeReader, frames: list[bytes], threads: int, repeats: int) -> float:
@@ -100,7 +106,9 @@ def bench_device(reader: StripeReader, frames: list[bytes], decoder: Any, block:
     def one_pass() -> None:
         for w in windows:
             for st in w:  # the host checks the fetcher runs on every frame
-                chain.check(st.frames[0], reader.chunk_nbytes)
+                frame = st.frames[0]
+                assert frame is not None  # chunk_frames made every frame
+                chain.check(frame, reader.chunk_nbytes)
             wd.decode(w)
 
     one_pass()  # warm up: codecs, pinned staging, caching allocator

@@ -109,8 +109,9 @@ def store_matches(path: Path, case: Case, sizes: Sizes) -> bool:
     chunk = int(case.key.rsplit("c", 1)[1]) if case.key.startswith("t2m") else 1
     try:
         g = zarr.open_group(path, mode="r")
-        return all(tuple(g[v].shape) == shape and g[v].chunks == (chunk, *shape[1:])
-                   for v, shape in want.items())
+        arrays = {v: g[v] for v in want}
+        return all(isinstance(a, zarr.Array) and tuple(a.shape) == want[v]
+                   and a.chunks == (chunk, *want[v][1:]) for v, a in arrays.items())
     except Exception:
         return False
 

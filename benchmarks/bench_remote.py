@@ -223,7 +223,7 @@ def measure(targets: list[Target], args: argparse.Namespace, stored: int) -> lis
     for t in targets:  # warm-up: connections opened, servers' code paths hot
         run_epoch(t.source, t.manifest, args, max(i for i, _ in t.configs), 1, t.procs)
     jobs = [(t, cfg) for t in targets for cfg in t.configs]
-    runs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    runs: dict[tuple[int, int, int], list[dict[str, Any]]] = {}  # (target, *config)
     for rnd in range(args.repeats):
         t0 = time.perf_counter()
         for t, cfg in (jobs if rnd % 2 == 0 else jobs[::-1]):

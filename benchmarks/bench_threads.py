@@ -66,7 +66,7 @@ def stubbed_io() -> Iterator[None]:
     from insitubatch_nodes.io.read_paths import LocalFiles
 
     read, decode = LocalFiles.get_scratch, ChunkDecoder.decode_into
-    LocalFiles.get_scratch = lambda self, key: b"x"  # type: ignore[method-assign]
+    LocalFiles.get_scratch = lambda self, key: memoryview(b"x")  # type: ignore[method-assign]
     ChunkDecoder.decode_into = lambda self, data, out: None  # type: ignore[method-assign]
     try:
         yield

@@ -31,6 +31,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -147,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                     other_floors[k].append(f / fl.run_pass())
                 for n in rotated(names, r):
                     ratios[n].append(f / epoch_seconds(n))
+            overrides: dict[str, dict[str, Any]] = {  # build_loader keywords per variant
+                n: {"block_chunks": block, **variants[n]} for n in names}
             first = alternating_first_batches(
-                {n: partial(time_first_batch, source, manifest, cfg, 1,
-                            **{"block_chunks": block, **variants[n]}) for n in names},
+                {n: partial(time_first_batch, source, manifest, cfg, 1, **overrides[n])
+                 for n in names},
                 args.first_batch)
     finally:
         for fl in floors:
@@ -165,16 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  gather floor, {threads[0]} threads: idle core-ms per pass, median "
           f"{1e3 * np.median(floor_idle):.1f}")
     floor_rows = []
-    for t, r in zip(threads[1:], other_floors, strict=True):
-        floor_rows.append({"threads": t, "reference_over_this": float(np.median(r))})
+    for t, rel in zip(threads[1:], other_floors, strict=True):
+        floor_rows.append({"threads": t, "reference_over_this": float(np.median(rel))})
         print(f"  gather floor, {t} threads: {threads[0]}-thread seconds / these, median "
-              f"{np.median(r):.3f}")
+              f"{np.median(rel):.3f}")
     rows = []
     for n in names:
         a = np.asarray(ratios[n])
         q1, med, q3 = np.percentile(a, [25, 50, 75])
-        row = {"variant": n, "median": float(med), "q1": float(q1), "q3": float(q3),
-               "idle_core_s": float(np.median(idle[n]))}
+        row: dict[str, Any] = {"variant": n, "median": float(med), "q1": float(q1),
+                               "q3": float(q3), "idle_core_s": float(np.median(idle[n]))}
         line = (f"  {n:40s} x floor+copy: median {med:.3f} (IQR {q1:.3f}..{q3:.3f}); idle "
                 f"core-ms per epoch {1e3 * row['idle_core_s']:.1f}")
         if args.first_batch:
