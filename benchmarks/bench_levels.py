@@ -1,0 +1,178 @@
+"""Some levels of a variable against all of them, on the decode threads and on worker
+processes: samples/s, the training process's own CPU time per sample (what caps a big node)
+and the stored bytes read per sample, in one run, paired round by round.
+
+The store is ARCO-ERA5's layout (Zarr v2, blosc lz4 level 5 + byte shuffle as xarray writes
+it, all 37 pressure levels of a variable in one chunk, one time step per chunk); the subset
+is GraphCast's 13 levels. Run on demand, never as a test::
+
+    .venv/bin/python -m benchmarks.bench_levels --grid 2.5            # 37 x 73 x 144
+    .venv/bin/python -m benchmarks.bench_levels --grid 0.25 --times 24 --rounds 3
+    .venv/bin/python -m benchmarks.bench_levels --small               # smoke run
+
+Bytes read are the bytes the training process and its decode workers read from files
+(``/proc/<pid>/io`` ``rchar``), per sample served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import insitubatch_nodes as ib  # noqa: E402
+
+ARCO_LEVELS = [1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100, 125, 150, 175, 200, 225, 250, 300,
+               350, 400, 450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900,
+               925, 950, 975, 1000]
+GRAPHCAST = [50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000]
+GRIDS = {"2.5": (73, 144), "1.0": (181, 360), "0.25": (721, 1440)}
+
+
+def write_arco(path: Path, n_times: int, lat: int, lon: int) -> Path:
+    """``geopotential (time, level, latitude, longitude)`` float32, smooth fields plus noise
+    (compressing as reanalysis does, not as random bytes), one step per chunk."""
+    import numcodecs
+    import zarr
+
+    g = zarr.open_group(path, mode="w", zarr_format=2)
+    blosc = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE)
+    dims = {"_ARRAY_DIMENSIONS": ["time", "level", "latitude", "longitude"]}
+    z = g.create_array("geopotential", shape=(n_times, 37, lat, lon),
+                       chunks=(1, 37, lat, lon), dtype="float32", compressors=blosc,
+                       fill_value=np.nan, attributes=dims)
+    for name, values in (("time", np.arange(n_times, dtype=np.int64)),
+                         ("level", np.asarray(ARCO_LEVELS, np.int64)),
+                         ("latitude", np.linspace(90, -90, lat)),
+                         ("longitude", np.linspace(0, 360, lon, endpoint=False))):
+        g.create_array(name, shape=values.shape, dtype=values.dtype, compressors=blosc,
+                       attributes={"_ARRAY_DIMENSIONS": [name]})[:] = values
+    y = np.linspace(-1, 1, lat, dtype=np.float32)[:, None]
+    x = np.linspace(0, 2 * np.pi, lon, dtype=np.float32)[None, :]
+    p = np.asarray(ARCO_LEVELS, np.float32)[:, None, None]
+    rng = np.random.default_rng(0)
+    for t in range(n_times):
+        base = 5e4 * np.log(1000 / p) + 800 * np.sin(x + t / 10) * np.cos(3 * y)
+        noise = rng.standard_normal((37, lat, lon), dtype=np.float32) * 2
+        z[t] = (base + noise).astype(np.float32)
+    zarr.consolidate_metadata(path, zarr_format=2)
+    return path
+
+
+def _bytes_read() -> int:
+    """Bytes this process and its children (the decode workers) read so far."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            total += p.io_counters().read_chars
+    return total
+
+
+def epoch(loader: Any) -> tuple[float, float, int, int]:
+    """One epoch: (wall seconds, this process's CPU seconds, samples, bytes read)."""
+    n = 0
+    b0 = _bytes_read()
+    w0, c0 = time.perf_counter(), time.process_time()
+    for batch in loader:
+        n += int(batch["sample_index"].shape[0])
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    return wall, cpu, n, _bytes_read() - b0
+
+
+def variants(workers: list[int]) -> dict[str, dict[str, Any]]:
+    """Each variant's loader options: all 37 levels or GraphCast's 13, per worker count."""
+    out = {}
+    for w in workers:
+        for name, levels in (("37", ARCO_LEVELS), ("13", GRAPHCAST)):
+            out[f"{name} levels, workers={w}"] = {
+                "workers": w, "channels": [("geopotential", lv) for lv in levels]}
+    return out
+
+
+def run(store: Path, workers: list[int], rounds: int, batch_size: int) -> dict[str, Any]:
+    src = ib.open_source(str(store), variables=["geopotential"])
+    manifest = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
+    opts = variants(workers)
+    loaders = {k: ib.build_loader(src, manifest, "train", batch_size=batch_size, seed=0, **o)
+               for k, o in opts.items()}
+    for ld in loaders.values():
+        epoch(ld)  # warm: workers started, page cache, pools
+    names = list(opts)
+    res: dict[str, list[tuple[float, float, int, int]]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            res[name].append(epoch(loaders[name]))
+    for ld in loaders.values():
+        ld.shutdown()
+    rows = []
+    for name in names:
+        walls = [w for w, _, _, _ in res[name]]
+        n = res[name][0][2]
+        all_levels = name.replace("13 levels", "37 levels")
+        rows.append({
+            "variant": name,
+            "samples_per_s": n / median(walls),
+            "main_cpu_us_per_sample": 1e6 * median(c for _, c, _, _ in res[name]) / n,
+            "bytes_read_per_sample": median(b for _, _, _, b in res[name]) / n,
+            "speed_vs_37_levels": median(a[0] / w for (w, _, _, _), a
+                                         in zip(res[name], res[all_levels], strict=True)),
+            "speed_vs_threads": median(t[0] / w for (w, _, _, _), t in zip(
+                res[name], res[name.split(",")[0] + ", workers=0"], strict=True))
+            if workers[0] == 0 else None,
+        })
+    return {"store": str(store), "rounds": rounds, "batch_size": batch_size,
+            "cores": os.cpu_count(), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="2.5")
+    ap.add_argument("--times", type=int, default=None, help="time steps (default by grid)")
+    ap.add_argument("--workers", default="0,2", help="comma-separated; 0 first for ratios")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--small", action="store_true", help="a tiny store, 2 rounds (smoke)")
+    ap.add_argument("--dir", type=Path, default=Path("bench-out/levels"))
+    ap.add_argument("--out", type=Path, default=None, help="folder for results.json")
+    a = ap.parse_args(argv)
+    lat, lon = (9, 16) if a.small else GRIDS[a.grid]
+    n_times = 24 if a.small else (a.times or max(24, int(2e9 // (37 * lat * lon * 4))))
+    batch = a.batch_size or (4 if a.small or a.grid == "0.25" else 16)
+    store = a.dir / f"arco-{'small' if a.small else a.grid}-{n_times}.zarr"
+    if not store.exists():
+        store.parent.mkdir(parents=True, exist_ok=True)
+        write_arco(store, n_times, lat, lon)
+    result = run(store, [int(w) for w in a.workers.split(",")], 2 if a.small else a.rounds,
+                 batch)
+    print(f"{store}: {result['cores']} cores, {result['rounds']} rounds, batch {batch}")
+    print(f"{'variant':>22} {'samples/s':>10} {'main CPU us/sample':>19} {'MB read/sample':>15}"
+          f" {'x 37 levels':>11} {'x threads':>10}")
+    for row in result["rows"]:
+        vt = row["speed_vs_threads"]
+        print(f"{row['variant']:>22} {row['samples_per_s']:>10.0f} "
+              f"{row['main_cpu_us_per_sample']:>19.1f} "
+              f"{row['bytes_read_per_sample'] / 1e6:>15.3f} {row['speed_vs_37_levels']:>11.3f} "
+              f"{'-' if vt is None else f'{vt:.3f}':>10}")
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
