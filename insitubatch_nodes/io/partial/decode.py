@@ -20,9 +20,10 @@ from .blocks import BlockPlan, Whole, plan_frame
 from .ranges import Ranges
 from .sparse import SparseFrame
 
-# A frame in hand decodes block by block below this share of its blocks: above it the
-# whole-frame decode (one call, no copies out of c-blosc2's block buffer) is as fast
-# (measured: ``benchmarks/bench_partial.py``).
+# A frame in hand decodes block by block up to this share of its blocks. The time tracks the
+# share: on a (1, 37, 721, 1440) float32 chunk (numcodecs lz4, shuffle, 294 blocks of 512 kB),
+# 0.40 of the whole decode's time for GraphCast's 13 levels (114 blocks), 0.84 at 0.81 of
+# the blocks, 0.99 from 0.95 (medians of 15 interleaved rounds, one thread, 2-vCPU VM).
 DECODE_MAX_FRACTION = 0.9
 _SPARSE = ThreadBuffer()  # per decode thread: a sparse frame laid out at its offsets
 
