@@ -48,7 +48,7 @@ def write_arco(path: Path, n_times: int, lat: int, lon: int) -> Path:
 
     g = zarr.open_group(path, mode="w", zarr_format=2)
     blosc = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE)
-    dims = {"_ARRAY_DIMENSIONS": ["time", "level", "latitude", "longitude"]}
+    dims: dict[str, Any] = {"_ARRAY_DIMENSIONS": ["time", "level", "latitude", "longitude"]}
     z = g.create_array("geopotential", shape=(n_times, 37, lat, lon),
                        chunks=(1, 37, lat, lon), dtype="float32", compressors=blosc,
                        fill_value=np.nan, attributes=dims)
