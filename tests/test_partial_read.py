@@ -617,3 +617,24 @@ def test_a_damaged_block_on_an_object_store_fails_naming_the_chunk(s3):
                 reads(1, NARROW, ib.RetryPolicy(attempts=3, base_delay=0, decode_attempts=2))
         finally:
             reads.close()
+
+
+def test_an_array_whose_frames_cannot_be_read_in_part_is_fetched_whole_after_a_few():
+    from insitubatch_nodes.io.partial.fetch import PartialFetch
+
+    x = np.random.default_rng(0).integers(0, 256, (1, 37, 20, 40), "u1")
+    frame = encode(x, "lz4", 0, clevel=1)
+    assert frame[2] & 0x02  # stored uncompressed: no blocks to read alone
+    wanted = byte_ranges(x.shape, 1, PartSpec.of(WANTED).ranges)
+    fetch = PartialFetch(PartialRule(trials=2))
+    gets = SlowGets(frame, 0.0, 1e12)
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(4):
+            assert bytes(loop.run_until_complete(fetch.fetch(gets, "k", x.nbytes, wanted))) \
+                == frame
+    finally:
+        loop.close()
+    assert fetch.pays(wanted) is False
+    # two trials of header + rest, then the whole frame in one GET each
+    assert gets.got == 4 * len(frame) and fetch.stats.whole_fetches == 4

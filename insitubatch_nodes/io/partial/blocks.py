@@ -78,6 +78,16 @@ def parse_header(head: bytes | memoryview, nbytes: int) -> FrameHeader | Whole:
     return header
 
 
+def stored_size(head: bytes | memoryview, nbytes: int) -> int | None:
+    """The size of a frame stored uncompressed (flag 0x02) of a chunk of ``nbytes``, from
+    its header at the start of ``head``; ``None`` for any other header."""
+    view = memoryview(head).cast("B")
+    if view.nbytes < HEADER or not view[2] & _MEMCPYED or view[0] != 2:
+        return None
+    total, _, cbytes = struct.unpack_from("<iii", view, 4)
+    return cbytes if total == nbytes and cbytes == HEADER + nbytes else None
+
+
 def block_spans(header: FrameHeader, bstarts: bytes | memoryview) -> tuple[int, ...] | Whole:
     """Each block's compressed end, given the offsets (``header.head_bytes - 16`` bytes
     after the header): the next larger offset, or the frame's end. ``Whole`` if the offsets

@@ -23,6 +23,7 @@ from .blocks import (
     coalesce,
     parse_header,
     plan_frame,
+    stored_size,
 )
 from .ranges import Ranges
 from .sparse import SparseFrame
@@ -75,6 +76,7 @@ class _Trials:
     runs_s: float = 0.0
     run_bytes: int = 0
     saved: int = 0
+    unreadable: int = 0  # frames that could not be read in part (their header)
 
     def verdict(self) -> bool:
         """The saved bytes per chunk are at least one round trip's worth on this link."""
@@ -114,7 +116,9 @@ class PartialFetch:
                 return None
         head, header = await self._complete_head(gets, key, head, nbytes)
         if isinstance(header, Whole):
-            return await self._rest(gets, key, head, None, known is not None)
+            self._unreadable(wanted)
+            return await self._rest(gets, key, head, stored_size(head, nbytes),
+                                    known is not None)
         if len(head) >= header.cbytes:  # a small frame came whole with the guess
             self.stats.fetched(False, len(head), header.cbytes)
             return head
@@ -147,7 +151,8 @@ class PartialFetch:
     async def _rest(self, gets: RangeGets, key: str, head: Data, cbytes: int | None,
                     cached_head: bool) -> Data | None:
         """The whole frame, ``head`` being its start: the rest in one more GET (all of it
-        again where the frame's size is unknown or the head came from the cache)."""
+        again where the frame's size is not known for sure or the head came from the
+        cache: a damaged header is found by the whole-frame decode as it always was)."""
         if cbytes is None or cached_head:
             return await self._whole(gets, key)
         rest = await gets.get_range(key, len(head), cbytes) if cbytes > len(head) else b""
@@ -173,6 +178,15 @@ class PartialFetch:
         if wanted not in self._pays and known is None:
             self._judge(wanted, plan, head_s, runs_s, got, fetched)
         return frame
+
+    def _unreadable(self, wanted: Ranges) -> None:
+        """A frame whose header forbids a partial read (damaged, stored uncompressed, not
+        c-blosc 1's): one alone says nothing of the array, but ``trials`` of them before any
+        frame could be read in part mean its frames are all so: whole from then on."""
+        t = self._trials.setdefault(wanted, _Trials())
+        t.unreadable += 1
+        if t.unreadable >= self.rule.trials and t.n == 0 and wanted not in self._pays:
+            self._pays[wanted] = False
 
     def _judge(self, wanted: Ranges, plan: BlockPlan, head_s: float, runs_s: float,
                run_bytes: int, fetched: int) -> None:
