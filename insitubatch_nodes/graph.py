@@ -393,7 +393,8 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
                            first=first, prefetch_next_epoch=f.prefetch_next_epoch,
-                           workers=resolved.workers, shared=shared, cache=f.cache)
+                           workers=resolved.workers, shared=shared, cache=f.cache,
+                           worker_timeout_s=f.worker_timeout_s)
     if fetch.workers:
         # Worker processes import (0.3-0.5 s) while the training script builds its model,
         # instead of before the first batch.

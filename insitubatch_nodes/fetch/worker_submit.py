@@ -15,7 +15,7 @@ from ..io.loop_thread import LoopThread
 from ..sampling.plan import ReadPlan
 from ..store.source import Source
 from ..workers.child import WorkerSetup
-from ..workers.engine import WorkerEngine
+from ..workers.engine import JOB_TIMEOUT_S, WorkerEngine
 from ..workers.jobs import prepare_window
 from ..workers.shared_memory import SharedMemoryArena
 from .jobs import DirectWindow
@@ -24,12 +24,14 @@ from .submit import FetchContext, Refetch, SubmitPath, Window
 
 class WorkerSubmit(SubmitPath):
     """``workers`` processes, started with the loop thread and kept across epochs until
-    ``stop``; ``fallback`` submits what they do not take."""
+    ``stop``; ``fallback`` submits what they do not take. A worker holding a job
+    ``job_timeout_s`` without answering is killed and replaced (``WorkerEngine``)."""
 
     def __init__(self, ctx: FetchContext, workers: int, dataset: Source,
                  shared: SharedMemoryArena, cache: ChunkCache | None,
-                 fallback: SubmitPath) -> None:
+                 fallback: SubmitPath, job_timeout_s: float = JOB_TIMEOUT_S) -> None:
         self.ctx, self.workers, self.dataset = ctx, workers, dataset
+        self.job_timeout_s = job_timeout_s
         self.shared, self.cache, self.fallback = shared, cache, fallback
         self._engine: WorkerEngine | None = None
         self.finalizer: weakref.finalize | None = None
@@ -50,7 +52,8 @@ class WorkerSubmit(SubmitPath):
         setup = WorkerSetup.of(self.dataset, ctx.arena, ctx.retry, self.cache,
                                ctx.max_inflight)
         return WorkerEngine(self.workers, setup, ctx.arena, self.shared, ctx.stats,
-                            [r.geom.stripe_nbytes for r in ctx.readers])
+                            [r.geom.stripe_nbytes for r in ctx.readers],
+                            job_timeout_s=self.job_timeout_s)
 
     def stop(self) -> None:
         self.fallback.stop()

@@ -100,6 +100,7 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
         peak_stripes_in_flight=fs.peak_in_flight if fs else 0,
         windows_in_flight=in_flight,
         windows_ready=ready,
+        worker_restarts=fs.worker_restarts if fs else 0,
         resident_windows=res_windows,
         resident_stripes=res_stripes,
         resident_bytes=resident,

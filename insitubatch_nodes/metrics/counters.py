@@ -127,6 +127,7 @@ class FetchStats:
     in_flight: int = 0  # stripe reads holding an in-flight slot now
     peak_in_flight: int = 0
     slot_wait_s: float = 0.0  # stripe-seconds waiting for an in-flight slot
+    worker_restarts: int = 0  # decode worker processes that died and were started again
     read: ReadTimes = field(default_factory=ReadTimes)  # store / decode / pool-queue times
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
                                   compare=False)
@@ -148,6 +149,12 @@ class FetchStats:
         with self._lock:
             self.stripes += stripes
             self.bytes_decoded += stripes * stripe_nbytes
+
+    def worker_restarted(self) -> None:
+        """A decode worker died (or hung and was killed) and was started again; its jobs
+        ran again on the live workers."""
+        with self._lock:
+            self.worker_restarts += 1
 
     def window_fetched(self, chunks: int) -> None:
         with self._lock:

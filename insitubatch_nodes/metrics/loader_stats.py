@@ -39,6 +39,7 @@ class Fetched:
     peak_stripes_in_flight: int
     windows_in_flight: int  # windows submitted to the fetch loop, not yet handed over
     windows_ready: int  # of those, fully decoded and waiting for the shuffle buffer
+    worker_restarts: int = 0  # decode worker processes that died and were started again
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class LoaderStats:
             f"{c.shuffle_s:.2f} gather {c.gather_s:.2f} deliver {c.deliver_s:.2f} | "
             f"fetcher stripe-s: store {t.store_s:.2f} decode {t.decode_s:.2f} pool-queue "
             f"{t.pool_wait_s:.2f} slot-queue {t.slot_wait_s:.2f}"
+            + (f" | {f.worker_restarts} decode workers restarted" if f.worker_restarts else "")
             + ("" if self.cache_hit_ratio is None else
                f" | chunk cache {100 * self.cache_hit_ratio:.1f}% hits, "
                f"{_size(self.cache.cache_bytes)} from cache, "

@@ -41,7 +41,7 @@ from ..metrics.counters import FetchStats
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan
 from ..store.source import Source
-from ..workers.engine import WorkerEngine
+from ..workers.engine import JOB_TIMEOUT_S, WorkerEngine
 from ..workers.shared_memory import SharedMemoryArena
 from .state import copy_state, require, shutdown_source
 
@@ -107,7 +107,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  arena: BatchArena | None = None, first: FirstBatch | None = None,
                  prefetch_next_epoch: bool = True, workers: int = 0,
                  shared: SharedMemoryArena | None = None,
-                 cache: ChunkCache | None = None) -> None:
+                 cache: ChunkCache | None = None,
+                 worker_timeout_s: float = JOB_TIMEOUT_S) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ConfigError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -149,7 +150,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         path = submit_path(self._ctx, self._hold, self._loop, self.window_decoder)
         if self.workers:
             assert shared is not None
-            path = WorkerSubmit(self._ctx, self.workers, dataset, shared, cache, path)
+            path = WorkerSubmit(self._ctx, self.workers, dataset, shared, cache, path,
+                                worker_timeout_s)
         self._path = path
         self._epoch = EpochWindows()
         # In-place windows write into the arena's batches of this epoch: not ahead of it.

@@ -179,38 +179,97 @@ def _sendable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}\n{text}")
 
 
-def serve(conn: Connection) -> None:
-    """Run jobs from ``conn`` until it closes or says stop."""
+class _Gone(Exception):
+    """The training process closed this worker's socket, or exited: stop quietly."""
+
+
+def _recv(conn: Connection) -> Any:
     try:
-        worker = Worker(conn.recv())
+        return conn.recv()
+    except (EOFError, OSError):
+        raise _Gone from None
+
+
+def _send(conn: Connection, msg: tuple) -> None:
+    try:
+        conn.send(msg)
+    except OSError:  # BrokenPipeError, ConnectionResetError: nobody listens any more
+        raise _Gone from None
+
+
+def _kill_stripe() -> tuple[int, int] | None:
+    """Tests only: ``INSITUBATCH_TEST_KILL_STRIPE="v:s"`` makes a worker kill itself
+    (SIGKILL) when a job reads stripe ``s`` of variable ``v``, as a chunk that crashes
+    its decoder would."""
+    text = os.environ.get("INSITUBATCH_TEST_KILL_STRIPE")
+    if not text:
+        return None
+    v, s = text.split(":")
+    return int(v), int(s)
+
+
+def _start(conn: Connection) -> Worker | None:
+    """The worker, set up from the first message; ``None`` when that failed (the error
+    went back as "fatal": the engine fails every window with it)."""
+    import pickle
+
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        raise _Gone from None
+    try:
+        return Worker(pickle.loads(data))
     except Exception as e:
-        conn.send(("fatal", "".join(traceback.format_exception(e))))
+        _send(conn, ("fatal", "".join(traceback.format_exception(e))))
+        return None
+
+
+def serve(conn: Connection) -> None:
+    """Run jobs from ``conn`` until it closes. Losing the socket at any point, setup
+    included (the training process closed it, shut down, was collected or exited), ends
+    the worker quietly: nobody is left to report to, and a traceback would only alarm."""
+    try:
+        worker = _start(conn)
+        if worker is not None:
+            _send(conn, ("ready",))
+            _jobs(conn, worker)
+    except _Gone:
         return
-    conn.send(("ready",))
+
+
+def _jobs(conn: Connection, worker: Worker) -> None:
+    """The job loop: segments to map, jobs to run and answer, until the socket ends."""
+    kill = _kill_stripe()
     sent = time.perf_counter()  # read counters go back every TIMES_EVERY_S, not every job
     while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the training process is gone, or closed the socket: nothing to do
-        kind = msg[0]
-        if kind == "job":
+        msg = _recv(conn)
+        if msg[0] == "job":
             _, ident, reads, places = msg
-            try:
-                worker.run(reads, places)
-            except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
-                conn.send(("error", ident, _sendable(e)))
-                continue
-            now = time.perf_counter()
-            times = None
-            if now - sent >= TIMES_EVERY_S:
-                times, sent = worker.times.take(), now
-            conn.send(("done", ident, times))
-        elif kind == "segment":
+            if kill is not None and any((v, s) == kill for v, s, _ in reads):
+                os.kill(os.getpid(), signal.SIGKILL)
+            answer, sent = _run(worker, ident, reads, places, sent)
+            _send(conn, answer)
+        elif msg[0] == "segment":
             _, index, nbytes = msg
-            fd = recv_handle(conn)
+            try:
+                fd = recv_handle(conn)
+            except (EOFError, OSError):
+                raise _Gone from None
             worker.segments[index] = map_segment(index, fd, nbytes)
             os.close(fd)  # the mapping stays
+
+
+def _run(worker: Worker, ident: int, reads: list[Read],
+         places: dict[int, dict[str, Place]], sent: float) -> tuple[tuple, float]:
+    """One job's answer ("done" or "error") and when read counters last went back."""
+    try:
+        worker.run(reads, places)
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
+        return ("error", ident, _sendable(e)), sent
+    now = time.perf_counter()
+    if now - sent < TIMES_EVERY_S:
+        return ("done", ident, None), sent
+    return ("done", ident, worker.times.take()), now
 
 
 def main(argv: list[str]) -> int:
@@ -223,7 +282,6 @@ def main(argv: list[str]) -> int:
     finally:
         conn.close()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -7,6 +7,11 @@ its socket when it finishes one), takes a batch's memory from the arena only whe
 first job writing it goes out (so batch buffers come back warm from the pool, as on the
 thread path), and tells the arena each job's row writes when it is done. The training
 thread only queues a prepared window (``submit``): a few microseconds per window.
+
+Nothing stale, ever: a job counts as out (``WindowRun.out``, what ``settle`` waits for)
+under the lock ``cancel`` takes, before its batches are allocated, and is checked again
+(cancelled, generation) right before it is sent; so once ``settle`` returns no worker
+writes into that window's memory, and the arena may clear and reuse it.
 """
 
 from __future__ import annotations
@@ -15,32 +20,34 @@ import contextlib
 import logging
 import os
 import selectors
-import signal
-import socket
-import subprocess
-import sys
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, send_handle
-from pathlib import Path
 
 from ..errors import ConfigError, InsitubatchError
 from ..memory.arena import BatchArena, StaleBatch
 from ..metrics.counters import FetchStats
 from .child import WorkerSetup
 from .jobs import ReadJob, WorkerWindow
+from .procs import Task, WorkerProc, ended, start_worker, stop_all
 from .shared_memory import Place, SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
 
 CREDIT = 2  # jobs given to one worker at a time
+JOB_TIMEOUT_S = 300.0  # fetch.worker_timeout_s's default: a job unanswered this long is hung
+
+# Tests only: called on the engine thread as ``BEFORE_SEND(run, job)`` between a job's
+# batches being allocated and the job being sent, where a cancel must not let it through.
+BEFORE_SEND: Callable[[WindowRun, ReadJob], None] | None = None
 
 
 class WorkerError(InsitubatchError, RuntimeError):
-    """A decode worker process died, or could not start: the message names it (number,
-    pid, exit status) and the window and batches it was writing."""
+    """A decode worker process could not start, or died twice running the same job: the
+    message names them (number, pid, exit status) and the window and batches affected."""
 
 
 @dataclass(eq=False)
@@ -51,7 +58,7 @@ class WindowRun:
     window: WorkerWindow
     engine: WorkerEngine
     left: int  # jobs not yet done
-    out: int = 0  # jobs given to a worker and not yet answered
+    out: int = 0  # jobs held by a worker (or being sent to one) and not yet answered
     cancelled: bool = False
     failed: BaseException | None = None
     settled: threading.Condition = field(default_factory=threading.Condition)
@@ -65,22 +72,10 @@ class WindowRun:
         """After ``cancel``: wait until no worker writes for this window any more, so its
         batches' memory can be given to the window that replaces it."""
         with self.settled:
-            self.settled.wait_for(lambda: self.out == 0 or self.engine.stopped)
+            self.settled.wait_for(lambda: self.out == 0 or self.engine.reaped)
 
     def done(self) -> bool:
         return self.left == 0 or ((self.cancelled or self.failed is not None) and self.out == 0)
-
-
-@dataclass(eq=False)
-class _Proc:
-    """One worker process as the engine sees it."""
-
-    number: int
-    popen: subprocess.Popen
-    conn: Connection
-    segments: int = 0  # segments whose descriptors it was sent
-    jobs: dict[int, tuple[WindowRun, ReadJob]] = field(default_factory=dict)
-    ready: bool = False
 
 
 class WorkerEngine:
@@ -89,25 +84,32 @@ class WorkerEngine:
     Built by the fetch node when its loop starts, stopped with it (``stop``); the processes
     live across epochs and restores. A job error fails the batches of its window
     (``BatchArena.fail``: the shuffle buffer raises it, the loader resets to the last
-    batch delivered and the next ``next()`` reads the window again); a worker that dies
-    fails the windows it held with a ``WorkerError`` naming it, and is started again.
+    batch delivered and the next ``next()`` reads the window again). A worker that dies
+    (or holds a job ``job_timeout_s`` without answering, and is killed) is started again
+    and its jobs run again on the live workers, into the same batch slots; a job whose
+    second worker dies too fails its window with a ``WorkerError`` naming both.
     """
 
     def __init__(self, workers: int, setup: WorkerSetup, arena: BatchArena,
                  shared: SharedMemoryArena, stats: FetchStats, stripe_nbytes: list[int],
-                 name: str = "insitubatch-workers") -> None:
+                 name: str = "insitubatch-workers",
+                 job_timeout_s: float = JOB_TIMEOUT_S) -> None:
         if workers < 1:
             raise ConfigError(f"workers must be >= 1 for a WorkerEngine, got {workers}")
+        if not job_timeout_s > 0:
+            raise ConfigError(f"job_timeout_s must be > 0 seconds, got {job_timeout_s!r}")
         self.arena, self.shared, self.stats = arena, shared, stats
+        self.job_timeout_s = float(job_timeout_s)
         # pickled once, sent to every worker (and to one started again)
         self._setup = ForkingPickler.dumps(setup)
         self.stripe_nbytes = stripe_nbytes
         self._lock = threading.Lock()
-        self._queue: deque[tuple[WindowRun, ReadJob]] = deque()
+        self._queue: deque[Task] = deque()
         self._places: dict[int, dict[str, Place]] = {}  # batch -> where its arrays live
         self._places_generation = -1
         self._next_id = 0
         self.stopped = False
+        self.reaped = False  # every process is gone: nothing writes for any window now
         self.broken: str | None = None  # a worker could not start: why
         self._wake_r, self._wake_w = os.pipe()
         # one epoll set for the thread's life (multiprocessing's wait() builds one per call)
@@ -117,32 +119,14 @@ class WorkerEngine:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    # -- processes ------------------------------------------------------------------
-    def _start(self, number: int) -> _Proc:
-        parent, child = socket.socketpair()
-        env = dict(os.environ)
-        # the package as this process imports it, first (a checkout that is not installed)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "insitubatch_nodes.workers.child", str(child.fileno())],
-                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
-        finally:
-            child.close()
-        conn = Connection(os.dup(parent.fileno()))
-        parent.close()
-        # a worker that died at once (its Python or import failed) shows as its socket's end
-        # on the engine thread, which then says why (``_died``)
-        with contextlib.suppress(OSError):
-            conn.send_bytes(self._setup)
-        proc = _Proc(number, popen, conn)
-        self._selector.register(conn.fileno(), selectors.EVENT_READ, proc)
+    def _start(self, number: int) -> WorkerProc:
+        proc = start_worker(number, self._setup)
+        self._selector.register(proc.conn.fileno(), selectors.EVENT_READ, proc)
         return proc
 
     @property
     def pids(self) -> list[int]:
-        return [p.popen.pid for p in self.procs]
+        return [p.pid for p in self.procs]
 
     # -- the training thread's side ---------------------------------------------------
     def submit(self, window: WorkerWindow) -> WindowRun:
@@ -157,15 +141,15 @@ class WorkerEngine:
         if run.left == 0:
             return run
         with self._lock:
-            self._queue.extend((run, job) for job in window.jobs)
+            self._queue.extend(Task(run, job) for job in window.jobs)
         os.write(self._wake_w, b"x")
         return run
 
     def cancel(self, run: WindowRun) -> None:
         with self._lock:
             run.cancelled = True
-            if any(r is run for r, _ in self._queue):
-                self._queue = deque(e for e in self._queue if e[0] is not run)
+            if any(t.run is run for t in self._queue):
+                self._queue = deque(t for t in self._queue if t.run is not run)
 
     def stop(self, wait: bool = True) -> None:
         """Stop the workers (their sockets closed: they exit) and the thread. ``wait``:
@@ -186,19 +170,9 @@ class WorkerEngine:
         try:
             while not self.stopped:
                 self._dispatch()
-                for key, _ in self._selector.select():
-                    proc = key.data
-                    if proc is None:
-                        os.read(self._wake_r, 4096)
-                        continue
-                    if proc.conn.closed:  # died earlier in this round
-                        continue
-                    try:
-                        msg = proc.conn.recv()
-                    except (EOFError, OSError):
-                        self._died(proc)
-                        continue
-                    self._answer(proc, msg)
+                for key, _ in self._selector.select(self._select_timeout()):
+                    self._readable(key.data)
+                self._kill_hung()
         except BaseException as e:  # a bug here must not hang the training loop
             log.exception("insitubatch: the decode workers' thread failed")
             self.broken = f"the decode workers' thread failed: {e!r}"
@@ -206,8 +180,23 @@ class WorkerEngine:
         finally:
             self._shut()
 
+    def _readable(self, proc: WorkerProc | None) -> None:
+        if proc is None:
+            os.read(self._wake_r, 4096)
+            return
+        if proc.conn.closed:  # died earlier in this round
+            return
+        try:
+            msg = proc.conn.recv()
+        except (EOFError, OSError):
+            self._died(proc)
+            return
+        self._answer(proc, msg)
+
     def _dispatch(self) -> None:
-        """Give every worker with credit left the next jobs of the queue."""
+        """Give every worker with credit left the next jobs of the queue. A job counts as
+        out under the lock ``cancel`` takes: a cancel either drops it here or is settled
+        only once it was answered (or dropped before it was sent, ``_send``)."""
         while True:
             with self._lock:
                 if not self._queue:
@@ -215,23 +204,40 @@ class WorkerEngine:
                 proc = min(self.procs, key=lambda p: len(p.jobs))
                 if len(proc.jobs) >= CREDIT:
                     return
-                run, job = self._queue.popleft()
-            if run.cancelled or run.failed is not None:
-                continue
-            try:
-                places = self._places_of(run, job)
-            except StaleBatch:  # the arena was cleared since: a read of the old epoch
-                continue
+                task = self._queue.popleft()
+                if task.run.cancelled or task.run.failed is not None:
+                    continue
+                ident = self._next_id
+                self._next_id += 1
+                if not proc.jobs:
+                    proc.since = time.monotonic()
+                proc.jobs[ident] = task
+                with task.run.settled:
+                    task.run.out += 1
+            self._send(proc, ident, task)
+
+    def _send(self, proc: WorkerProc, ident: int, task: Task) -> None:
+        """Allocate the job's batches and send it, unless its window was cancelled, failed
+        or belongs to a cleared arena meanwhile: then it is dropped, never sent."""
+        run, job = task.run, task.job
+        try:
+            places: dict[int, dict[str, Place]] | None = self._places_of(run, job)
+        except StaleBatch:  # the arena was cleared since: a read of the old epoch
+            places = None
+        if places is not None and BEFORE_SEND is not None:
+            BEFORE_SEND(run, job)
+        with self._lock:
+            live = (places is not None and not run.cancelled and run.failed is None
+                    and run.window.generation == self.arena.generation)
+        if not live:
+            proc.jobs.pop(ident, None)
+            self._answered(run, finished=False)
+            return
+        try:
             self._send_segments(proc)
-            ident = self._next_id
-            self._next_id += 1
-            with run.settled:
-                run.out += 1
-            proc.jobs[ident] = (run, job)
-            try:
-                proc.conn.send(("job", ident, job.reads, places))
-            except OSError:
-                self._died(proc)
+            proc.conn.send(("job", ident, job.reads, places))
+        except OSError:
+            self._died(proc)
 
     def _places_of(self, run: WindowRun, job: ReadJob) -> dict[int, dict[str, Place]]:
         """Where the arrays of the batches ``job`` writes live, allocating each batch at
@@ -248,26 +254,30 @@ class WorkerEngine:
             out[b] = got
         return out
 
-    def _send_segments(self, proc: _Proc) -> None:
+    def _send_segments(self, proc: WorkerProc) -> None:
         segments = self.shared.segments
         while proc.segments < len(segments):
             seg = segments[proc.segments]
             proc.conn.send(("segment", seg.index, seg.nbytes))
-            send_handle(proc.conn, seg.fd, proc.popen.pid)
+            send_handle(proc.conn, seg.fd, proc.pid)
             proc.segments += 1
 
-    def _answer(self, proc: _Proc, msg: tuple) -> None:
+    def _answer(self, proc: WorkerProc, msg: tuple) -> None:
         kind = msg[0]
+        proc.since = time.monotonic()
         if kind == "ready":
             proc.ready = True
             return
         if kind == "fatal":
-            self.broken = (f"decode worker {proc.number} (pid {proc.popen.pid}) could not "
+            self.broken = (f"decode worker {proc.number} (pid {proc.pid}) could not "
                            f"start: {msg[1].strip().splitlines()[-1]}")
             log.error("insitubatch: %s\n%s", self.broken, msg[1])
             self._fail_all()
             return
-        run, job = proc.jobs.pop(msg[1])
+        task = proc.jobs.pop(msg[1], None)
+        if task is None:  # not held any more: dropped, never counted twice
+            return
+        run, job = task.run, task.job
         if kind == "done":
             if msg[2] is not None:
                 self.stats.read.merge(msg[2])
@@ -279,8 +289,7 @@ class WorkerEngine:
             self._answered(run, finished=True)
         else:
             err = msg[2]
-            err.add_note(f"insitubatch: in decode worker {proc.number} "
-                         f"(pid {proc.popen.pid})")
+            err.add_note(f"insitubatch: in decode worker {proc.number} (pid {proc.pid})")
             self._fail(run, err)
             self._answered(run, finished=False)
 
@@ -307,67 +316,99 @@ class WorkerEngine:
     def _fail_all(self) -> None:
         """The engine is ``broken``: every window given to it fails, each with a
         ``WorkerError`` of its own saying why (one error object would collect every
-        window's note)."""
+        window's note). Jobs a live worker holds stay out until it answers or is reaped:
+        it may still be writing."""
         assert self.broken is not None
         for proc in self.procs:
-            for run, _ in list(proc.jobs.values()):
-                self._fail(run, WorkerError(self.broken))
-                self._answered(run, finished=False)
-            proc.jobs.clear()
+            for task in list(proc.jobs.values()):
+                self._fail(task.run, WorkerError(self.broken))
         with self._lock:
             queued, self._queue = self._queue, deque()
-        for run, _ in queued:
-            self._fail(run, WorkerError(self.broken))
+        for task in queued:
+            self._fail(task.run, WorkerError(self.broken))
 
-    def _died(self, proc: _Proc) -> None:
+    # -- a worker's death ---------------------------------------------------------------
+    def _died(self, proc: WorkerProc) -> None:
         """``proc`` closed its socket: it died (a kill, an out-of-memory kill, a crash in a
-        codec). Fail the windows it held, naming it, and start it again; one that dies
-        before it said it was ready (an import or setup that fails every time) is not
-        started again: every later window fails with why."""
-        try:
-            code = proc.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # closed its socket but lives on: end it
-            proc.popen.kill()
-            code = proc.popen.wait()
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
-               else f"exited with status {code}")
+        codec, or killed here for not answering). It is started again and its jobs run
+        again on the live workers; one that dies before it said it was ready (an import or
+        setup that fails every time) is not started again: every later window fails."""
+        how = ended(proc)
         held = list(proc.jobs.values())
         proc.jobs.clear()
         self._selector.unregister(proc.conn.fileno())
         proc.conn.close()
-        if not proc.ready and self.broken is None:
-            self.broken = (f"decode worker {proc.number} (pid {proc.popen.pid}) {how} before "
+        if not proc.ready:
+            self._dead_at_start(proc, how, held)
+            return
+        rerun = [t for t in held if not (t.run.cancelled or t.run.failed is not None)]
+        first = f"decode worker {proc.number} (pid {proc.pid}) {how}"
+        again = [Task(t.run, t.job, first) for t in rerun if t.died is None]
+        with self._lock:
+            self._queue.extendleft(reversed(again))
+        for task in rerun:
+            if task.died is not None:
+                self._fail(task.run, _died_twice(task, first))
+        for task in held:
+            self._answered(task.run, finished=False)
+        if self.stopped or self.broken is not None:
+            return
+        self.procs[self.procs.index(proc)] = new = self._start(proc.number)
+        self.stats.worker_restarted()
+        stripes = sorted({(v, s) for t in again for v, s, _ in t.job.reads})
+        log.warning("insitubatch: %s holding %d jobs; started it again (pid %d); %d jobs run "
+                    "again on the live workers: stripes %s (variable, sample-axis chunk)",
+                    first, len(held), new.pid, len(again), _few(stripes))
+
+    def _dead_at_start(self, proc: WorkerProc, how: str, held: list[Task]) -> None:
+        """A worker died before it was ready: the engine is broken, every window fails."""
+        if self.broken is None:
+            self.broken = (f"decode worker {proc.number} (pid {proc.pid}) {how} before "
                            "it started (its error is printed above, on stderr); use workers=0")
             self._fail_all()
-        for run, job in held:
-            chunks = sorted({(v, s) for v, s, _ in job.reads})[:8]
-            err = WorkerError(
-                f"insitubatch decode worker {proc.number} (pid {proc.popen.pid}) {how} while "
-                f"reading stripes {chunks} (variable, sample-axis chunk) of the window of "
-                f"chunks {list(run.window.plan.chunk_ids)[:8]} into batches "
-                f"{sorted(job.writes)[:8]}; it is started again, and the next batch asked "
-                "for reads the window again")
-            self._fail(run, err)
-            self._answered(run, finished=False)
-        if not self.stopped and self.broken is None:
-            self.procs[self.procs.index(proc)] = self._start(proc.number)
+        for task in held:
+            self._fail(task.run, WorkerError(self.broken))
+            self._answered(task.run, finished=False)
+
+    def _select_timeout(self) -> float | None:
+        """Seconds until the next worker holding a job is overdue (``None``: none holds)."""
+        now = time.monotonic()
+        due = [p.since + self.job_timeout_s - now for p in self.procs
+               if p.ready and p.jobs and p.hung_s is None]
+        return max(0.0, min(due)) + 0.01 if due else None
+
+    def _kill_hung(self) -> None:
+        now = time.monotonic()
+        for proc in self.procs:
+            if proc.overdue(now, self.job_timeout_s):
+                proc.kill_hung(now)  # its socket's end comes next round: ``_died``
 
     def _shut(self) -> None:
-        """The thread's end: close every socket (a worker exits when its socket closes),
-        reap the processes, release whoever waits in ``settle``."""
+        """The thread's end: stop every worker (one deadline for all), release whoever
+        waits in ``settle``."""
+        stop_all(self.procs)
+        self.reaped = True
         for proc in self.procs:
-            with contextlib.suppress(OSError):
-                proc.conn.close()
-        for proc in self.procs:
-            try:
-                proc.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # stuck in a read: it would exit after it
-                proc.popen.kill()
-                proc.popen.wait()
-        for proc in self.procs:
-            for run, _ in proc.jobs.values():
-                with run.settled:
-                    run.settled.notify_all()
+            for task in proc.jobs.values():
+                with task.run.settled:
+                    task.run.settled.notify_all()
+        self._selector.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _few(items: list) -> str:
+    return str(items[:16]) + (f" and {len(items) - 16} more" if len(items) > 16 else "")
+
+
+def _died_twice(task: Task, second: str) -> WorkerError:
+    """The error of a job whose worker died, and whose second worker died too."""
+    w = task.run.window
+    stripes = sorted({(v, s) for v, s, _ in task.job.reads})
+    return WorkerError(
+        f"insitubatch: two decode workers died running the same job: {task.died}, then "
+        f"{second}, both while reading stripes {_few(stripes)} (variable, sample-axis "
+        f"chunk) of the window of chunks {list(w.plan.chunk_ids)[:8]} into batches "
+        f"{sorted(task.job.writes)[:8]}; it is not run a third time (a chunk that kills its "
+        "decoder? workers=0 reads it in this process and shows its error)")

@@ -1,0 +1,125 @@
+"""The decode worker processes as the engine holds them: start one, say how one ended, and
+stop them all under one deadline.
+
+Kept apart from the engine's dispatch so that the protocol there (what is out, what is
+stale, what is run again) reads without the process plumbing around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from .jobs import ReadJob
+
+if TYPE_CHECKING:
+    from .engine import WindowRun
+
+# A worker closing its socket exits at once, or after the read it is in; then it is killed.
+STOP_WAIT_S = 5.0
+
+
+class Task(NamedTuple):
+    """A job of a window as the engine queues and hands it out; ``died`` says how the
+    worker that ran it first died (a job is run again once, never a third time)."""
+
+    run: WindowRun
+    job: ReadJob
+    died: str | None = None
+
+
+@dataclass(eq=False)
+class WorkerProc:
+    """One worker process as the engine sees it: its socket, the segments it was sent,
+    the jobs it holds (by id), and when it last showed progress (``since``: ready, an
+    answer, a job given while it held none), which the job timeout counts from."""
+
+    number: int
+    popen: subprocess.Popen
+    conn: Connection
+    segments: int = 0  # segments whose descriptors it was sent
+    jobs: dict[int, Task] = field(default_factory=dict)
+    ready: bool = False
+    since: float = field(default_factory=time.monotonic)
+    hung_s: float | None = None  # killed after holding a job this long without answering
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def overdue(self, now: float, timeout_s: float) -> bool:
+        """Ready, holding jobs, and silent for longer than ``timeout_s``."""
+        return (self.ready and bool(self.jobs) and self.hung_s is None
+                and now - self.since > timeout_s)
+
+    def kill_hung(self, now: float) -> None:
+        """End a worker that stopped answering; its socket's end then reaches the engine
+        as any death does (``ended`` says why)."""
+        self.hung_s = now - self.since
+        with contextlib.suppress(OSError):
+            self.popen.kill()
+
+
+def start_worker(number: int, setup: bytes) -> WorkerProc:
+    """``python -m insitubatch_nodes.workers.child FD`` on a socket pair, sent ``setup``.
+    A worker that dies at once (its Python or import failed) shows as its socket's end
+    on the engine thread, which then says why."""
+    parent, child = socket.socketpair()
+    env = dict(os.environ)
+    # the package as this process imports it, first (a checkout that is not installed)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "insitubatch_nodes.workers.child", str(child.fileno())],
+            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
+    finally:
+        child.close()
+    conn = Connection(os.dup(parent.fileno()))
+    parent.close()
+    with contextlib.suppress(OSError):
+        conn.send_bytes(setup)
+    return WorkerProc(number, popen, conn)
+
+
+def ended(proc: WorkerProc, timeout_s: float = STOP_WAIT_S) -> str:
+    """How ``proc``, whose socket ended, ended ("was killed by signal SIGKILL"), reaped;
+    one that closed its socket but lives on is killed after ``timeout_s``."""
+    try:
+        code = proc.popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.popen.kill()
+        code = proc.popen.wait()
+    if proc.hung_s is not None:
+        return (f"held a job {proc.hung_s:.0f} s without answering (fetch.worker_timeout_s) "
+                "and was killed")
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def stop_all(procs: list[WorkerProc], timeout_s: float = STOP_WAIT_S) -> None:
+    """Close every socket (a worker exits when its socket closes), then wait for all of
+    them under one deadline, killing those still running at it."""
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            proc.conn.close()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # stuck in a read: it would exit after it
+            proc.popen.kill()
+            proc.popen.wait()
