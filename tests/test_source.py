@@ -95,3 +95,40 @@ def test_numcodecs_codecs_open_without_zarrs_warning(tmp_path, given):
         src = ib.open_source(tmp_path / "s.zarr" if given == "path"
                              else zarr.open_group(tmp_path / "s.zarr", mode="r"))
     assert src.names == ("x",)
+
+
+def test_a_v2_dimension_attribute_written_as_one_string_names_one_dim(tmp_path):
+    # ``_ARRAY_DIMENSIONS: "time"`` (a string, not ["time"]) is one dimension, as xarray
+    # reads it: it was split into the letters t, i, m, e, so the time coordinate of this
+    # store was no coordinate but a static field, served in every batch.
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w", zarr_format=2)
+    g.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="float32",
+                   attributes={"_ARRAY_DIMENSIONS": ["time", "lat"]})[:] = 1.0
+    g.create_array("time", shape=(8,), chunks=(8,), dtype="int64",
+                   attributes={"_ARRAY_DIMENSIONS": "time", "units": "hours since 2000-01-01"}
+                   )[:] = np.arange(8)
+    src = ib.open_source(tmp_path / "s.zarr")
+    assert src.names == ("t2m",) and src.sample_dim == "time"
+    assert src.static == ()
+    assert src.sample_coord is not None and src.sample_coord.dtype.kind == "M"
+
+
+def test_a_dimension_attribute_that_is_no_list_of_names_is_refused(tmp_path):
+    # was a bare TypeError ('int' object is not iterable) out of the store's description
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w", zarr_format=2)
+    g.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="float32",
+                   attributes={"_ARRAY_DIMENSIONS": 2})
+    with pytest.raises(ib.StoreError, match="_ARRAY_DIMENSIONS.*not a list of dimension names"):
+        ib.open_source(tmp_path / "s.zarr")
+
+
+def test_a_null_calendar_decodes_the_sample_coordinate_as_the_standard_one(tmp_path):
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w", zarr_format=2)
+    g.create_array("t2m", shape=(4, 3), chunks=(4, 3), dtype="float32",
+                   attributes={"_ARRAY_DIMENSIONS": ["time", "lat"]})
+    g.create_array("time", shape=(4,), chunks=(4,), dtype="int64",
+                   attributes={"_ARRAY_DIMENSIONS": ["time"], "calendar": None,
+                               "units": "hours since 2000-01-01"})[:] = np.arange(4)
+    src = ib.open_source(tmp_path / "s.zarr")
+    assert src.sample_coord is not None
+    assert src.sample_coord[1] == np.datetime64("2000-01-01T01:00")

@@ -103,6 +103,8 @@ def _dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
         attr = arr.attrs.get("_ARRAY_DIMENSIONS")
         if not attr:
             return None
+        if isinstance(attr, str):  # one name, not a list of letters (xarray reads it so)
+            return (attr,)
         if not isinstance(attr, (list, tuple)) or not all(
                 d is None or isinstance(d, str) for d in attr):
             raise StoreError(f"the _ARRAY_DIMENSIONS attribute of array {arr.name!r} is "
@@ -342,7 +344,7 @@ def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.
         from xarray.coding.times import decode_cf_datetime
 
         try:
-            if not isinstance(calendar, str):  # xarray would fail on it below as well
+            if calendar is not None and not isinstance(calendar, str):  # xarray fails too
                 raise TypeError(f"calendar {calendar!r} is not a string")
             return np.asarray(decode_cf_datetime(values, units, calendar))
         except Exception:
