@@ -28,6 +28,7 @@ log = logging.getLogger("insitubatch_nodes")
 # the node's own default, is the same number (that layer may import this one).
 PREFETCH_WINDOWS = 2
 
+CORES_ENV = "INSITUBATCH_CORES"  # overrides the cores the loader sizes itself for
 WORKERS_FROM_CORES = 4  # "auto" starts worker processes from this many cores per rank
 MAX_WORKERS = 32
 
@@ -104,12 +105,24 @@ def resolve_prefetch(source: Source, f: FetchConfig, workers: int, batch_size: i
 
 # -- worker processes ---------------------------------------------------------------------
 def cores_per_rank() -> int:
-    """The cores this process may run on (its affinity: taskset, cgroups, Slurm), shared
-    by the ranks torchrun started on this node (``LOCAL_WORLD_SIZE``)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
+    """The cores this process may run on (its affinity: taskset, cgroups, Slurm), or
+    ``INSITUBATCH_CORES`` where set (a container whose CPU quota is below its affinity,
+    or a test running what a bigger node gets), shared by the ranks torchrun started on
+    this node (``LOCAL_WORLD_SIZE``)."""
+    given = os.environ.get(CORES_ENV)
+    if given is not None:
+        try:
+            cores = int(given)
+        except ValueError:
+            cores = 0
+        if cores < 1:
+            raise ConfigError(f"{CORES_ENV}={given!r}: give a whole number of cores >= 1, "
+                              "or unset it to use this process's CPU affinity")
+    else:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # macOS
+            cores = os.cpu_count() or 1
     try:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
