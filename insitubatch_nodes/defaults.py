@@ -110,7 +110,7 @@ def cores_per_rank() -> int:
     or a test running what a bigger node gets), shared by the ranks torchrun started on
     this node (``LOCAL_WORLD_SIZE``)."""
     given = os.environ.get(CORES_ENV)
-    if given is not None:
+    if given:  # set and not empty
         try:
             cores = int(given)
         except ValueError:
