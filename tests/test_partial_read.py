@@ -173,11 +173,18 @@ def test_sparse_frames_cover_what_they_hold_and_round_trip_through_the_cache_for
     assert f.covers(((41, 54),)) and not f.covers(((19, 21),))
     back = SparseFrame.from_bytes(f.to_bytes())
     assert back is not None and back.held == f.held and back.cbytes == 100
-    assert bytes(back.assemble(memoryview(bytearray(100)))[40:55]) == b"a" * 10 + b"b" * 5
+    buf = memoryview(bytearray(20))
+    back.copy_into(buf, 2, 38, 56)
+    assert bytes(buf[4:19]) == b"a" * 10 + b"b" * 5 and bytes(buf[:4]) == bytes(4)
     assert SparseFrame.from_bytes(f.to_bytes()[:-1]) is None
     assert SparseFrame.from_bytes(b"not one") is None
-    wider = f.with_pieces([(20, b"c" * 20)])
-    assert wider.held == ((0, 55),)
+    wider = f.with_pieces([(15, b"c" * 45)])  # overlapping what it holds: only the rest kept
+    assert wider.held == ((0, 60),) and wider.nbytes == sum(len(b) for _, b in wider.pieces)
+    buf = memoryview(bytearray(60))
+    wider.copy_into(buf, 0, 0, 60)
+    assert bytes(buf) == b"h" * 20 + b"c" * 20 + b"a" * 10 + b"b" * 5 + b"c" * 5
+    with pytest.raises(ValueError, match="overlap"):
+        SparseFrame(100, ((0, b"x" * 10), (5, b"y")))
 
 
 # -- partial decode equals the whole decode -----------------------------------------------
@@ -613,7 +620,8 @@ def test_a_damaged_block_on_an_object_store_fails_naming_the_chunk(s3):
             check_levels(reads, s3[1], NARROW, 0)
             with pytest.raises(CorruptChunkError, match=r"chunk 't/c/1/0/0/0' of "
                                r"variable 't' in s3://data/bad.zarr did not decode in 2 "
-                               r"attempts.*blosc blocks .* did not decode"):
+                               r"attempts.*blosc block \d+ \(bytes \d+\.\.\d+ of the "
+                               r"frame\) did not decode"):
                 reads(1, NARROW, ib.RetryPolicy(attempts=3, base_delay=0, decode_attempts=2))
         finally:
             reads.close()

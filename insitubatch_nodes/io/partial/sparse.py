@@ -1,17 +1,18 @@
 """The parts of a blosc frame a partial fetch received, and their form in the chunk cache.
 
 A partial fetch gets the header and block offsets, then the needed blocks' byte ranges. They
-are kept as (offset, bytes) pieces of the frame and laid out at their offsets in a buffer of
-the frame's size only where they are decoded (on a pool thread), so c-blosc2 reads each
-block where the frame has it. The chunk cache keeps one such entry per chunk, widened when a
-later read needs more blocks: a read is served from it only if it holds every block the
-read needs (``covers``), never a hole.
+are kept as (offset, bytes) pieces of the frame, and each needed block is copied out of them
+where it is decoded (on a pool thread, ``decode``). The chunk cache keeps one such entry per
+chunk, widened when a later read needs more blocks: a read is served from it only if it
+holds every block the read needs (``covers``), never a hole.
 """
 
 from __future__ import annotations
 
+import bisect
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 from .ranges import Ranges, merge
 
@@ -23,10 +24,18 @@ _PIECE = struct.Struct("<QQ")  # offset, length
 
 @dataclass(frozen=True)
 class SparseFrame:
-    """Pieces of a frame of ``cbytes`` bytes, sorted by offset, the first its header."""
+    """Pieces of a frame of ``cbytes`` bytes, sorted by offset and disjoint (``with_pieces``
+    keeps them so), the first its header."""
 
     cbytes: int
     pieces: tuple[Piece, ...]
+
+    def __post_init__(self) -> None:
+        pieces = tuple(sorted(self.pieces, key=lambda p: p[0]))
+        ends = [off + memoryview(b).nbytes for off, b in pieces]
+        if any(nxt < end for (nxt, _), end in zip(pieces[1:], ends, strict=False)):
+            raise ValueError("the pieces of a sparse blosc frame overlap")
+        object.__setattr__(self, "pieces", pieces)
 
     @property
     def held(self) -> Ranges:
@@ -62,18 +71,30 @@ class SparseFrame:
         return not self.missing(ranges)
 
     def with_pieces(self, more: list[Piece]) -> SparseFrame:
-        """These pieces and ``more`` (a later fetch of further blocks)."""
-        return SparseFrame(self.cbytes, tuple(sorted((*self.pieces, *more),
-                                                     key=lambda p: p[0])))
-
-    def assemble(self, buf: memoryview) -> memoryview:
-        """The pieces laid out at their offsets in the first ``cbytes`` of ``buf`` (bytes
-        no piece holds keep whatever ``buf`` held: never read for the needed blocks)."""
-        out = buf[:self.cbytes]
-        for off, data in self.pieces:
+        """These pieces and the parts of ``more`` (a later fetch of further blocks) they
+        lack: pieces never overlap, so ``copy_into`` finds a range's pieces by bisection."""
+        pieces = list(self.pieces)
+        for off, data in more:
             view = memoryview(data).cast("B")
-            out[off:off + view.nbytes] = view
-        return out
+            pieces += [(lo, view[lo - off:hi - off])
+                       for lo, hi in self.missing(((off, off + view.nbytes),))]
+        return SparseFrame(self.cbytes, tuple(pieces))
+
+    @cached_property
+    def _offsets(self) -> list[int]:
+        return [off for off, _ in self.pieces]
+
+    def copy_into(self, buf: memoryview, at: int, start: int, stop: int) -> None:
+        """Bytes ``[start, stop)`` of the frame into ``buf`` from ``at`` (from the pieces
+        holding some of them: ``missing`` says whether they hold all)."""
+        i = max(0, bisect.bisect_right(self._offsets, start) - 1)
+        for off, data in self.pieces[i:]:
+            if off >= stop:
+                break
+            view = memoryview(data).cast("B")
+            lo, hi = max(start, off), min(stop, off + view.nbytes)
+            if lo < hi:
+                buf[at + lo - start:at + hi - start] = view[lo - off:hi - off]
 
     def to_bytes(self) -> bytes:
         """The chunk cache's payload for this frame."""
