@@ -101,7 +101,7 @@ class FirstBatchHold:
         assert ctx.arena is not None
         first = self.take_starting()
         job = prepare_in_place(plan, ctx.arena, ctx.decode_threads, ctx.grouped,
-                               ctx.sample_chunks, first=first)
+                               ctx.sample_chunks, first=first, parts=ctx.parts)
         if first and job.copies:
             self.head = job
         return job

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
@@ -161,6 +162,7 @@ class Scatter:
     dsts: list[Slot]
     batches: list[int]
     keep: np.ndarray | None = None
+    part: PartSpec | None = None  # the levels the slots take: only their blocks decoded
 
     def target(self, reader: StripeReader, scratch: bool = True) -> np.ndarray:
         """The buffer to decode the stripe into: the held one, else this thread's scratch
@@ -211,11 +213,13 @@ def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
               submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
     """Read and decode one in-place item on this pool thread; with ``retry``, with its
     tries and error notes (an item alone in its task, or each of a failed group's)."""
-    stripe = out.target(reader) if isinstance(out, Scatter) else out
+    scatter = isinstance(out, Scatter)
+    stripe = out.target(reader) if scatter else out
+    part = out.part if scatter else None
     if retry is None:
-        reader.read_local(index, stripe, submitted)
+        reader.read_local(index, stripe, submitted, part=part)
     else:
-        reader.read_local_retrying([index], [stripe], retry, submitted)
+        reader.read_local_retrying([index], [stripe], retry, submitted, part=part)
     if isinstance(out, Scatter):
         out.fill_from(stripe)
 
@@ -279,8 +283,18 @@ def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slo
                   n_steps=n_steps, arrays=arrays, where=where, unique=unique)
 
 
+def slot_parts(arena: BatchArena, sample_shapes: Sequence[tuple[int, ...]],
+               ) -> tuple[PartSpec | None, ...]:
+    """Per variable, the levels (or anemoi variables) of a sample its slots take where that
+    is not all of them: a read decodes (and on object stores fetches) only their blocks."""
+    where = arena.where(len(sample_shapes), 1)
+    return tuple(PartSpec.for_slot(w[0], shape)
+                 for w, shape in zip(where, sample_shapes, strict=True))
+
+
 def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: bool,
-                     sample_chunks: Sequence[int] = (), first: bool = False) -> InPlaceJob:
+                     sample_chunks: Sequence[int] = (), first: bool = False,
+                     parts: Sequence[PartSpec | None] = ()) -> InPlaceJob:
     """Where every chunk of an in-place window goes: each (sample, step) a draw reads lands
     in (batch, row, step). With one sample per chunk (``sample_chunks`` all 1) the chunk is
     decoded straight into its slot; one feeding several slots (a neighbour's history,
@@ -295,7 +309,8 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     if any(n != 1 for n in sample_chunks) or not arena.layout.all_direct:
         # several samples per chunk, or a sample split across channels: decoded into
         # scratch once, each slot's part copied out (``Scatter``)
-        return prepare_scattered(plan, arena, threads, sample_chunks, first)
+        return prepare_scattered(plan, arena, threads, sample_chunks, first,
+                                 parts or (None,) * len(plan.reads))
     # each sample in one slot (no copies): batches taken as their first row is written
     s = _window_slots(plan, arena, lazy=True)
     sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
@@ -345,7 +360,8 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
 
 
 def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
-                      sample_chunks: Sequence[int], first: bool = False) -> InPlaceJob:
+                      sample_chunks: Sequence[int], first: bool = False,
+                      parts: Sequence[PartSpec | None] = ()) -> InPlaceJob:
     """``prepare_in_place`` where chunks hold several samples (variable ``v``: stripes of
     ``sample_chunks[v]``): every stripe the window's slots read is decoded once, on a decode
     thread, into that thread's scratch buffer and its samples copied into their slots
@@ -376,12 +392,14 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         bs = s.batch[order].tolist()
         dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
         nbytes += sum(d.nbytes for d in dsts)
-        # a split variable's slots are parts of a sample: scattered from scratch as usual
+        # a split variable's slots are parts of a sample: scattered from scratch as usual,
+        # only the blocks of the levels they take decoded (``part``)
         hold = b0 is not None and isinstance(dsts[0], np.ndarray)
+        part = None if hold or not parts else parts[v]
         geom_shape = (per, *dsts[0].shape[1:]) if hold else None
         for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
             if not hold:
-                out = Scatter(offs[a:z], dsts[a:z], bs[a:z])
+                out = Scatter(offs[a:z], dsts[a:z], bs[a:z], part=part)
             else:  # the first batch's rows now, the others once every stripe is in
                 keep = arena.pool.take(geom_shape, dsts[0].dtype)
                 now = [k for k in range(a, z) if bs[k] == b0]

@@ -182,7 +182,9 @@ class LoopSubmit(SubmitPath):
         lt = self.loop.lt
         assert lt is not None
         reader = self.ctx.readers[v]
-        stripe = out.target(reader, scratch=False) if isinstance(out, Scatter) else out
-        await reader.read(index, stripe, lt.loop, lt.pool, self.ctx.retry)
+        scatter = isinstance(out, Scatter)
+        stripe = out.target(reader, scratch=False) if scatter else out
+        await reader.read(index, stripe, lt.loop, lt.pool, self.ctx.retry,
+                          part=out.part if scatter else None)
         if isinstance(out, Scatter):
             out.fill_from(stripe)

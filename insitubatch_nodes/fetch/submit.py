@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..io.loop_thread import LoopThread
+from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
@@ -51,6 +52,8 @@ class FetchContext:
     max_inflight: int
     sample_chunks: tuple[int, ...]  # samples per chunk along the sample axis, per variable
     row_bytes: tuple[int, ...]  # in place: one batch row's bytes per variable, else ()
+    # in place: per variable, the levels its slots take where not all (partial reads)
+    parts: tuple[PartSpec | None, ...] = ()
 
     @property
     def grouped(self) -> bool:

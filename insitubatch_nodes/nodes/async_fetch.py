@@ -23,7 +23,7 @@ from ..fetch.device_submit import DeviceSubmit, window_decoder_for
 from ..fetch.epoch_ahead import EpochAhead
 from ..fetch.first_batch import FirstBatch
 from ..fetch.hold import FirstBatchHold
-from ..fetch.jobs import DirectWindow
+from ..fetch.jobs import DirectWindow, slot_parts
 from ..fetch.loop import FetchLoop
 from ..fetch.loop_submit import LoopSubmit
 from ..fetch.submit import FetchContext, SubmitPath, stripe_jobs
@@ -143,6 +143,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             self.readers, self.pool, self.retry, self.stats, arena, self.decode_threads,
             self.max_inflight, sample_chunks,
             tuple(arena.layout.row_nbytes(v) for v in range(len(self.readers)))
+            if arena is not None else (),
+            slot_parts(arena, [r.geom.sample_shape for r in self.readers])
             if arena is not None else ())
         self._loop = FetchLoop(self.decode_threads, self.window_decoder is not None)
         self._hold = FirstBatchHold(first if first is not None else FirstBatch(),

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..io.chunk_cache import ChunkCache
+from ..io.partial.ranges import PartSpec
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
@@ -92,6 +93,9 @@ class Worker:
                 r.use_cache(setup.cache, setup.snapshot_id)
         self.times = times
         self.local = all(r.groups_reads for r in self.readers)
+        # the levels each variable's slots take where not all: only their blocks decoded
+        self.parts = [PartSpec.for_slot(w[0], g.sample_shape)
+                      for w, g in zip(setup.where, setup.variables, strict=True)]
         self.segments: dict[int, Segment] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -113,7 +117,8 @@ class Worker:
     def _read_local(self, read: Read, arrays: dict[int, dict[str, np.ndarray]]) -> None:
         reader, dsts = self.readers[read[0]], self._targets(read, arrays)
         buf = _decode_target(reader, dsts, _SCRATCH.array)
-        reader.read_local_retrying([read[1]], [buf], self.setup.retry)
+        reader.read_local_retrying([read[1]], [buf], self.setup.retry,
+                                   part=self.parts[read[0]])
         _fill_slots(read[2], dsts, buf)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -134,7 +139,8 @@ class Worker:
             reader, dsts = self.readers[read[0]], self._targets(read, arrays)
             buf = _decode_target(reader, dsts, np.empty)
             async with gate:
-                await reader.read(read[1], buf, loop, pool, self.setup.retry)
+                await reader.read(read[1], buf, loop, pool, self.setup.retry,
+                                  part=self.parts[read[0]])
             _fill_slots(read[2], dsts, buf)
 
         tasks = [asyncio.ensure_future(one(rd)) for rd in reads]

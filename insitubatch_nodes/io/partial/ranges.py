@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...memory.slots import SlotWhere, is_direct, levels_read
+
 Ranges = tuple[tuple[int, int], ...]  # half-open [start, stop), sorted, disjoint, non-empty
 
 
@@ -48,6 +50,24 @@ class PartSpec:
     def of(cls, indices: Iterable[int]) -> PartSpec:
         """The spec wanting these indices along axis 1 (any order, repeats allowed)."""
         return cls(merge((i, i + 1) for i in indices))
+
+    @classmethod
+    def of_levels(cls, levels: Iterable[slice] | None, size: int) -> PartSpec | None:
+        """The spec for the level slices a batch takes of a sample whose axis 1 (the
+        stripe's; the sample's first) has ``size`` indices; ``None`` where that is all of
+        them or ``levels`` is ``None`` (the whole sample): nothing to gain."""
+        if levels is None:
+            return None
+        spec = cls(merge((s.start, s.stop) for s in levels))
+        return None if spec.ranges == ((0, size),) else spec
+
+    @classmethod
+    def for_slot(cls, where: SlotWhere, sample_shape: tuple[int, ...]) -> PartSpec | None:
+        """What a read must decode of a sample whose slot is ``where`` (its placements in a
+        batch): the levels they take, or ``None`` for a slot decoded straight (whole)."""
+        if is_direct(where) or not sample_shape:
+            return None
+        return cls.of_levels(levels_read(where), sample_shape[0])
 
     @property
     def stop(self) -> int:
