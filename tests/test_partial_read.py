@@ -336,6 +336,29 @@ def test_lz4_chunks_of_arco_proportions_decode_the_graphcast_levels_in_part(tmp_
     assert (r.partial_stats.partial_reads, r.partial_stats.whole_reads) == (2, 0)
 
 
+def test_local_files_read_only_the_header_and_the_wanted_blocks(tmp_path, monkeypatch):
+    """A local chunk read in part reads its header and block offsets, then the blocks the
+    wanted levels are in: not the whole file (a page-cache copy costs as much as decoding)."""
+    import os
+
+    from insitubatch_nodes.io import local_files
+
+    data = level_store(tmp_path / "s.zarr", 2, (1, 37, 181, 360), codec="lz4",
+                       shape=(2, 37, 181, 360))
+    src = ib.open_source(tmp_path / "s.zarr")
+    r = StripeReader(src.arrays[0], src.variables[0], src.url)
+    read: list[int] = []
+    real_pread = os.pread
+    monkeypatch.setattr(local_files.os, "pread",
+                        lambda fd, n, at: read.append(n) or real_pread(fd, n, at))
+    monkeypatch.setattr(local_files.os, "readv", lambda fd, bufs: pytest.fail("whole file"))
+    out = np.zeros(r.geom.stripe_shape, "f4")
+    r.read_local(1, out, part=PartSpec.of([0, 1]))  # the first block holds both
+    np.testing.assert_array_equal(out[:, [0, 1]], data[1:2, [0, 1]])
+    size = (tmp_path / "s.zarr" / "t" / "1.0.0.0").stat().st_size
+    assert sum(read) < size / 5
+
+
 def test_a_part_leaves_unwanted_levels_of_unread_blocks_as_they_were(tmp_path):
     data = level_store(tmp_path / "s.zarr", chunks=(1, 37, 12, 20))
     src = ib.open_source(tmp_path / "s.zarr")
