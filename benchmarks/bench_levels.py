@@ -105,9 +105,9 @@ def variants(workers: list[int]) -> dict[str, dict[str, Any]]:
 
 def run(store: Path, workers: list[int], rounds: int, batch_size: int,
         fresh: bool = False) -> dict[str, Any]:
-    """Every variant ``rounds`` times in rotating order. ``fresh``: each epoch on a loader
-    built for it and shut down after (big grids, where four loaders' pools would not fit in
-    memory together; the build and the workers' start are not timed)."""
+    """Every variant ``rounds`` times in rotating order. ``fresh``: each timed epoch on a
+    loader built for it, after one warm epoch, and shut down after (big grids, where four
+    loaders' pools would not fit in memory together)."""
     src = ib.open_source(str(store), variables=["geopotential"])
     manifest = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
     opts = variants(workers)
@@ -126,6 +126,7 @@ def run(store: Path, workers: list[int], rounds: int, batch_size: int,
             name = names[(r + k) % len(names)]
             if fresh:
                 with build(name) as ld:
+                    epoch(ld)  # warm: its batch memory paged in, as in a training run
                     res[name].append(epoch(ld))
             else:
                 res[name].append(epoch(loaders[name]))
