@@ -7,7 +7,6 @@ autocorrelated neighbours on one side, so nothing leaks between train and val.
 from __future__ import annotations
 
 import datetime
-import enum
 import hashlib
 import json
 import os
@@ -15,13 +14,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, SupportsFloat, SupportsIndex, TypeVar
+from typing import SupportsFloat, SupportsIndex
 
 import numpy as np
 
 from ..errors import StoreError
 from ..sampling.geometry import SampleGrid
 from ..sampling.windows import SampleWindow
+from .manifest_fields import (
+    checked_field,
+    fractions_field,
+    is_int,
+    periods_field,
+    snapshot_field,
+)
 from .source import Source
 
 MANIFEST_VERSION = 1
@@ -120,27 +126,27 @@ class SplitManifest:
                 f"split manifest version {d.get('version')!r} is not supported "
                 f"(this library reads version {MANIFEST_VERSION})"
             )
-        splits = _field(d, "splits", dict)
+        splits = checked_field(d, "splits", dict)
         parsed = []
         for name, ranges in splits.items():
             if not isinstance(ranges, list) or not all(
-                    isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r)
+                    isinstance(r, list) and len(r) == 2 and all(is_int(x) for x in r)
                     for r in ranges):
                 raise StoreError(f"split manifest field 'splits.{name}' must be a list of "
                                  f"[start, stop] chunk-id pairs, got {ranges!r}")
             parsed.append((str(name), tuple((a, b) for a, b in ranges)))
         m = cls(
-            n_samples=_field(d, "n_samples", int),
-            chunk_size=_field(d, "chunk_size", int),
+            n_samples=checked_field(d, "n_samples", int),
+            chunk_size=checked_field(d, "chunk_size", int),
             splits=tuple(parsed),
-            variables=tuple(str(v) for v in _field(d, "variables", list, [])),
-            seed=_field(d, "seed", int, 0),
-            fractions=_fractions(_field(d, "fractions", list, [])),
+            variables=tuple(str(v) for v in checked_field(d, "variables", list, [])),
+            seed=checked_field(d, "seed", int, 0),
+            fractions=fractions_field(checked_field(d, "fractions", list, [])),
             mode=str(d.get("mode", "contiguous")),
             source_url=str(d.get("source_url", "")),
-            snapshot_id=_snapshot(d.get("snapshot_id")),
-            gap=_field(d, "gap", int, 0),
-            periods=_periods(_field(d, "periods", list, [])),
+            snapshot_id=snapshot_field(d.get("snapshot_id")),
+            gap=checked_field(d, "gap", int, 0),
+            periods=periods_field(checked_field(d, "periods", list, [])),
         )
         recorded = d.get("content_hash")
         if recorded is not None and recorded != m.content_hash:
@@ -188,62 +194,14 @@ class SplitManifest:
             )
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-class _Missing(enum.Enum):
-    MISSING = enum.auto()
-
-
-_MISSING = _Missing.MISSING
-_T = TypeVar("_T")
-
-
-def _field(d: Mapping[str, Any], key: str, kind: type[_T],
-           default: _T | _Missing = _MISSING) -> _T:
-    """``d[key]``, checked to be a ``kind`` (ints: not bools), else a ValueError naming it."""
-    if key not in d:
-        if isinstance(default, _Missing):
-            raise StoreError(f"split manifest has no field {key!r} (it has {sorted(d)})")
-        return default
-    value = d[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise StoreError(f"split manifest field {key!r} must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def _fractions(raw: list) -> tuple[float, ...]:
-    if not all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in raw):
-        raise StoreError(f"split manifest field 'fractions' must be a list of numbers, "
-                         f"got {raw!r}")
-    return tuple(float(f) for f in raw)
-
-
-def _snapshot(raw: object) -> str | None:
-    if raw is not None and not isinstance(raw, str):
-        raise StoreError(f"split manifest field 'snapshot_id' must be a string or null, "
-                         f"got {raw!r}")
-    return raw
-
-
-def _periods(raw: list) -> tuple[tuple[str, str | None, str | None], ...]:
-    ok = all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
-             and all(x is None or isinstance(x, str) for x in p[1:]) for p in raw)
-    if not ok:
-        raise StoreError(f"split manifest field 'periods' must be a list of [split, start, "
-                         f"end] (start/end strings or null), got {raw!r}")
-    return tuple((n, a, b) for n, a, b in raw)
-
-
 def check_splits(n_samples: int, chunk_size: int,
                  splits: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
     """Refuse splits that would serve a sample twice or one that does not exist: a range
     empty, reversed or outside the array's chunks, a split's ranges out of order or
     overlapping, a chunk in two splits, a name used twice. Errors name splits and ranges."""
-    if not _is_int(n_samples) or n_samples < 0:
+    if not is_int(n_samples) or n_samples < 0:
         raise StoreError(f"split manifest n_samples must be an integer >= 0, got {n_samples!r}")
-    if not _is_int(chunk_size) or chunk_size < 1:
+    if not is_int(chunk_size) or chunk_size < 1:
         raise StoreError(f"split manifest chunk_size must be an integer >= 1, "
                          f"got {chunk_size!r}")
     n_chunks = -(-n_samples // chunk_size)
@@ -254,7 +212,7 @@ def check_splits(n_samples: int, chunk_size: int,
     for name, ranges in splits:
         prev: tuple[int, int] | None = None
         for r in ranges:
-            if len(r) != 2 or not all(_is_int(x) for x in r):
+            if len(r) != 2 or not all(is_int(x) for x in r):
                 raise StoreError(f"split {name!r}: range {r!r} is not a pair of chunk ids")
             a, b = r
             if not 0 <= a < b:
