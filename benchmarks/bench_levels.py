@@ -152,6 +152,34 @@ def run(store: Path, workers: list[int], rounds: int, batch_size: int,
             "cores": os.cpu_count(), "rows": rows}
 
 
+def run_s3(store: Path, workers: list[int], batch_size: int, folder: Path) -> dict[str, Any]:
+    """One epoch per variant, reading the store from moto on loopback through a proxy that
+    counts the chunk bytes the server sent (``testing.faultproxy``): what a cloud run pays
+    for in transfer and egress. The loaders' chunk caches are off."""
+    from insitubatch_nodes.testing.faultproxy import FaultPlan, FaultProxy
+    from insitubatch_nodes.testing.s3server import serving
+
+    rows = []
+    folder.mkdir(parents=True, exist_ok=True)
+    with serving(folder, "data", {store.name: store}) as server, \
+            FaultProxy(server.address, FaultPlan()) as proxy:
+        src = ib.open_source(f"s3://data/{store.name}", variables=["geopotential"],
+                             storage_options=server.options(endpoint=proxy.endpoint))
+        manifest = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
+        for name, opts in variants(workers).items():
+            with ib.build_loader(src, manifest, "train", batch_size=batch_size, seed=0,
+                                 **opts) as ld:
+                b0 = proxy.stats.chunk_bytes
+                wall, cpu, n, _ = epoch(ld)
+                rows.append({"variant": name, "samples_per_s": n / wall,
+                             "main_cpu_us_per_sample": 1e6 * cpu / n,
+                             "s3_bytes_per_sample": (proxy.stats.chunk_bytes - b0) / n})
+    for row in rows:
+        ref = next(r for r in rows if r["variant"] == row["variant"].replace("13 l", "37 l"))
+        row["s3_bytes_vs_37_levels"] = row["s3_bytes_per_sample"] / ref["s3_bytes_per_sample"]
+    return {"store": str(store), "s3": True, "batch_size": batch_size, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grid", choices=sorted(GRIDS), default="2.5")
@@ -162,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="a tiny store, 2 rounds (smoke)")
     ap.add_argument("--dir", type=Path, default=Path("bench-out/levels"))
     ap.add_argument("--out", type=Path, default=None, help="folder for results.json")
+    ap.add_argument("--s3", action="store_true",
+                    help="also read it from moto on loopback, counting the bytes sent")
     a = ap.parse_args(argv)
     lat, lon = (9, 16) if a.small else GRIDS[a.grid]
     n_times = 24 if a.small else (a.times or max(24, int(2e9 // (37 * lat * lon * 4))))
@@ -181,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['main_cpu_us_per_sample']:>19.1f} "
               f"{row['bytes_read_per_sample'] / 1e6:>15.3f} {row['speed_vs_37_levels']:>11.3f} "
               f"{'-' if vt is None else f'{vt:.3f}':>10}")
+    if a.s3:
+        result["s3"] = run_s3(store, [int(w) for w in a.workers.split(",")], batch,
+                              a.dir / "s3")
+        print(f"{'on S3 (moto)':>22} {'samples/s':>10} {'MB sent/sample':>15} {'x 37 levels':>11}")
+        for row in result["s3"]["rows"]:
+            print(f"{row['variant']:>22} {row['samples_per_s']:>10.1f} "
+                  f"{row['s3_bytes_per_sample'] / 1e6:>15.3f} "
+                  f"{row['s3_bytes_vs_37_levels']:>11.3f}")
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "results.json").write_text(json.dumps(result, indent=2, default=str))

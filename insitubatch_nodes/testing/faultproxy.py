@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 _CHUNK = re.compile(r"/c[/.]\d")
+# a Zarr v2 chunk key's last part: "0.0.0" (or "0/0/0" with dimension_separator "/")
+_V2_CHUNK = re.compile(r"/\d+(\.\d+)*(\?|$)")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class FaultStats:
     truncations: int = 0
     stalls: int = 0
     always_failed: int = 0
+    chunk_gets: int = 0  # GETs of chunk keys (v3 "c/..." or v2 "0.0.0") answered
+    chunk_bytes: int = 0  # the bytes of their bodies: what a partial fetch saves
     paths: list[str] = field(default_factory=list)
 
 
@@ -154,6 +158,9 @@ class FaultProxy:
             await self._error(writer, code)
             return True
         status, rheaders, rbody = await self._forward(method, path, headers, body)
+        if method == "GET" and (_CHUNK.search(path) or _V2_CHUNK.search(path)):
+            st.chunk_gets += 1
+            st.chunk_bytes += len(rbody)
         if fault == "reset" and len(rbody) > 1:
             st.resets += 1
             writer.write(self._head(status, rheaders, len(rbody)) + rbody[: len(rbody) // 2])
