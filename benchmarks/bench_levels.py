@@ -159,7 +159,7 @@ def run_s3(store: Path, workers: list[int], batch_size: int, folder: Path) -> di
     from insitubatch_nodes.testing.faultproxy import FaultPlan, FaultProxy
     from insitubatch_nodes.testing.s3server import serving
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     folder.mkdir(parents=True, exist_ok=True)
     with serving(folder, "data", {store.name: store}) as server, \
             FaultProxy(server.address, FaultPlan()) as proxy:
