@@ -11,6 +11,7 @@ target, capped by the memory budget through the loader's own resident bound (the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,8 +21,12 @@ import zarr
 from .defaults import decodes_in_place, default_prefetch_windows
 from .errors import ConfigError
 from .io.device_chain import HostOnly, device_chain_from
+from .io.partial.blocks import Whole, plan_frame
+from .io.partial.ranges import PartSpec
 from .io.reader import StripeReader
 from .memory.budget import largest_block_chunks, parse_bytes, resident_bound
+from .memory.layout import build_layout
+from .nodes.channels import resolve_channels
 from .sampling.quality import recommend_block_chunks, shuffle_quality
 from .sampling.windows import SampleWindow, default_run_chunks
 from .store.source import Source
@@ -62,6 +67,8 @@ class VariableReport:
     gpu_decode: str  # what decode="gpu" does with this variable, and why
     # of the values in the sampled stripes, missing (NaN or infinite); None: none sampled
     nan_fraction: float | None = None
+    # with channels: what of each chunk they read (blosc blocks, bytes), or why all of it
+    partial_read: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,63 @@ def _measure_sizes(reader: StripeReader, samples: int) -> tuple[list[int], int]:
     return sizes, missing
 
 
+def _channel_parts(source: Source, channels: Sequence[str | tuple[str, Any]] | None,
+                   ) -> list[PartSpec | None]:
+    """Per variable, what ``channels`` take of its samples (``None``: all of it)."""
+    picks = channels if channels else source.selection
+    if not picks:
+        return [None] * len(source.variables)
+    layout = build_layout(source.variables, resolve_channels(source, picks))
+    return [PartSpec.for_slot(tuple((pl.key, None, pl) for pl in pls), g.sample_shape)
+            for pls, g in zip(layout.placements, source.variables, strict=True)]
+
+
+def _partial_read(reader: StripeReader, part: PartSpec, samples: int) -> str:
+    """What a read of ``part`` takes of up to ``samples`` stored chunks (their first inner
+    chunk, evenly spaced along the sample axis): blosc blocks and compressed bytes, or why
+    the whole chunk is read."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    geom = reader.geom
+    cp = (reader.chunk_parts(part) or [None])[0]
+    levels = sum(b - a for a, b in part.ranges)
+    what = f"{levels} of {geom.sample_shape[0]} levels (or anemoi variables)"
+    if cp is None or cp.whole:
+        return f"{what}: every stored chunk is read whole (the part spans each one)"
+    if not reader.blocks_ok:
+        return f"{what}: whole chunks ({reader.codec_chain.label} is not a lone blosc)"
+    store = reader.arr.store_path.store
+    n_along = -(-geom.shape[0] // geom.chunks[0])
+    picks = np.unique(np.linspace(0, n_along - 1, min(samples, n_along)).astype(int))
+    blocks = total = got = whole = planned = 0
+    reason = ""
+    for i in picks.tolist():
+        key = reader.chunk_key((i,) + (0,) * (len(geom.shape) - 1))
+        buf = sync(store.get(key, prototype=default_buffer_prototype()))
+        if buf is None:
+            continue
+        frame = buf.to_bytes()
+        plan = plan_frame(frame, reader.chunk_nbytes, cp.byte_ranges)
+        whole += len(frame)
+        if isinstance(plan, Whole):
+            got, reason = got + len(frame), plan.reason
+            continue
+        blocks += len(plan.blocks)
+        total += plan.header.nblocks
+        planned += 1
+        got += plan.header.head_bytes + plan.span_bytes
+    if not whole:
+        return f"{what}: no stored chunk sampled"
+    if not total:
+        return f"{what}: whole chunks ({reason})"
+    return (f"{what}: {blocks / planned:.0f} of {total / planned:.0f} blosc blocks a chunk, "
+            f"{got / whole:.2f} of the compressed bytes (decoded in part; on object stores "
+            "fetched in part where the second round trip pays)")
+
+
 def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
-                     sample_objects: int = 5) -> VariableReport:
+                     sample_objects: int = 5, part: PartSpec | None = None) -> VariableReport:
     reader = StripeReader(arr, geom, source_url)
     chunk_items = int(np.prod(geom.chunks, dtype=np.int64))
     decoded_chunk = chunk_items * geom.dtype.itemsize
@@ -143,6 +205,7 @@ def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
         decoded_by=reader.decoder.libraries if reader.decoder else None,
         read_mode=reader.mode, read_path=READ_PATHS.get(reader.mode, reader.mode),
         gpu_decode=_gpu_verdict(reader), nan_fraction=nan_fraction,
+        partial_read=None if part is None else _partial_read(reader, part, sample_objects),
     )
 
 
@@ -296,11 +359,15 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
 def inspect_source(source: Source, *, quality: float | None = 0.9,
                    memory_budget: int | str | None = None, batch_size: int = 32,
                    prefetch_windows: int | None = None, sample_objects: int = 5,
-                   steps: SampleWindow | None = None) -> StoreReport:
+                   steps: SampleWindow | None = None,
+                   channels: Sequence[str | tuple[str, Any]] | None = None) -> StoreReport:
     """Describe every served variable and recommend ``block_chunks`` (``quality=None``: no
-    recommendation)."""
-    variables = tuple(inspect_variable(a, g, source.url, sample_objects)
-                      for a, g in zip(source.arrays, source.variables, strict=True))
+    recommendation); with ``channels`` (as ``build_loader`` takes them; an anemoi
+    ``variables=`` selection counts as such), how much of each chunk they read."""
+    parts = _channel_parts(source, channels)
+    variables = tuple(inspect_variable(a, g, source.url, sample_objects, part)
+                      for a, g, part in zip(source.arrays, source.variables, parts,
+                                            strict=True))
     rec = (recommend(source, quality, memory_budget, batch_size, prefetch_windows,
                      steps=steps) if quality is not None else None)
     return StoreReport(url=source.url, n_samples=source.n_samples,
@@ -352,6 +419,7 @@ def format_report(r: StoreReport) -> str:
                "(compute_stats leaves them out; fill_nan= / mask= serve them)"]
               if v.nan_fraction else []),
             f"  decode='gpu': {v.gpu_decode}",
+            *([f"  channels read: {v.partial_read}"] if v.partial_read else []),
             "",
         ]
     rec = r.recommendation

@@ -206,3 +206,33 @@ def test_the_report_speaks_in_the_terms_of_the_data(tmp_path):
                  "static fields (ib.open_static): land_sea_mask",
                  f"missing values: {land:.1%} NaN"):
         assert line in text, line
+
+
+def test_inspect_says_how_much_of_each_chunk_a_channel_subset_reads(tmp_path):
+    """``channels=`` on a store of 37 levels a chunk: blosc frames of many blocks are read
+    in part (blocks and bytes named), a zstd chunk whole, saying why."""
+    import numcodecs
+
+    from insitubatch_nodes.cli.inspect_store import channel_picks
+
+    levels = list(range(100, 137))
+    for name, comp in (("blosc", numcodecs.Blosc("zstd", 3, 1, blocksize=2048)),
+                       ("zstd", numcodecs.Zstd())):
+        g = zarr.open_group(tmp_path / f"{name}.zarr", mode="w", zarr_format=2)
+        z = np.arange(4 * 37 * 16 * 24, dtype="f4").reshape(4, 37, 16, 24)
+        g.create_array("z", shape=z.shape, chunks=(1, 37, 16, 24), dtype="f4",
+                       compressors=comp, attributes={
+                           "_ARRAY_DIMENSIONS": ["time", "level", "lat", "lon"]})[:] = z
+        g.create_array("level", shape=(37,), dtype="i8",
+                       attributes={"_ARRAY_DIMENSIONS": ["level"]})[:] = levels
+        src = ib.open_source(tmp_path / f"{name}.zarr", variables=["z"])
+        picks = channel_picks(["z@100", "z@101", "z@130"])
+        assert picks == [("z", 100), ("z", 101), ("z", 130)]
+        v = inspect_source(src, quality=None, channels=picks).variables[0]
+        assert v.partial_read is not None and v.partial_read.startswith("3 of 37 levels")
+        if name == "blosc":
+            assert "blosc blocks a chunk" in v.partial_read
+            assert "of the compressed" in v.partial_read
+        else:
+            assert "whole chunks" in v.partial_read and "not a lone blosc" in v.partial_read
+        assert inspect_source(src, quality=None).variables[0].partial_read is None

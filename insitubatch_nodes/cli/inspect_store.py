@@ -14,6 +14,25 @@ from .open_store import open_store
 from .plot_sample import plot_sample
 
 
+def channel_picks(names: list[str] | None) -> list[str | tuple[str, Any]] | None:
+    """``["t2m", "z@500"]`` as ``build_loader(channels=)`` takes them: a level by its
+    coordinate value (a number where it reads as one)."""
+    if not names:
+        return None
+    out: list[str | tuple[str, Any]] = []
+    for name in names:
+        var, at, level = name.partition("@")
+        if not at:
+            out.append(name)
+            continue
+        try:
+            value: Any = float(level) if "." in level else int(level)
+        except ValueError:
+            value = level
+        out.append((var, value))
+    return out
+
+
 def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Print the store's report (text or JSON), or with ``--sample`` one sample of it; the
     window (``--history``/``--lead``) is checked first, so a bad one exits 2."""
@@ -34,7 +53,8 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return inspect_sample(parser, args, source, steps)
     report = inspect_source(source, quality=args.quality, memory_budget=args.memory,
                             batch_size=args.batch_size, prefetch_windows=args.prefetch_windows,
-                            sample_objects=args.sample_objects, steps=steps)
+                            sample_objects=args.sample_objects, steps=steps,
+                            channels=channel_picks(args.channels))
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "run length (run_chunks) and block_chunks for them")
     i.add_argument("--lead", type=int, nargs="+", default=None, metavar="STEP",
                    help="target steps after the last input (with --history; default 1)")
+    i.add_argument("--channels", nargs="+", metavar="NAME[@LEVEL]", default=None,
+                   help="the channels a model takes (z@500 picks one level by its coordinate "
+                        "value): report how much of each chunk they read (blosc blocks, "
+                        "bytes)")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.add_argument("--sample", type=nonneg_int, default=None, metavar="I",
                    help="show sample I (its global index; with --history/--lead the anchor) "
