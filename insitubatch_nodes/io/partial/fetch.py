@@ -39,7 +39,10 @@ class PartialRule:
 
     - never when the selection touches more than ``max_block_fraction`` of the blocks;
     - the needed blocks come in at most ``max_requests`` ranged GETs (the smallest gaps
-      between them filled): obstore runs 10 at once, so these stay one round trip;
+      between them filled): obstore runs 10 at once and starts the rest as those end, so
+      they overlap; at 8, GraphCast's 13 ARCO-ERA5 levels (12 runs of blocks) filled four
+      one-level gaps and fetched 0.50 of the frame's bytes instead of 0.40
+      (``benchmarks.bench_levels --grid 0.25 --s3``);
     - the extra round trip must pay: the bytes saved per chunk must be at least
       ``min_saved_bytes``, or where that is ``None``, what the link moves in one round
       trip, measured on the array's first ``trials`` partial fetches (the header GET's
@@ -51,7 +54,7 @@ class PartialRule:
     """
 
     max_block_fraction: float = MAX_BLOCK_FRACTION
-    max_requests: int = 8
+    max_requests: int = 16
     min_saved_bytes: int | None = None
     trials: int = 4
     head_guess: int = 8192
