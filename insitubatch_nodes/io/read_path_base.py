@@ -15,11 +15,10 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from ..metrics.counters import ReadTimes
+from ..metrics.counters import PartialStats, ReadTimes
 from .partial.fetch import PartialFetch
 from .partial.ranges import ChunkPart, PartSpec
 from .partial.sparse import SparseFrame
-from .partial.stats import PartialStats
 from .retry import ChunkDecodeError
 
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order

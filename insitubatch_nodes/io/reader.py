@@ -31,7 +31,6 @@ from .decode import ChunkDecoder, decoder_from
 from .partial.fetch import PartialFetch, PartialRule
 from .partial.ranges import ChunkPart, PartSpec, copy_wanted, stripe_parts
 from .partial.sparse import SparseFrame
-from .partial.stats import PartialStats
 from .read_path_base import Datas, Parts
 from .read_paths import CachedGets, FrameCheck, Frames, LocalFiles, ReadPath, cached, read_path_for
 from .retry import (
@@ -45,7 +44,7 @@ from .retry import (
 from .retry import classify as classify_error
 from .thread_buffer import ThreadBuffer
 
-__all__ = ["FrameCheck", "Frames", "PartSpec", "PartialRule", "PartialStats", "StripeReader"]
+__all__ = ["FrameCheck", "Frames", "PartSpec", "PartialRule", "StripeReader"]
 
 T = TypeVar("T")
 # A chunk that covers only part of its stripe decodes here first (per decode thread).
@@ -100,9 +99,14 @@ class StripeReader:
         self.chunk_nbytes = int(np.prod(geom.chunks, dtype=np.int64)) * geom.dtype.itemsize
         # Blosc alone on native bytes: chunks decode (and fetch) in part.
         self.blocks_ok = self.decoder is not None and self.decoder.blosc_only
-        self.partial_stats = PartialStats()
+        self.partial_stats = self.times.partial
         self.partial = PartialFetch(PartialRule(), self.partial_stats)
         self._parts: dict[PartSpec, Parts] = {}
+
+    def count_into(self, times: ReadTimes) -> None:
+        """Count reads (times, cache, partial reads) into ``times``: the loader's own."""
+        self.times, self.partial_stats = times, times.partial
+        self.partial = PartialFetch(self.partial.rule, times.partial)
 
     @property
     def partial_rule(self) -> PartialRule:

@@ -11,8 +11,76 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("insitubatch_nodes")
+
+
+class PartialStats:
+    """Counters of the reads given a ``PartSpec`` (``io/partial``): chunks decoded in part or
+    whole, fetched in part or whole, bytes. Part of ``ReadTimes``, so a decode worker's go
+    back with its read times. Pool threads and the event loop add concurrently, so
+    additions take a lock (once per chunk)."""
+
+    __slots__ = ("_lock", "partial_reads", "whole_reads", "skipped_reads", "partial_fetches",
+                 "whole_fetches", "bytes_fetched", "frame_bytes")
+    FIELDS = __slots__[1:]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.partial_reads = 0  # stored chunks decoded block by block
+        self.whole_reads = 0  # stored chunks decoded whole all the same (see blocks.Whole)
+        self.skipped_reads = 0  # stored chunks holding no wanted index: not read at all
+        self.partial_fetches = 0  # object-store chunks fetched as header + needed blocks
+        self.whole_fetches = 0  # object-store chunks fetched whole all the same
+        self.bytes_fetched = 0  # bytes those fetches received
+        self.frame_bytes = 0  # the whole frames' sizes: what whole fetches would receive
+
+    def decoded(self, partial: bool) -> None:
+        with self._lock:
+            if partial:
+                self.partial_reads += 1
+            else:
+                self.whole_reads += 1
+
+    def skipped(self, chunks: int) -> None:
+        with self._lock:
+            self.skipped_reads += chunks
+
+    def fetched(self, partial: bool, nbytes: int, frame_bytes: int) -> None:
+        with self._lock:
+            if partial:
+                self.partial_fetches += 1
+            else:
+                self.whole_fetches += 1
+            self.bytes_fetched += nbytes
+            self.frame_bytes += frame_bytes
+
+    @property
+    def fetched_fraction(self) -> float | None:
+        """Bytes fetched over the frames' sizes (``None`` before any fetch)."""
+        return self.bytes_fetched / self.frame_bytes if self.frame_bytes else None
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {k: getattr(self, k) for k in self.FIELDS}
+
+    def take(self) -> tuple[int, ...]:
+        """Every counter since the last ``take``, zeroed (a worker sends them)."""
+        with self._lock:
+            out = tuple(getattr(self, k) for k in self.FIELDS)
+            for k in self.FIELDS:
+                setattr(self, k, 0)
+        return out
+
+    def merge(self, values: tuple[int, ...]) -> None:
+        """Add what another reader's ``take`` returned."""
+        with self._lock:
+            for k, v in zip(self.FIELDS, values, strict=True):
+                setattr(self, k, getattr(self, k) + v)
+
+    def __repr__(self) -> str:
+        return f"PartialStats({self.as_dict()})"
 
 
 class ReadTimes:
@@ -24,8 +92,8 @@ class ReadTimes:
     """
 
     __slots__ = ("_lock", "store_s", "decode_s", "pool_wait_s", "retries", "cache_hits",
-                 "cache_misses", "cache_bytes", "store_bytes")
-    _FIELDS = __slots__[1:]
+                 "cache_misses", "cache_bytes", "store_bytes", "partial")
+    _FIELDS = __slots__[1:-1]  # the partial reads' counters go in their own record
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -35,6 +103,7 @@ class ReadTimes:
         self.retries = 0  # stripe reads tried again after a failure
         # With a ChunkCache: stored chunks read from it / from the store, and their bytes.
         self.cache_hits = self.cache_misses = self.cache_bytes = self.store_bytes = 0
+        self.partial = PartialStats()  # reads of part of a chunk (levels a model takes)
 
     def add(self, store_s: float, decode_s: float, pool_wait_s: float = 0.0) -> None:
         with self._lock:
@@ -46,20 +115,22 @@ class ReadTimes:
         with self._lock:
             self.retries += reads
 
-    def take(self) -> tuple[float, ...]:
-        """Every counter since the last ``take``, zeroed: a decode worker sends them with
-        each job, and the loader's own ``ReadTimes`` adds them (``merge``)."""
+    def take(self) -> tuple[Any, ...]:
+        """Every counter since the last ``take``, zeroed (the partial reads' last): a decode
+        worker sends them, and the loader's own ``ReadTimes`` adds them (``merge``)."""
         with self._lock:
             out = tuple(getattr(self, k) for k in self._FIELDS)
             for k in self._FIELDS:
                 setattr(self, k, type(getattr(self, k))())
-        return out
+        return (*out, self.partial.take())
 
-    def merge(self, values: tuple[float, ...]) -> None:
+    def merge(self, values: tuple[Any, ...]) -> None:
         """Add the counters a worker's ``take`` returned."""
+        *own, partial = values
         with self._lock:
-            for k, v in zip(self._FIELDS, values, strict=True):
+            for k, v in zip(self._FIELDS, own, strict=True):
                 setattr(self, k, getattr(self, k) + v)
+        self.partial.merge(partial)
 
     def cached(self, chunks: int, nbytes: int) -> None:
         """``chunks`` stored chunks (``nbytes``) came from the local chunk cache."""

@@ -1,8 +1,9 @@
 """LoaderStats: one frozen snapshot of the loader's counters, grouped by concern.
 
-Six small records (progress, fetched, resident memory, consumer time, fetcher time, chunk
-cache) rather than one flat class of 37 fields; every counter is still read by its flat
-name (``stats.starvation``, ``stats.resident_bytes``), as logs and dashboards use them.
+Seven small records (progress, fetched, resident memory, consumer time, fetcher time, chunk
+cache, partial reads) rather than one flat class of 44 fields; every counter is still read by
+its flat name (``stats.starvation``, ``stats.resident_bytes``), as logs and dashboards use
+them.
 """
 
 from __future__ import annotations
@@ -86,8 +87,29 @@ class CacheCounters:
     cache_store_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class PartialReads:
+    """Stored chunks a read wanted only part of (some levels, anemoi variables): decoded
+    block by block or whole all the same, not read at all, fetched from an object store in
+    part or whole, and the compressed bytes those fetches got of their frames' size."""
+
+    chunks_read_in_part: int = 0
+    chunks_read_whole: int = 0  # a part wanted, the whole frame decoded (``inspect`` says why)
+    chunks_skipped: int = 0  # holding no wanted level: not read
+    chunks_fetched_in_part: int = 0
+    chunks_fetched_whole: int = 0
+    part_bytes_fetched: int = 0
+    part_frame_bytes: int = 0  # what those fetches would have got whole
+
+    @property
+    def fetched_fraction(self) -> float | None:
+        """Compressed bytes fetched over the frames' size (``None``: no partial fetch)."""
+        return self.part_bytes_fetched / self.part_frame_bytes if self.part_frame_bytes else None
+
+
 _GROUPS = {"progress": Progress, "fetched": Fetched, "resident": Resident,
-           "consumer": ConsumerTimes, "fetcher": FetcherTimes, "cache": CacheCounters}
+           "consumer": ConsumerTimes, "fetcher": FetcherTimes, "cache": CacheCounters,
+           "partial": PartialReads}
 _FLAT = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
 
 
@@ -108,6 +130,7 @@ class LoaderStats:
     consumer: ConsumerTimes
     fetcher: FetcherTimes
     cache: CacheCounters
+    partial: PartialReads
 
     @classmethod
     def of(cls, **counters: Any) -> LoaderStats:
@@ -162,11 +185,22 @@ class LoaderStats:
             f"fetcher stripe-s: store {t.store_s:.2f} decode {t.decode_s:.2f} pool-queue "
             f"{t.pool_wait_s:.2f} slot-queue {t.slot_wait_s:.2f}"
             + (f" | {f.worker_restarts} decode workers restarted" if f.worker_restarts else "")
+            + self._partial_summary()
             + ("" if self.cache_hit_ratio is None else
                f" | chunk cache {100 * self.cache_hit_ratio:.1f}% hits, "
                f"{_size(self.cache.cache_bytes)} from cache, "
                f"{_size(self.cache.cache_store_bytes)} from the store")
         )
+
+
+    def _partial_summary(self) -> str:
+        p = self.partial
+        if not (p.chunks_read_in_part or p.chunks_read_whole or p.chunks_fetched_in_part):
+            return ""
+        frac = p.fetched_fraction
+        return (f" | part of a chunk: {p.chunks_read_in_part} read in part, "
+                f"{p.chunks_read_whole} whole"
+                + ("" if frac is None else f", fetched {100 * frac:.0f}% of their bytes"))
 
 
 def _size(n: float) -> str:

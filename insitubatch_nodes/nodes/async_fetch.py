@@ -165,7 +165,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         readers = tuple(StripeReader(a, g, dataset.url)
                         for a, g in zip(dataset.arrays, dataset.variables, strict=True))
         for r in readers:
-            r.times = self.stats.read
+            r.count_into(self.stats.read)
             if cache is not None:
                 r.use_cache(cache, dataset.snapshot_id)
         return readers

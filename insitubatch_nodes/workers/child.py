@@ -88,7 +88,7 @@ class Worker:
                         for a, g in zip(setup.arrays, setup.variables, strict=True)]
         times = self.readers[0].times
         for r in self.readers:
-            r.times = times
+            r.count_into(times)
             if setup.cache is not None:
                 r.use_cache(setup.cache, setup.snapshot_id)
         self.times = times

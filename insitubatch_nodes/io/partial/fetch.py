@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ...metrics.counters import PartialStats
 from .. import blosc2_lib
 from .blocks import (
     MAX_BLOCK_FRACTION,
@@ -27,7 +28,6 @@ from .blocks import (
 )
 from .ranges import Ranges
 from .sparse import SparseFrame
-from .stats import PartialStats
 
 Data = bytes | memoryview
 
