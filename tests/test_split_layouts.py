@@ -235,3 +235,16 @@ def test_level_subsets_decode_only_their_blocks(many_blocks, window):
         i = b["sample_index"].numpy()
         want = z[i][:, idx] if window is None else z[i[:, None] + np.arange(-1, 1)][:, :, idx]
         np.testing.assert_array_equal(b["channels"].numpy(), want)
+
+
+def test_a_decode_worker_imports_neither_torch_nor_xarray():
+    """A worker's start is its imports (torch alone ~0.9 s on 2 cores): the slot writer and
+    the partial reads it runs must not pull torch in (mixed dtypes import it lazily)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, insitubatch_nodes.workers.child\n"
+            "print(sorted(m for m in ('torch', 'xarray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"

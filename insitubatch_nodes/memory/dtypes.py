@@ -14,18 +14,6 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
         raise TypeError(f"numpy dtype {dtype} has no torch equivalent: {e}") from None
 
 
-def promoted(dtypes: list[np.dtype]) -> np.dtype:
-    """The dtype ``torch.stack`` gives tensors of ``dtypes`` (torch's promotion: int32 with
-    float32 is float32, where numpy says float64), as a numpy dtype."""
-    if len(set(dtypes)) == 1:
-        return np.dtype(dtypes[0])
-    native = [np.dtype(d).newbyteorder("=") for d in dtypes]
-    out = torch_dtype(native[0])
-    for d in native[1:]:
-        out = torch.promote_types(out, torch_dtype(d))
-    return torch.empty(0, dtype=out).numpy().dtype
-
-
 # torch's "barebones" unsigned types lack some CUDA kernels; moving their bits through the
 # signed type of the same width is exact and always supported.
 _SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}

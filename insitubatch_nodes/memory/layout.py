@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling.geometry import VariableGeometry
-from .dtypes import promoted
 
 CHANNELS_KEY = "channels"
 
@@ -102,6 +101,23 @@ class BatchLayout:
         be decoded straight into the batch); ``None`` when it is split up or unused."""
         ps = self.placements[v]
         return ps[0] if len(ps) == 1 and ps[0].whole else None
+
+
+def promoted(dtypes: list[np.dtype]) -> np.dtype:
+    """The dtype ``torch.stack`` gives tensors of ``dtypes`` (torch's promotion: int32 with
+    float32 is float32, where numpy says float64), as a numpy dtype. torch is imported only
+    for mixed dtypes: the decode workers import this module and never need it."""
+    if len(set(dtypes)) == 1:
+        return np.dtype(dtypes[0])
+    import torch
+
+    from .dtypes import torch_dtype
+
+    native = [np.dtype(d).newbyteorder("=") for d in dtypes]
+    out = torch_dtype(native[0])
+    for d in native[1:]:
+        out = torch.promote_types(out, torch_dtype(d))
+    return torch.empty(0, dtype=out).numpy().dtype
 
 
 def _sample_shape(var: VariableGeometry) -> tuple[int, ...]:
