@@ -26,7 +26,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from ..nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, ShuffleBufferNode
-from .counters import ConsumerMeter, ReadTimes
+from .counters import ConsumerMeter, PartialStats, ReadTimes
 from .loader_stats import LoaderStats
 
 
@@ -81,7 +81,6 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
     g_next = gather.stats.next_s if gather else 0.0
     g_up = gather.stats.upstream_s if gather else 0.0
     rt = fs.read if fs else ReadTimes()
-    pr = rt.partial
     return LoaderStats.of(
         epoch=current_epoch(nodes),
         epoch_batches=g_batches - meter.gather_mark[0],
@@ -121,14 +120,16 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
         cache_misses=rt.cache_misses,
         cache_bytes=rt.cache_bytes,
         cache_store_bytes=rt.store_bytes,
-        chunks_read_in_part=pr.partial_reads,
-        chunks_read_whole=pr.whole_reads,
-        chunks_skipped=pr.skipped_reads,
-        chunks_fetched_in_part=pr.partial_fetches,
-        chunks_fetched_whole=pr.whole_fetches,
-        part_bytes_fetched=pr.bytes_fetched,
-        part_frame_bytes=pr.frame_bytes,
+        **_partial_counters(rt.partial),
     )
+
+
+def _partial_counters(pr: PartialStats) -> dict[str, int]:
+    """The partial reads' counters by their ``LoaderStats`` names."""
+    return {"chunks_read_in_part": pr.partial_reads, "chunks_read_whole": pr.whole_reads,
+            "chunks_skipped": pr.skipped_reads, "chunks_fetched_in_part": pr.partial_fetches,
+            "chunks_fetched_whole": pr.whole_fetches, "part_bytes_fetched": pr.bytes_fetched,
+            "part_frame_bytes": pr.frame_bytes}
 
 
 def maybe_log(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | None,
