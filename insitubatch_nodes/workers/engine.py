@@ -26,13 +26,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler, send_handle
+from typing import NamedTuple
 
 from ..errors import ConfigError, InsitubatchError
 from ..memory.arena import BatchArena, StaleBatch
 from ..metrics.counters import FetchStats
 from .child import WorkerSetup
 from .jobs import ReadJob, WorkerWindow
-from .procs import Task, WorkerProc, ended, start_worker, stop_all
+from .procs import WorkerProc, ended, start_worker, stop_all
 from .shared_memory import Place, SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
@@ -43,6 +44,15 @@ JOB_TIMEOUT_S = 300.0  # fetch.worker_timeout_s's default: a job unanswered this
 # Tests only: called on the engine thread as ``BEFORE_SEND(run, job)`` between a job's
 # batches being allocated and the job being sent, where a cancel must not let it through.
 BEFORE_SEND: Callable[[WindowRun, ReadJob], None] | None = None
+
+
+class Task(NamedTuple):
+    """A job of a window as the engine queues and hands it out; ``died`` says how the
+    worker that ran it first died (a job is run again once, never a third time)."""
+
+    run: WindowRun
+    job: ReadJob
+    died: str | None = None
 
 
 class WorkerError(InsitubatchError, RuntimeError):
@@ -119,8 +129,8 @@ class WorkerEngine:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def _start(self, number: int) -> WorkerProc:
-        proc = start_worker(number, self._setup)
+    def _start(self, number: int) -> WorkerProc[Task]:
+        proc: WorkerProc[Task] = start_worker(number, self._setup)
         self._selector.register(proc.conn.fileno(), selectors.EVENT_READ, proc)
         return proc
 
@@ -180,7 +190,7 @@ class WorkerEngine:
         finally:
             self._shut()
 
-    def _readable(self, proc: WorkerProc | None) -> None:
+    def _readable(self, proc: WorkerProc[Task] | None) -> None:
         if proc is None:
             os.read(self._wake_r, 4096)
             return
@@ -201,7 +211,10 @@ class WorkerEngine:
             with self._lock:
                 if not self._queue:
                     return
-                proc = min(self.procs, key=lambda p: len(p.jobs))
+                live = [p for p in self.procs if not p.conn.closed]
+                if not live:
+                    return
+                proc = min(live, key=lambda p: len(p.jobs))
                 if len(proc.jobs) >= CREDIT:
                     return
                 task = self._queue.popleft()
@@ -216,7 +229,7 @@ class WorkerEngine:
                     task.run.out += 1
             self._send(proc, ident, task)
 
-    def _send(self, proc: WorkerProc, ident: int, task: Task) -> None:
+    def _send(self, proc: WorkerProc[Task], ident: int, task: Task) -> None:
         """Allocate the job's batches and send it, unless its window was cancelled, failed
         or belongs to a cleared arena meanwhile: then it is dropped, never sent."""
         run, job = task.run, task.job
@@ -254,7 +267,7 @@ class WorkerEngine:
             out[b] = got
         return out
 
-    def _send_segments(self, proc: WorkerProc) -> None:
+    def _send_segments(self, proc: WorkerProc[Task]) -> None:
         segments = self.shared.segments
         while proc.segments < len(segments):
             seg = segments[proc.segments]
@@ -262,7 +275,7 @@ class WorkerEngine:
             send_handle(proc.conn, seg.fd, proc.pid)
             proc.segments += 1
 
-    def _answer(self, proc: WorkerProc, msg: tuple) -> None:
+    def _answer(self, proc: WorkerProc[Task], msg: tuple) -> None:
         kind = msg[0]
         proc.since = time.monotonic()
         if kind == "ready":
@@ -328,11 +341,13 @@ class WorkerEngine:
             self._fail(task.run, WorkerError(self.broken))
 
     # -- a worker's death ---------------------------------------------------------------
-    def _died(self, proc: WorkerProc) -> None:
+    def _died(self, proc: WorkerProc[Task]) -> None:
         """``proc`` closed its socket: it died (a kill, an out-of-memory kill, a crash in a
         codec, or killed here for not answering). It is started again and its jobs run
         again on the live workers; one that dies before it said it was ready (an import or
         setup that fails every time) is not started again: every later window fails."""
+        if proc.conn.closed:  # seen dead already
+            return
         how = ended(proc)
         held = list(proc.jobs.values())
         proc.jobs.clear()
@@ -344,6 +359,7 @@ class WorkerEngine:
         rerun = [t for t in held if not (t.run.cancelled or t.run.failed is not None)]
         first = f"decode worker {proc.number} (pid {proc.pid}) {how}"
         again = [Task(t.run, t.job, first) for t in rerun if t.died is None]
+        new = self._replace(proc)  # first: whoever sees the failures below sees it counted
         with self._lock:
             self._queue.extendleft(reversed(again))
         for task in rerun:
@@ -351,16 +367,21 @@ class WorkerEngine:
                 self._fail(task.run, _died_twice(task, first))
         for task in held:
             self._answered(task.run, finished=False)
+        if new is not None:
+            stripes = sorted({(v, s) for t in again for v, s, _ in t.job.reads})
+            log.warning("insitubatch: %s holding %d jobs; started it again (pid %d); %d jobs "
+                        "run again on the live workers: stripes %s (variable, sample-axis "
+                        "chunk)", first, len(held), new.pid, len(again), _few(stripes))
+
+    def _replace(self, proc: WorkerProc[Task]) -> WorkerProc[Task] | None:
+        """A new worker in dead ``proc``'s place, counted (none while stopping or broken)."""
         if self.stopped or self.broken is not None:
-            return
+            return None
         self.procs[self.procs.index(proc)] = new = self._start(proc.number)
         self.stats.worker_restarted()
-        stripes = sorted({(v, s) for t in again for v, s, _ in t.job.reads})
-        log.warning("insitubatch: %s holding %d jobs; started it again (pid %d); %d jobs run "
-                    "again on the live workers: stripes %s (variable, sample-axis chunk)",
-                    first, len(held), new.pid, len(again), _few(stripes))
+        return new
 
-    def _dead_at_start(self, proc: WorkerProc, how: str, held: list[Task]) -> None:
+    def _dead_at_start(self, proc: WorkerProc[Task], how: str, held: list[Task]) -> None:
         """A worker died before it was ready: the engine is broken, every window fails."""
         if self.broken is None:
             self.broken = (f"decode worker {proc.number} (pid {proc.pid}) {how} before "

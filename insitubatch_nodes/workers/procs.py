@@ -17,28 +17,16 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
-
-from .jobs import ReadJob
-
-if TYPE_CHECKING:
-    from .engine import WindowRun
+from typing import Generic, TypeVar
 
 # A worker closing its socket exits at once, or after the read it is in; then it is killed.
 STOP_WAIT_S = 5.0
 
-
-class Task(NamedTuple):
-    """A job of a window as the engine queues and hands it out; ``died`` says how the
-    worker that ran it first died (a job is run again once, never a third time)."""
-
-    run: WindowRun
-    job: ReadJob
-    died: str | None = None
+T = TypeVar("T")  # what the engine holds per job (``engine.Task``)
 
 
 @dataclass(eq=False)
-class WorkerProc:
+class WorkerProc(Generic[T]):
     """One worker process as the engine sees it: its socket, the segments it was sent,
     the jobs it holds (by id), and when it last showed progress (``since``: ready, an
     answer, a job given while it held none), which the job timeout counts from."""
@@ -47,7 +35,7 @@ class WorkerProc:
     popen: subprocess.Popen
     conn: Connection
     segments: int = 0  # segments whose descriptors it was sent
-    jobs: dict[int, Task] = field(default_factory=dict)
+    jobs: dict[int, T] = field(default_factory=dict)
     ready: bool = False
     since: float = field(default_factory=time.monotonic)
     hung_s: float | None = None  # killed after holding a job this long without answering
@@ -69,7 +57,7 @@ class WorkerProc:
             self.popen.kill()
 
 
-def start_worker(number: int, setup: bytes) -> WorkerProc:
+def start_worker(number: int, setup: bytes | memoryview) -> WorkerProc[T]:
     """``python -m insitubatch_nodes.workers.child FD`` on a socket pair, sent ``setup``.
     A worker that dies at once (its Python or import failed) shows as its socket's end
     on the engine thread, which then says why."""
@@ -91,7 +79,7 @@ def start_worker(number: int, setup: bytes) -> WorkerProc:
     return WorkerProc(number, popen, conn)
 
 
-def ended(proc: WorkerProc, timeout_s: float = STOP_WAIT_S) -> str:
+def ended(proc: WorkerProc[T], timeout_s: float = STOP_WAIT_S) -> str:
     """How ``proc``, whose socket ended, ended ("was killed by signal SIGKILL"), reaped;
     one that closed its socket but lives on is killed after ``timeout_s``."""
     try:
@@ -110,12 +98,16 @@ def ended(proc: WorkerProc, timeout_s: float = STOP_WAIT_S) -> str:
     return f"exited with status {code}"
 
 
-def stop_all(procs: list[WorkerProc], timeout_s: float = STOP_WAIT_S) -> None:
+def stop_all(procs: list[WorkerProc[T]], timeout_s: float = STOP_WAIT_S) -> None:
     """Close every socket (a worker exits when its socket closes), then wait for all of
-    them under one deadline, killing those still running at it."""
+    them under one deadline, killing those still running at it. One not yet ready (still
+    importing: seconds on a busy machine) holds nothing worth finishing: killed at once."""
     for proc in procs:
         with contextlib.suppress(OSError):
             proc.conn.close()
+        if not proc.ready:
+            with contextlib.suppress(OSError):
+                proc.popen.kill()
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         try:
