@@ -58,13 +58,15 @@ def store(tmp_path_factory):
 
 # -- nothing stale, ever -----------------------------------------------------------------
 class Hold:
-    """The engine's ``BEFORE_SEND`` seam: every job pauses there (so the engine always has
-    work queued), and once ``when(run, job)`` holds, that one job is held between its
-    batches' allocation and its send until its window is cancelled: the reset of the
-    training thread lands right there. ``sent_stale`` collects the jobs sent after all."""
+    """The engine's ``BEFORE_SEND`` seam. Until the hold, jobs of batches from
+    ``slow_from`` on pause there (the consumer needs none of them first, and the engine
+    keeps work queued however slow the machine); once ``when(run, job)`` holds, that one
+    job is held between its batches' allocation and its send until its window is
+    cancelled: the reset of the training thread lands right there. ``sent_stale`` collects
+    the held jobs that were sent after all."""
 
-    def __init__(self, monkeypatch, pause=0.02):
-        self.pause = pause
+    def __init__(self, monkeypatch, slow_from=2, pause=0.2):
+        self.slow_from, self.pause = slow_from, pause
         self.when = None
         self.holding = threading.Event()
         self.held: list = []  # jobs whose window was cancelled while they were held
@@ -75,7 +77,7 @@ class Hold:
 
         def spy(conn, obj):
             if (isinstance(obj, tuple) and obj and obj[0] == "job"
-                    and any(obj[2] is job.reads for job in self.held)):
+                    and any(obj[2] is job.targets for job in self.held)):
                 self.sent_stale.append(obj[1])
             return real(conn, obj)
 
@@ -84,7 +86,10 @@ class Hold:
     def __call__(self, run, job):
         if not any(r is run for r in self.runs):
             self.runs.append(run)
-        time.sleep(self.pause)
+        if self.holding.is_set():
+            return
+        if min(job.writes) >= self.slow_from:
+            time.sleep(self.pause)
         when = self.when
         if when is None or not when(run, job):
             return
@@ -153,7 +158,7 @@ def test_an_error_rewind_with_jobs_in_flight_serves_every_batch_once(store, monk
     bad = int(full[6]["sample_index"][0])  # batch 6: the second window (4 batches each)
     chunk = path / "x" / "c" / str(bad) / "0" / "0"
     good = chunk.read_bytes()
-    hold = Hold(monkeypatch)
+    hold = Hold(monkeypatch, slow_from=4)
 
     def after_the_failure(run, job):
         """A later window's job, once the damaged window failed and every window before
@@ -222,7 +227,7 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_nothing_is_lost(tmp_path, cap
         try:
             consumer, victim = frozen_with_jobs(engine, consume)
             pid = victim.popen.pid
-            stripes = sorted({read[1] for task in victim.jobs.values() for read in task[1].reads})
+            stripes = sorted({s for task in victim.jobs.values() for _, s in task[1].stripes()})
             os.kill(pid, signal.SIGKILL)
         finally:  # the others go on (a failed check above must not leave them frozen)
             for other in frozen:

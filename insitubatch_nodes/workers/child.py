@@ -33,7 +33,7 @@ from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.slots import Slot, SlotWhere, slot_of, write_slot
 from ..sampling.geometry import VariableGeometry
-from .jobs import Read, Target
+from .jobs import OFFSET, STRIPE, VAR, Target, read_starts
 from .shared_memory import Place, Segment, array_at, map_segment
 
 if TYPE_CHECKING:  # the worker itself imports neither (the source layer pulls in xarray)
@@ -68,8 +68,12 @@ class WorkerSetup:
                    source.snapshot_id, tuple(where), max_inflight)
 
 
+# (variable, stripe, its slots): one stripe read once and written into every slot
+Read = tuple[int, int, tuple[Target, ...]]
+
 # Messages, training process -> worker: the setup, then ("segment", index, nbytes) followed
-# by its descriptor (SCM_RIGHTS) and ("job", id, reads, places: {batch: {key: Place}}); the
+# by its descriptor (SCM_RIGHTS) and ("job", id, targets (``jobs.ReadJob``), places: {batch:
+# {key: Place}}); the
 # socket closing is the stop. Worker -> training process: ("ready",); ("done", id, read
 # times or None); ("error", id, exception); ("fatal", text) when it cannot start.
 
@@ -100,7 +104,8 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
 
-    def run(self, reads: list[Read], places: dict[int, dict[str, Place]]) -> None:
+    def run(self, targets: np.ndarray, places: dict[int, dict[str, Place]]) -> None:
+        reads = _reads(targets)
         arrays = {b: {k: array_at(self.segments, p) for k, p in keys.items()}
                   for b, keys in places.items()}
         if self.local:
@@ -162,6 +167,14 @@ def _decode_target(reader: StripeReader, dsts: list[Slot],
     if reader.geom.sample_chunk == 1 and isinstance(first, np.ndarray):
         return first
     return scratch(reader.geom.stripe_shape, reader.geom.dtype)
+
+
+def _reads(targets: np.ndarray) -> list[Read]:
+    """A job's ``targets`` rows as reads: (variable, stripe, its slots)."""
+    rows = targets.tolist()
+    bounds = [*read_starts(targets).tolist(), len(rows)]
+    return [(rows[a][VAR], rows[a][STRIPE], tuple(tuple(r[OFFSET:]) for r in rows[a:z]))
+            for a, z in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _fill_slots(targets: tuple[Target, ...], dsts: list[Slot], buf: np.ndarray) -> None:
@@ -250,10 +263,11 @@ def _jobs(conn: Connection, worker: Worker) -> None:
     while True:
         msg = _recv(conn)
         if msg[0] == "job":
-            _, ident, reads, places = msg
-            if kill is not None and any((v, s) == kill for v, s, _ in reads):
+            _, ident, targets, places = msg
+            if kill is not None and any(
+                    (v, s) == kill for v, s in targets[:, [VAR, STRIPE]].tolist()):
                 os.kill(os.getpid(), signal.SIGKILL)
-            answer, sent = _run(worker, ident, reads, places, sent)
+            answer, sent = _run(worker, ident, targets, places, sent)
             _send(conn, answer)
         elif msg[0] == "segment":
             _, index, nbytes = msg
@@ -265,11 +279,11 @@ def _jobs(conn: Connection, worker: Worker) -> None:
             os.close(fd)  # the mapping stays
 
 
-def _run(worker: Worker, ident: int, reads: list[Read],
+def _run(worker: Worker, ident: int, targets: np.ndarray,
          places: dict[int, dict[str, Place]], sent: float) -> tuple[tuple, float]:
     """One job's answer ("done" or "error") and when read counters last went back."""
     try:
-        worker.run(reads, places)
+        worker.run(targets, places)
     except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
         return ("error", ident, _sendable(e)), sent
     now = time.perf_counter()

@@ -248,7 +248,7 @@ class WorkerEngine:
             return
         try:
             self._send_segments(proc)
-            proc.conn.send(("job", ident, job.reads, places))
+            proc.conn.send(("job", ident, job.targets, places))
         except OSError:
             self._died(proc)
 
@@ -368,7 +368,7 @@ class WorkerEngine:
         for task in held:
             self._answered(task.run, finished=False)
         if new is not None:
-            stripes = sorted({(v, s) for t in again for v, s, _ in t.job.reads})
+            stripes = sorted({vs for t in again for vs in t.job.stripes()})
             log.warning("insitubatch: %s holding %d jobs; started it again (pid %d); %d jobs "
                         "run again on the live workers: stripes %s (variable, sample-axis "
                         "chunk)", first, len(held), new.pid, len(again), _few(stripes))
@@ -426,7 +426,7 @@ def _few(items: list) -> str:
 def _died_twice(task: Task, second: str) -> WorkerError:
     """The error of a job whose worker died, and whose second worker died too."""
     w = task.run.window
-    stripes = sorted({(v, s) for v, s, _ in task.job.reads})
+    stripes = task.job.stripes()
     return WorkerError(
         f"insitubatch: two decode workers died running the same job: {task.died}, then "
         f"{second}, both while reading stripes {_few(stripes)} (variable, sample-axis "

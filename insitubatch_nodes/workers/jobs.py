@@ -1,10 +1,11 @@
 """A window cut into read jobs for decode workers: which chunk, and the batch slots it fills.
 
-Pure index math on the training process, a few numpy calls per window: each job names
-stripes and their destination slots (batch, row, time step, and the row of the stripe the
-slot takes), never arrays, so what crosses to a worker is a small list of integers. The
-batches are only expected here (``BatchArena.expect``); their memory is taken when a job
-that writes them goes out to a worker (``engine``).
+Pure index math on the training process, a few numpy calls per window and none per stripe:
+a job is one integer array, a row per slot a stripe fills (``VAR``, ``STRIPE``, ``OFFSET`` in
+the stripe, ``BATCH``, ``ROW``, ``STEP``), a stripe's rows together, so what crosses to a
+worker is one buffer and the training process's cost does not grow with the number of
+variables. The batches are only expected here (``BatchArena.expect``); their memory is taken
+when a job that writes them goes out to a worker (``engine``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import numpy as np
 from ..memory.arena import BatchArena
 from ..sampling.plan import ReadPlan, kept_slots
 
+# the columns of a job's ``targets``: one row per slot a stripe fills
+VAR, STRIPE, OFFSET, BATCH, ROW, STEP = range(6)
 # (row of the stripe, batch, row of the batch, time step): one slot a stripe fills
 Target = tuple[int, int, int, int]
-# (variable, stripe, its targets): one stripe read once and written into every target
-Read = tuple[int, int, tuple[Target, ...]]
 
 JOB_BYTES = 16 << 20  # decoded bytes a job writes, at most (about)
 JOB_READS = 64  # stripes a job reads, at most
@@ -28,12 +29,19 @@ JOB_READS = 64  # stripes a job reads, at most
 
 @dataclass(frozen=True, eq=False, slots=True)
 class ReadJob:
-    """One worker's task: its stripe reads, and the row writes they make per batch (what
-    the arena is told once the job is done)."""
+    """One worker's task: the slots its stripes fill (``targets``, a stripe's rows together,
+    the first where it decodes), and the row writes they make per batch (what the arena is
+    told once the job is done) and stripes read per variable (the fetch's counters)."""
 
-    reads: list[Read]
+    targets: np.ndarray  # (slots, 6) int64, columns VAR .. STEP
     writes: dict[int, int]
-    per_variable: dict[int, int]  # stripes read of each variable (the fetch's counters)
+    per_variable: dict[int, int]
+
+    def stripes(self) -> list[tuple[int, int]]:
+        """The (variable, stripe) pairs it reads, sorted: what an error names."""
+        t = self.targets
+        at = read_starts(t)
+        return sorted(zip(t[at, VAR].tolist(), t[at, STRIPE].tolist(), strict=True))
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +56,37 @@ class WorkerWindow:
     generation: int
 
 
+def read_starts(targets: np.ndarray) -> np.ndarray:
+    """The rows of ``targets`` where each stripe's rows begin."""
+    if not len(targets):
+        return np.zeros(0, dtype=np.int64)
+    change = (np.diff(targets[:, VAR]) != 0) | (np.diff(targets[:, STRIPE]) != 0)
+    return np.concatenate(([0], np.flatnonzero(change) + 1))
+
+
+def _targets(plan: ReadPlan, arena: BatchArena,
+             sample_chunks: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    """Every (stripe, slot) pair of the window, sorted by variable, stripe and slot; and the
+    batches it feeds (expected in the arena here)."""
+    slots = plan.slots
+    assert slots is not None, "an in-place window has batch slots"
+    kept = kept_slots(plan, arena.take_skip())
+    batches = np.unique(kept.batch).tolist()
+    for b in batches:
+        arena.expect(b, slots.rows_in(b))
+    n_vars, n = len(sample_chunks), kept.sample.size
+    per = np.repeat(np.asarray(sample_chunks, dtype=np.int64), n)
+    samples = np.tile(kept.sample, n_vars)
+    t = np.empty((n * n_vars, 6), dtype=np.int64)
+    t[:, VAR] = np.repeat(np.arange(n_vars, dtype=np.int64), n)
+    t[:, STRIPE] = samples // per
+    t[:, OFFSET] = samples - t[:, STRIPE] * per
+    for col, a in ((BATCH, kept.batch), (ROW, kept.row), (STEP, kept.step)):
+        t[:, col] = np.tile(a, n_vars)
+    order = np.lexsort((t[:, STEP], t[:, ROW], t[:, BATCH], t[:, STRIPE], t[:, VAR]))
+    return t[order], batches
+
+
 def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
                    sample_chunks: Sequence[int], row_bytes: Sequence[int]) -> WorkerWindow:
     """Where every stripe of an in-place window goes, cut into jobs. Each (sample, step) a
@@ -55,79 +94,71 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
     every variable's stripe holding that sample fills its part of the slot. A stripe is read
     once per window whatever the number of slots it feeds (neighbours' history, several
     samples per chunk): one worker decodes it and writes every slot, so nothing is copied
-    between processes afterwards.
+    between processes afterwards. Stripes go in the order of the first slot each fills (a
+    sample's variables together), so the window's first batches complete first.
 
     ``sample_chunks[v]``: samples per stripe of variable ``v``; ``row_bytes[v]``: the bytes
     it writes into one slot."""
-    slots = plan.slots
-    assert slots is not None, "an in-place window has batch slots"
-    kept = kept_slots(plan, arena.take_skip())
-    sample, batch, row, step = kept.sample, kept.batch, kept.row, kept.step
-    batches = sorted(set(batch.tolist()))
-    for b in batches:
-        arena.expect(b, slots.rows_in(b))
-    if not sample.size:  # every draw dropped (drop_last) or delivered before a restore
+    t, batches = _targets(plan, arena, sample_chunks)
+    if not len(t):  # every draw dropped (drop_last) or delivered before a restore
         return WorkerWindow(plan, [], batches, arena.generation)
-    n_vars = len(sample_chunks)
-    per = np.repeat(np.asarray(sample_chunks, dtype=np.int64), sample.size)
-    var = np.repeat(np.arange(n_vars, dtype=np.int64), sample.size)
-    samples = np.tile(sample, n_vars)
-    stripe = samples // per
-    cols = [np.tile(a, n_vars) for a in (batch, row, step)]
-    # by variable and stripe (one read each), its slots by batch and row
-    order = np.lexsort((cols[2], cols[1], cols[0], stripe, var))
-    var, stripe = var[order], stripe[order]
-    offset = (samples[order] - stripe * per[order]).tolist()
-    b_, r_, k_ = (c[order].tolist() for c in cols)
-    targets = list(zip(offset, b_, r_, k_, strict=True))
-    new = np.flatnonzero((np.diff(var) != 0) | (np.diff(stripe) != 0)) + 1
-    starts = [0, *new.tolist()]
-    stops = [*starts[1:], len(targets)]
-    vs, sts = var[starts].tolist(), stripe[starts].tolist()
-    reads = [(v, s, tuple(targets[a:z]))
-             for v, s, a, z in zip(vs, sts, starts, stops, strict=True)]
-    # in the order of the first slot each fills; a sample's variables together
-    reads.sort(key=lambda rd: (rd[2][0][1], rd[2][0][2], rd[0]))
+    starts = read_starts(t)
+    counts = np.diff(np.append(starts, len(t)))
+    ro = np.lexsort((t[starts, VAR], t[starts, ROW], t[starts, BATCH]))
+    # the rows of every stripe, stripes in the order ``ro``
+    lengths = counts[ro]
+    new_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    t = t[np.repeat(starts[ro] - new_starts, lengths) + np.arange(len(t))]
+    nbytes = np.asarray(row_bytes, dtype=np.int64)[t[new_starts, VAR]] * lengths
     if all(n == 1 for n in sample_chunks):
-        cut = _cut_by_batch(reads, workers, row_bytes)
+        cuts = _cut_by_batch(t[new_starts, BATCH], nbytes, workers)
     else:
-        cut = _cut_even(reads, workers, row_bytes)
-    jobs = [_job(group) for group in cut if group]
-    return WorkerWindow(plan, jobs, batches, arena.generation)
+        cuts = _cut_even(nbytes, workers)
+    return WorkerWindow(plan, _jobs(t, new_starts, np.asarray(cuts), len(sample_chunks)),
+                        batches, arena.generation)
 
 
-def _job(reads: list[Read]) -> ReadJob:
-    writes: dict[int, int] = {}
-    per_variable: dict[int, int] = {}
-    for v, _, targets in reads:
-        per_variable[v] = per_variable.get(v, 0) + 1
-        for t in targets:
-            writes[t[1]] = writes.get(t[1], 0) + 1
-    return ReadJob(reads, writes, per_variable)
+def _jobs(t: np.ndarray, starts: np.ndarray, cuts: np.ndarray, n_vars: int) -> list[ReadJob]:
+    """The jobs of stripes ``cuts[i]:cuts[i + 1]`` (``starts``: each stripe's first row of
+    ``t``), with their row writes per batch and stripes per variable counted for the whole
+    window at once (two ``np.unique``, not two per job: they were most of the window's cost
+    on the training thread)."""
+    n_jobs = len(cuts) - 1
+    bounds = np.append(starts, len(t))[cuts]
+    job_of_row = np.repeat(np.arange(n_jobs), np.diff(bounds))
+    job_of_read = np.repeat(np.arange(n_jobs), np.diff(cuts))
+    writes: list[dict[int, int]] = [{} for _ in range(n_jobs)]
+    per_var: list[dict[int, int]] = [{} for _ in range(n_jobs)]
+    for out, key, n in ((writes, t[:, BATCH], int(t[:, BATCH].max()) + 1),
+                        (per_var, t[starts, VAR], n_vars)):
+        keys, counts = np.unique((job_of_row if out is writes else job_of_read) * n + key,
+                                 return_counts=True)
+        for k, c in zip(keys.tolist(), counts.tolist(), strict=True):
+            out[k // n][k % n] = c
+    lo = bounds.tolist()
+    return [ReadJob(t[lo[j]:lo[j + 1]], writes[j], per_var[j]) for j in range(n_jobs)]
 
 
-def _cut_by_batch(reads: list[Read], workers: int,
-                  row_bytes: Sequence[int]) -> list[list[Read]]:
+def _cut_by_batch(first_batch: np.ndarray, nbytes: np.ndarray, workers: int) -> list[int]:
     """One sample per chunk: a job per batch (every worker on its own batch: a batch goes
     out as soon as its job is done), the window's first batch split across the workers so
-    it is complete as early as it can be; at most ``JOB_READS`` / ``JOB_BYTES`` a job."""
-    jobs: list[list[Read]] = []
-    first = [rd[2][0][1] for rd in reads]
-    bounds = [0] + [k for k in range(1, len(reads)) if first[k] != first[k - 1]]
-    for n, (a, z) in enumerate(zip(bounds, [*bounds[1:], len(reads)], strict=True)):
-        nbytes = sum(row_bytes[rd[0]] * len(rd[2]) for rd in reads[a:z])
-        parts = max(workers if n == 0 else 1, -(-nbytes // JOB_BYTES), -(-(z - a) // JOB_READS))
+    it is complete as early as it can be; at most ``JOB_READS`` / ``JOB_BYTES`` a job.
+    Returns the stripe indices where jobs start, and the end."""
+    edges = [0, *(np.flatnonzero(np.diff(first_batch)) + 1).tolist(), len(first_batch)]
+    total = np.concatenate(([0], np.cumsum(nbytes))).tolist()
+    cuts = [0]
+    for n, (a, z) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        parts = max(workers if n == 0 else 1, -(-(total[z] - total[a]) // JOB_BYTES),
+                    -(-(z - a) // JOB_READS))
         size = -(-(z - a) // min(z - a, parts))
-        jobs += [reads[k : min(k + size, z)] for k in range(a, z, size)]
-    return jobs
+        cuts += [min(k + size, z) for k in range(a, z, size)]
+    return cuts
 
 
-def _cut_even(reads: list[Read], workers: int, row_bytes: Sequence[int]) -> list[list[Read]]:
+def _cut_even(nbytes: np.ndarray, workers: int) -> list[int]:
     """Several samples per chunk: a stripe feeds many batches, so jobs are cut evenly in
     the order of the first batch each stripe feeds, about two per worker (more for big
     windows: ``JOB_BYTES`` / ``JOB_READS``)."""
-    nbytes = sum(row_bytes[rd[0]] * len(rd[2]) for rd in reads)
-    parts = min(len(reads), max(2 * workers, -(-nbytes // JOB_BYTES),
-                                -(-len(reads) // JOB_READS)))
-    return [reads[k * len(reads) // parts : (k + 1) * len(reads) // parts]
-            for k in range(parts)]
+    n = len(nbytes)
+    parts = min(n, max(2 * workers, -(-int(nbytes.sum()) // JOB_BYTES), -(-n // JOB_READS)))
+    return [k * n // parts for k in range(parts + 1)]
