@@ -63,12 +63,15 @@ def start_worker(number: int, setup: bytes | memoryview) -> WorkerProc[T]:
     on the engine thread, which then says why."""
     parent, child = socket.socketpair()
     env = dict(os.environ)
-    # the package as this process imports it, first (a checkout that is not installed)
+    # the package as this process imports it, first (a checkout that is not installed);
+    # -P: not the working directory before it (``-m`` would put it first, and a checkout
+    # there of another revision would answer the jobs with other code)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "insitubatch_nodes.workers.child", str(child.fileno())],
+            [sys.executable, "-P", "-m", "insitubatch_nodes.workers.child",
+             str(child.fileno())],
             pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
     finally:
         child.close()
