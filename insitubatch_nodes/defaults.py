@@ -163,8 +163,10 @@ def resolve_workers(source: Source, f: FetchConfig, in_place_possible: bool) -> 
     several samples per chunk included: the worker makes their copies), saying in one INFO
     line why it keeps the threads. A source whose arrays do not pickle cannot reach a
     worker: an error when workers were asked for."""
-    auto = f.workers == "auto"
-    workers = default_workers(in_place_possible) if auto else f.workers
+    if isinstance(f.workers, int):
+        auto, workers = False, f.workers
+    else:  # "auto": the one string ``FetchConfig`` takes
+        auto, workers = True, default_workers(in_place_possible)
     if workers:
         unsendable = _unsendable(source)
         if unsendable is not None and not auto:

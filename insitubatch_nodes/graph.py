@@ -412,9 +412,10 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
         return Graph(gather, stages, ledger)
     node, between = transform_stages(gather, source, resolved, resolve_device(d.device))
     dev = ops.device if ops is not None else resolve_device(d.device)
-    seam = connect_staging(gather, between) if dev is not None and dev.type == "cuda" else None
-    if seam is not None:
-        ops = ops if ops is not None else CudaOps(dev)
+    cuda = dev if dev is not None and dev.type == "cuda" else None
+    seam = connect_staging(gather, between) if cuda is not None else None
+    if seam is not None and cuda is not None:  # a seam only on CUDA
+        ops = ops if ops is not None else CudaOps(cuda)
         if shared is not None:
             # Decode workers' shared batch memory, page-locked a segment at a time.
             shared.on_segment = ops.register_host

@@ -109,4 +109,4 @@ def shape2(text: str) -> tuple[int, int]:
         values = ()
     if len(values) != 2 or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected a sample shape like 64x64, got {text!r}")
-    return values  # type: ignore[return-value]
+    return values

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -20,9 +20,12 @@ from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
-from ..memory.slots import Slot, SlotWhere, slot_of, write_slot
+from ..memory.slots import Slot, SlotWhere, is_direct, part_view, slot_of, write_slot
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan, kept_slots
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DirectWindow:
@@ -77,7 +80,8 @@ class DirectWindow:
             self.cancel()
             raise
         assert self._bufs is not None
-        arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in self.plan.reads)
+        arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...] = tuple(
+            {} for _ in self.plan.reads)
         for (v, idxs), bufs in zip(self.jobs, self._bufs, strict=True):
             arrays[v].update(zip(idxs, bufs, strict=True))
         self._bufs = None  # the window holds them now: dropped stripes can go back
@@ -85,7 +89,7 @@ class DirectWindow:
 
 
 def read_local_items(items: list[tuple[StripeReader, int, np.ndarray | Scatter]],
-                      submitted: float) -> None:
+                      submitted: float | None) -> None:
     """Read and decode each ``(reader, stripe, out)`` on this pool thread, in order."""
     for reader, index, out in items:
         read_item(reader, index, out, submitted)
@@ -105,10 +109,13 @@ class InPlaceJob:
     generation: int  # the arena's, when prepared
     lazy: LazyRows | None = None  # where ``(row, step)`` outs of the jobs go
 
-    def resolve(self, items: list[Item]) -> list[Item]:
+    def resolve(self, items: list[Item]) -> list[Ready]:
         """``items`` with each ``(row, step)`` out made the batch row it stands for (its
         batch allocated if this is its first write): called as a task starts."""
-        return items if self.lazy is None else self.lazy.resolve(items)
+        if self.lazy is None:
+            # only ``prepare_in_place`` makes ``(row, step)`` outs, and then it makes ``lazy``
+            return cast(list[Ready], items)
+        return self.lazy.resolve(items)
 
     def copy_rows(self, arena: BatchArena) -> None:
         """Once every read has landed: fill the slots fed by a chunk decoded elsewhere, and
@@ -186,18 +193,21 @@ class LazyRows:
     longer makes a view per sample."""
 
     arena: BatchArena
-    where: list[tuple[SlotWhere, ...]]  # per variable and step
+    where: list[tuple[SlotWhere, ...]]  # per variable and step: each ``is_direct``
     generation: int
 
-    def resolve(self, items: list[Item]) -> list[Item]:
+    def resolve(self, items: list[Item]) -> list[Ready]:
         arrays: dict[int, dict[str, np.ndarray]] = {}
-        where, out = self.where, []
+        where = self.where
+        out: list[Ready] = []
         for v, i, b, slot in items:
             got = arrays.get(b)
             if got is None:
                 got = arrays[b] = self.arena.arrays_of(b, self.generation)
-            r, k = slot  # type: ignore[misc]
-            out.append((v, i, b, slot_of(got, where[v][k], r)))
+            assert isinstance(slot, tuple)  # every out of a lazy job is a (row, step)
+            r, k = slot
+            # the slot is the array itself (``slot_of`` of a direct ``where``)
+            out.append((v, i, b, part_view(got, where[v][k][0], r)))
         return out
 
 
@@ -205,6 +215,8 @@ class LazyRows:
 # chunk), scattered (``Scatter``; ``batch`` is then the first batch it feeds), or, before
 # ``InPlaceJob.resolve``, the ``(row, step)`` of its slot in ``batch`` (``LazyRows``)
 Item = tuple[int, int, int, "np.ndarray | Scatter | tuple[int, int]"]
+# an ``Item`` resolved (``InPlaceJob.resolve``): decoded into ``out``, or scattered
+Ready = tuple[int, int, int, "np.ndarray | Scatter"]
 
 _SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
 
@@ -213,9 +225,10 @@ def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
               submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
     """Read and decode one in-place item on this pool thread; with ``retry``, with its
     tries and error notes (an item alone in its task, or each of a failed group's)."""
-    scatter = isinstance(out, Scatter)
-    stripe = out.target(reader) if scatter else out
-    part = out.part if scatter else None
+    if isinstance(out, Scatter):
+        stripe, part = out.target(reader), out.part
+    else:
+        stripe, part = out, None
     if retry is None:
         reader.read_local(index, stripe, submitted, part=part)
     else:
@@ -259,6 +272,18 @@ class _Slots:
             key = w[0][0]
             return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
         return [slot_of(arrays[b], where[v][k], r) for b, r, k in zip(bs, rs, ks, strict=True)]
+
+    def direct_views(self, v: int, bs: list[int], rs: list[int], ks: list[int],
+                     ) -> list[np.ndarray]:
+        """``views`` of a variable decoded straight into its slots (``layout.all_direct``):
+        each the array itself."""
+        assert all(is_direct(w) for w in self.where[v])
+        arrays, w = self.arrays, self.where[v][0]
+        if self.n_steps == 1 and w[0][1] is None and w[0][2].channel is None:
+            key = w[0][0]
+            return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
+        where = self.where[v]
+        return [part_view(arrays[b], where[k][0], r) for b, r, k in zip(bs, rs, ks, strict=True)]
 
 
 def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slots:
@@ -318,24 +343,24 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     assert slots is not None
     unique = s.unique
     if unique:
-        first = np.arange(sample.size)
-        dup = first[:0]
+        lead = np.arange(sample.size)
+        dup = lead[:0]
     else:  # decoded into its first slot (in draw order), copied into the others
-        first = np.unique(sample, return_index=True)[1]
+        lead = np.unique(sample, return_index=True)[1]
         other = np.ones(sample.size, dtype=bool)
-        other[first] = False
+        other[lead] = False
         dup = np.flatnonzero(other)
     # read in (batch, row, step) order of the slot decoded into: the window's first
     # batches are complete first
-    src = first[np.argsort((batch[first] * slots.batch_size + row[first]) * n_steps
-                           + step[first])]
+    src = lead[np.argsort((batch[lead] * slots.batch_size + row[lead]) * n_steps
+                          + step[lead])]
     n_vars = len(plan.reads)
     bl, rl, kl = batch[src].tolist(), row[src].tolist(), step[src].tolist()
     sl = sample[src].tolist()
     if unique:  # (row, step): resolved to a view when its task starts (LazyRows)
         outs: list[list[Any]] = [list(zip(rl, kl, strict=True))] * n_vars
     else:
-        outs = [s.views(v, bl, rl, kl) for v in range(n_vars)]
+        outs = [s.direct_views(v, bl, rl, kl) for v in range(n_vars)]
     per_var = [list(zip([v] * len(sl), sl, bl, outs[v], strict=True)) for v in range(n_vars)]
     # every variable of a sample together (one task reads them all)
     items = per_var[0] if n_vars == 1 else [it for its in zip(*per_var, strict=True) for it in its]
@@ -343,11 +368,11 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     copies: list[tuple[Slot, np.ndarray, int, int]] = []
     held: dict[int, int] = {}
     if dup.size:
-        from_ = first[np.searchsorted(sample[first], sample[dup])]
+        from_ = lead[np.searchsorted(sample[lead], sample[dup])]
         for v in range(n_vars):
             copies += zip(s.views(v, batch[dup].tolist(), row[dup].tolist(), step[dup].tolist()),
-                          s.views(v, batch[from_].tolist(), row[from_].tolist(),
-                                  step[from_].tolist()),
+                          s.direct_views(v, batch[from_].tolist(), row[from_].tolist(),
+                                         step[from_].tolist()),
                           batch[dup].tolist(), batch[from_].tolist(), strict=True)
         for sb in batch[from_].tolist():
             held[sb] = held.get(sb, 0) + n_vars
@@ -380,7 +405,7 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return InPlaceJob(plan, [], [], list(s.arrays), arena.generation)
     items: list[tuple[int, Item]] = []  # (first batch it feeds, item)
-    rest: list[tuple[int, np.ndarray, np.ndarray]] = []  # (batch, dst, src)
+    rest: list[tuple[int, Slot, np.ndarray]] = []  # (batch, dst, src)
     b0 = int(s.batch.min()) if first else None
     nbytes = 0
     for v, per in enumerate(sample_chunks):
@@ -394,14 +419,13 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         nbytes += sum(d.nbytes for d in dsts)
         # a split variable's slots are parts of a sample: scattered from scratch as usual,
         # only the blocks of the levels they take decoded (``part``)
-        hold = b0 is not None and isinstance(dsts[0], np.ndarray)
-        part = None if hold or not parts else parts[v]
-        geom_shape = (per, *dsts[0].shape[1:]) if hold else None
+        head = dsts[0] if b0 is not None and isinstance(dsts[0], np.ndarray) else None
+        part = None if head is not None or not parts else parts[v]
         for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
-            if not hold:
+            if head is None or b0 is None:
                 out = Scatter(offs[a:z], dsts[a:z], bs[a:z], part=part)
             else:  # the first batch's rows now, the others once every stripe is in
-                keep = arena.pool.take(geom_shape, dsts[0].dtype)
+                keep = arena.pool.take((per, *head.shape[1:]), head.dtype)
                 now = [k for k in range(a, z) if bs[k] == b0]
                 out = Scatter([offs[k] for k in now], [dsts[k] for k in now],
                               [b0] * len(now), keep)
@@ -410,12 +434,13 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
             items.append((bs[a], (v, int(st[a]), bs[a], out)))
     items.sort(key=lambda t: t[0])  # stable: stripe order within a batch
     ordered = [it for _, it in items]
-    parts = min(len(ordered), max(2 * threads, -(-nbytes // (16 << 20)),
-                                  -(-len(ordered) // 64)))
-    jobs = [ordered[k * len(ordered) // parts : (k + 1) * len(ordered) // parts]
-            for k in range(parts)]
+    n_jobs = min(len(ordered), max(2 * threads, -(-nbytes // (16 << 20)),
+                                   -(-len(ordered) // 64)))
+    jobs = [ordered[k * len(ordered) // n_jobs : (k + 1) * len(ordered) // n_jobs]
+            for k in range(n_jobs)]
     rest.sort(key=lambda t: t[0])  # in batch order (stable): the next batches go out first
-    copies = [(dst, src, b, -1) for b, dst, src in rest]
+    copies: list[tuple[Slot, np.ndarray, int, int]] = [
+        (dst, src, b, -1) for b, dst, src in rest]
     return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
 
 

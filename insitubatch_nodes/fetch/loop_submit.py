@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from .submit import (
     items_landed,
     stripe_jobs,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 async def gather_or_cancel(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
@@ -126,7 +129,8 @@ class LoopSubmit(SubmitPath):
         """A gathered window: every stripe read into a buffer of its own."""
         jobs = stripe_jobs(self.ctx, plan)
         results = await gather_or_cancel(self.read(v, idxs) for v, idxs in jobs)
-        arrays: tuple[dict[int, np.ndarray], ...] = tuple({} for _ in plan.reads)
+        arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...] = tuple(
+            {} for _ in plan.reads)
         for (v, idxs), bufs in zip(jobs, results, strict=True):
             for idx, buf in zip(idxs, bufs, strict=True):
                 arrays[v][idx] = buf
@@ -158,22 +162,22 @@ class LoopSubmit(SubmitPath):
         assert lt is not None
         readers = self.ctx.readers
         async with self.slot():
-            items = job.resolve(items)  # its batches taken as it starts writing them
-            if all(readers[v].groups_reads for v, _, _, _ in items):
+            ready = job.resolve(items)  # its batches taken as it starts writing them
+            if all(readers[v].groups_reads for v, _, _, _ in ready):
                 try:
                     await lt.loop.run_in_executor(lt.pool, OneShot(
-                        read_local_items, [(readers[v], i, out) for v, i, _, out in items],
+                        read_local_items, [(readers[v], i, out) for v, i, _, out in ready],
                         time.perf_counter()))
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    self.ctx.stats.read.retried(len(items))  # the failed group try: all again
-                    for v, i, _, out in items:
+                    self.ctx.stats.read.retried(len(ready))  # the failed group try: all again
+                    for v, i, _, out in ready:
                         await self.read_item(v, i, out)
             else:
-                for v, i, _, out in items:
+                for v, i, _, out in ready:
                     await self.read_item(v, i, out)
-        items_landed(self.ctx, items, job.generation)
+        items_landed(self.ctx, ready, job.generation)
 
     async def read_item(self, v: int, index: int, out: np.ndarray | Scatter) -> None:
         """One in-place item through the event loop, with retries; a stripe of several
@@ -182,9 +186,10 @@ class LoopSubmit(SubmitPath):
         lt = self.loop.lt
         assert lt is not None
         reader = self.ctx.readers[v]
-        scatter = isinstance(out, Scatter)
-        stripe = out.target(reader, scratch=False) if scatter else out
-        await reader.read(index, stripe, lt.loop, lt.pool, self.ctx.retry,
-                          part=out.part if scatter else None)
+        if isinstance(out, Scatter):
+            stripe, part = out.target(reader, scratch=False), out.part
+        else:
+            stripe, part = out, None
+        await reader.read(index, stripe, lt.loop, lt.pool, self.ctx.retry, part=part)
         if isinstance(out, Scatter):
             out.fill_from(stripe)

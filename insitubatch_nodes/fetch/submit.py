@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -92,7 +92,7 @@ def stripe_buffers(ctx: FetchContext,
     return [[next(got[v]) for _ in idxs] for v, idxs in jobs]
 
 
-def items_landed(ctx: FetchContext, items: list[Item], generation: int) -> None:
+def items_landed(ctx: FetchContext, items: Sequence[Item], generation: int) -> None:
     """In-place stripes ``(variable, index, batch, out)`` were read: count them, and tell
     each batch how many of its rows landed."""
     assert ctx.arena is not None

@@ -60,21 +60,21 @@ class ThreadSubmit(SubmitPath):
         assert ctx.arena is not None
         arena, stats = ctx.arena, ctx.stats
         try:
-            items = job.resolve(items)  # this task's batches taken now, as it writes them
+            ready = job.resolve(items)  # this task's batches taken now, as it writes them
             with self.tasks.slot:
-                again = len(items) == 1  # one item: its own tries at once, not a group try
+                again = len(ready) == 1  # one item: its own tries at once, not a group try
                 if not again:
                     try:
-                        read_local_items([(ctx.readers[v], i, out) for v, i, _, out in items],
+                        read_local_items([(ctx.readers[v], i, out) for v, i, _, out in ready],
                                          submitted)
                     except Exception:
-                        stats.read.retried(len(items))  # the failed group try: all again
+                        stats.read.retried(len(ready))  # the failed group try: all again
                         again = True
                 if again:
-                    for v, i, _, out in items:
+                    for v, i, _, out in ready:
                         read_item(ctx.readers[v], i, out,
-                                  None if len(items) > 1 else submitted, ctx.retry)
-            items_landed(ctx, items, job.generation)
+                                  None if len(ready) > 1 else submitted, ctx.retry)
+            items_landed(ctx, ready, job.generation)
             with self.left_lock:
                 left[0] -= 1
                 last = left[0] == 0

@@ -54,21 +54,29 @@ class AsyncGets(ReadPath):
         ``known``: parts of it from the chunk cache."""
         return await self.get(key)
 
+    async def get_frames(self, stripes: Stripes, index: int) -> tuple[list[str], Frames]:
+        """Stripe ``index``'s stored chunks, whole."""
+        keys = stripes.keys(index)
+        t0 = time.perf_counter()
+        frames: Frames = list(await asyncio.gather(*(self.get(k) for k in keys)))
+        stripes.times.add(time.perf_counter() - t0, 0.0)
+        return keys, frames
+
     async def get_all(self, stripes: Stripes, index: int,
                       parts: Parts | None = None) -> tuple[list[str], Datas]:
         """Stripe ``index``'s stored chunks (with ``parts``, what each wanted one needs;
         ``None`` for the others)."""
+        if parts is None:
+            keys, frames = await self.get_frames(stripes, index)
+            return keys, list(frames)
         keys = stripes.keys(index)
         t0 = time.perf_counter()
-        if parts is None:
-            datas: list = await asyncio.gather(*(self.get(k) for k in keys))
-        else:
-            datas = await asyncio.gather(*(_none() if cp is None else self.get(k) if cp.whole
-                                           else self.get_part(stripes, k, cp)
-                                           for k, cp in zip(keys, parts, strict=True)))
-            stripes.partial_stats.skipped(sum(cp is None for cp in parts))
+        datas: Datas = list(await asyncio.gather(
+            *(_none() if cp is None else self.get(k) if cp.whole
+              else self.get_part(stripes, k, cp) for k, cp in zip(keys, parts, strict=True))))
+        stripes.partial_stats.skipped(sum(cp is None for cp in parts))
         stripes.times.add(time.perf_counter() - t0, 0.0)
-        return keys, list(datas)
+        return keys, datas
 
     async def read(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                    pool: Executor, part: PartSpec | None = None) -> None:
@@ -79,7 +87,7 @@ class AsyncGets(ReadPath):
 
     async def frames(self, stripes: Stripes, index: int, check: FrameCheck, loop: Loop,
                      pool: Executor) -> Frames:
-        keys, datas = await self.get_all(stripes, index)
+        keys, datas = await self.get_frames(stripes, index)
         # The checks walk frames in Python: on the pool, not on the loop driving the GETs.
         await loop.run_in_executor(pool, check_frames, check, keys, datas)
         return datas

@@ -20,11 +20,15 @@ import importlib.util
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .blosc_frame import written_by_blosc1
 from .partial.ranges import Ranges
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _MAJORS = ("2", "3")  # c-blosc2 versions whose blosc2_dparams _DParams matches
 _NAMES = {"linux": ("libblosc2.so",), "darwin": ("libblosc2.dylib",),
@@ -72,11 +76,11 @@ class _Lib:
         self._getitem = lib.blosc2_getitem_ctx
         self._local = threading.local()
 
-    def decompress_into(self, data: object, out: np.ndarray) -> bool:
+    def decompress_into(self, data: Buffer, out: np.ndarray) -> bool:
         """Decode the blosc frame ``data`` into ``out`` (C-contiguous); True when it filled
         ``out`` exactly. False for anything else (an error, another size, a codec this build
         lacks): the caller hands the frame to numcodecs, which decides."""
-        view = memoryview(data)  # type: ignore[arg-type]
+        view = memoryview(data)
         n, size = view.nbytes, out.nbytes
         if not out.flags.c_contiguous or n > _MAX or size > _MAX or n < 16:
             return False
@@ -126,9 +130,9 @@ class _Lib:
 def _address(buf: object) -> int:
     """Where a C-contiguous buffer's bytes start (read-only ones through numpy)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # type: ignore[arg-type]
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # type: ignore[arg-type]  # an ndarray too
     except (TypeError, ValueError):  # read-only, or empty
-        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)  # type: ignore[call-overload]
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)  # type: ignore[call-overload]  # any buffer works
 
 
 _MAX = 0x7FFFFFFF  # c-blosc2 takes int32 sizes

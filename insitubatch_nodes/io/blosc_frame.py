@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import InsitubatchError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 HEADER = 16
 _CODECS = {1: "lz4", 4: "zstd"}  # blosc codec code -> nvCOMP-decodable stream format
@@ -60,7 +64,7 @@ class UnsupportedFrame(InsitubatchError, ValueError):
     the host decodes it instead."""
 
 
-def check_header(frame: bytes | memoryview | object, nbytes: int) -> memoryview:
+def check_header(frame: Buffer, nbytes: int) -> memoryview:
     """The frame as bytes, once its header agrees with its length and ``nbytes``.
 
     Blosc 1 trusts the compressed size in its header and reads that many bytes whatever the

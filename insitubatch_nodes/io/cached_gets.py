@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import ClassVar
@@ -21,7 +22,7 @@ import numpy as np
 from .async_gets import AsyncGets
 from .chunk_cache import CacheScope, ChunkCache
 from .partial.blocks import Whole, plan_frame
-from .partial.ranges import PartSpec, Ranges
+from .partial.ranges import ChunkPart, PartSpec, Ranges
 from .partial.sparse import SparseFrame
 from .pool_task import OneShot
 from .read_path_base import Datas, FrameCheck, Frames, Loop, Parts, Stripes, check_frames
@@ -52,7 +53,7 @@ class CachedGets(AsyncGets):
         """The cached chunks of ``keys`` (``_MISS`` where not cached after all), counted."""
         t0 = time.perf_counter()
         datas: Frames = [self.cache.get(self.scope.ident(k)) or _MISS for k in keys]
-        hits = [d for d in datas if d is not _MISS]
+        hits = [d for d in datas if d is not _MISS and d is not None]  # (None: made _MISS)
         stripes.times.add(time.perf_counter() - t0, 0.0)
         stripes.times.cached(len(hits), sum(len(d) for d in hits))
         return datas
@@ -187,7 +188,7 @@ class CachedGets(AsyncGets):
             if frame is not None:
                 known[i] = frame
         hits = [len(d) if isinstance(d, bytes) else d.nbytes for d in datas
-                if d is not None and d is not _MISS]  # type: ignore[union-attr]
+                if d is not None and d is not _MISS]
         stripes.times.add(time.perf_counter() - t0, 0.0)
         stripes.times.cached(len(hits), sum(hits))
         return datas, known
@@ -198,16 +199,20 @@ class CachedGets(AsyncGets):
         indices."""
         missed = [i for i, d in enumerate(datas) if d is _MISS]
         t0 = time.perf_counter()
-        got = await asyncio.gather(*(
-            self.gets.get(keys[i]) if parts[i].whole  # type: ignore[union-attr]
-            else self.gets.get_part(stripes, keys[i], parts[i], known.get(i))  # type: ignore[arg-type]
-            for i in missed))
+        got = await asyncio.gather(*(self._fetch(stripes, keys[i], parts[i], known.get(i))
+                                     for i in missed))
         stripes.times.add(time.perf_counter() - t0, 0.0)
         stripes.times.fetched(len(missed), sum(_new_bytes(d, known.get(i))
                                                for i, d in zip(missed, got, strict=True)))
         for i, d in zip(missed, got, strict=True):
             datas[i] = d
         return missed
+
+    def _fetch(self, stripes: Stripes, key: str, cp: ChunkPart | None,
+               known: SparseFrame | None) -> Awaitable[bytes | memoryview | SparseFrame | None]:
+        """The get of one missed chunk: whole, or the blocks its part needs."""
+        assert cp is not None  # a chunk not wanted is ``None`` in ``datas``, never missed
+        return self.gets.get(key) if cp.whole else self.gets.get_part(stripes, key, cp, known)
 
     async def _read_part(self, stripes: Stripes, index: int, out: np.ndarray, loop: Loop,
                          pool: Executor, part: PartSpec) -> None:

@@ -35,7 +35,7 @@ import google_crc32c
 try:
     import fcntl
 except ImportError:  # Windows: no flock; one process per cache directory there
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module's name, None where it is missing
 
 from ..errors import ConfigError
 from ..memory.budget import parse_bytes
@@ -117,7 +117,7 @@ class ChunkCache:
         return {"directory": self.directory, "max_bytes": self.max_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["directory"], state["max_bytes"])  # type: ignore[misc]
+        type(self).__init__(self, state["directory"], state["max_bytes"])  # unpickled as built
 
     # -- entries ---------------------------------------------------------------------
     def path(self, ident: str) -> str:

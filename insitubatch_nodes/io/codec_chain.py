@@ -118,7 +118,7 @@ def classify(arr: zarr.Array) -> CodecChain:
         codecs = tuple(_v3_codec(c, itemsize) for c in meta.codecs)
         serializer = next((c for c in meta.codecs if isinstance(c, zc.BytesCodec)), None)
         endian = serializer.endian if serializer is not None else None
-        byteorder = endian.value if endian is not None and itemsize > 1 else None
+        byteorder = _ENDIAN[endian.value] if endian is not None and itemsize > 1 else None
         return CodecChain(3, codecs, "C", byteorder)
     if meta.zarr_format != 2:
         raise ValueError(f"array {arr.path!r} has zarr_format={meta.zarr_format!r}; "
@@ -174,6 +174,10 @@ def _v2_compressor(comp: Any) -> Codec:
                  cname=None if cname is None else str(cname))
 
 
+# zarr's ``Endian`` values as the byte orders a chain names
+_ENDIAN: dict[str, ByteOrder] = {"little": "little", "big": "big"}
+
+
 def _config(codec: Any) -> Config:
     return tuple(sorted(codec.get_config().items()))
 
@@ -182,4 +186,5 @@ def _v2_byteorder(dt: np.dtype) -> ByteOrder | None:
     if dt.itemsize <= 1:
         return None
     native: ByteOrder = "little" if sys.byteorder == "little" else "big"
-    return {"<": "little", ">": "big", "=": native}.get(dt.byteorder)
+    orders: dict[str, ByteOrder] = {"<": "little", ">": "big", "=": native}
+    return orders.get(dt.byteorder)

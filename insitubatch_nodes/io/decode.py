@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import numcodecs
 import numcodecs.blosc
@@ -26,12 +27,15 @@ from .partial.sparse import SparseFrame
 from .retry import DECODE_ERRORS, ChunkDecodeError
 from .thread_buffer import ThreadBuffer
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 # DECODE_ERRORS and gzip's BadGzipFile (an OSError): bytes in hand, so not the store's.
 _CODEC_ERRORS = (*DECODE_ERRORS, OSError)
 _INFLATED = ThreadBuffer()  # per decode thread: the inflate under HDF5's shuffle
 
 
-Inflate = Callable[[object, np.ndarray], bool]
+Inflate = Callable[["Buffer", np.ndarray], bool]
 
 
 def _imagecodecs_inflate(codec: numcodecs.abc.Codec) -> Inflate | None:
@@ -46,10 +50,12 @@ def _imagecodecs_inflate(codec: numcodecs.abc.Codec) -> Inflate | None:
         import imagecodecs
     except ImportError:
         return None
-    fn = (imagecodecs.gzip_decode if isinstance(codec, numcodecs.GZip)
-          else imagecodecs.deflate_decode)  # deflate_decode reads the zlib container
+    # deflate_decode reads the zlib container. Typed loosely: imagecodecs' stubs name bytes
+    # in and bytearray out, and it takes any buffer both ways (an ndarray ``out`` here).
+    fn: Callable[..., Any] = (imagecodecs.gzip_decode if isinstance(codec, numcodecs.GZip)
+                              else imagecodecs.deflate_decode)
 
-    def inflate(data: object, out: np.ndarray) -> bool:
+    def inflate(data: Buffer, out: np.ndarray) -> bool:
         flat = out.reshape(-1).view(np.uint8)
         try:
             got = fn(data, out=flat)
@@ -121,7 +127,9 @@ class ChunkDecoder:
             if ((isinstance(data, SparseFrame) or self._blosc_only)
                     and decode_blocks(data, out, wanted)):
                 return True
-            self._decode_into(data, out)  # type: ignore[arg-type]
+            if isinstance(data, SparseFrame):  # not reached: it decodes in part or raises
+                raise ValueError("part of a blosc frame did not decode in part")
+            self._decode_into(data, out)
         except _CODEC_ERRORS as e:
             raise ChunkDecodeError(f"{self.chain}: {e}") from e
         return False
@@ -130,7 +138,7 @@ class ChunkDecoder:
         if self._blosc_only:
             _blosc_into(data, out, self.fast[0] if self.fast else None)
             return
-        buf: object = data
+        buf: Buffer = data
         n = len(self.codecs)
         for i, codec in enumerate(reversed(self.codecs)):
             last = i == n - 1
@@ -148,7 +156,8 @@ class ChunkDecoder:
                     _copy_bytes(codec.decode(buf), out)
             elif fast is not None:  # HDF5's zlib under its shuffle: inflates to the chunk's size
                 tmp = _INFLATED.array(out.shape, out.dtype)  # valid until its next chunk
-                buf = tmp if fast(buf, tmp) else codec.decode(buf)
+                # an ndarray is a buffer (numpy's stubs say so on Python 3.12+ only)
+                buf = cast("Buffer", tmp) if fast(buf, tmp) else codec.decode(buf)
             else:
                 buf = codec.decode(buf)
         if not self.codecs:
@@ -157,7 +166,7 @@ class ChunkDecoder:
             out.byteswap(inplace=True)
 
 
-def _blosc_into(data: object, out: np.ndarray, fast: Inflate | None) -> None:
+def _blosc_into(data: Buffer, out: np.ndarray, fast: Inflate | None) -> None:
     """A blosc frame into ``out``: its header checked against its length and ``out`` first
     (what neither library checks: a short body), then c-blosc2 where it takes the frame,
     else numcodecs."""
@@ -166,10 +175,10 @@ def _blosc_into(data: object, out: np.ndarray, fast: Inflate | None) -> None:
         numcodecs.blosc.decompress(data, out)
 
 
-def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> None:
+def _unshuffle_into(codec: numcodecs.Shuffle, src: Buffer, out: np.ndarray) -> None:
     """HDF5's shuffle filter undone into ``out``: numcodecs writes as many bytes as it is
     given without checking ``out``'s size, so a short or long chunk is refused first."""
-    n = memoryview(src).nbytes  # type: ignore[arg-type]
+    n = memoryview(src).nbytes
     if n != out.nbytes:
         raise ValueError(f"shuffled chunk has {n} bytes, expected {out.nbytes}")
     codec.decode(src, out=out)
@@ -178,11 +187,11 @@ def _unshuffle_into(codec: numcodecs.Shuffle, src: object, out: np.ndarray) -> N
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def _zstd_content_size(data: object) -> int | None:
+def _zstd_content_size(data: Buffer) -> int | None:
     """The decoded size a zstd frame header states (RFC 8878, 3.1.1.1), or ``None`` if
     it states none. numcodecs exposes no ZSTD_getFrameContentSize, and these few bytes
     spare the hot path a decode into fresh memory and a copy."""
-    head = bytes(memoryview(data).cast("B")[:18])  # type: ignore[arg-type]
+    head = bytes(memoryview(data).cast("B")[:18])
     if len(head) < 6 or head[:4] != _ZSTD_MAGIC:
         return None
     fhd = head[4]
@@ -194,7 +203,7 @@ def _zstd_content_size(data: object) -> int | None:
     return int.from_bytes(head[at:at + size], "little") + (256 if size == 2 else 0)
 
 
-def _fills_exactly(codec: numcodecs.abc.Codec, data: object, nbytes: int) -> bool:
+def _fills_exactly(codec: numcodecs.abc.Codec, data: Buffer, nbytes: int) -> bool:
     """Whether ``codec.decode(data, out=...)`` of ``nbytes`` is known to write exactly
     ``nbytes``. numcodecs' Zstd, LZ4 and GZip only check that ``out`` is large enough: a
     short chunk (metadata rewritten without its chunks) would leave the rest of ``out``
@@ -207,7 +216,7 @@ def _fills_exactly(codec: numcodecs.abc.Codec, data: object, nbytes: int) -> boo
         if got != nbytes:  # no size stated, or several frames (the first states its own)
             return False
     elif isinstance(codec, numcodecs.LZ4):
-        head = bytes(memoryview(data).cast("B")[:4])  # type: ignore[arg-type]
+        head = bytes(memoryview(data).cast("B")[:4])
         got = int.from_bytes(head, "little") if len(head) == 4 else -1
     else:  # the others copy through numcodecs' ndarray_copy, which checks the size
         return not isinstance(codec, numcodecs.GZip)
@@ -216,7 +225,7 @@ def _fills_exactly(codec: numcodecs.abc.Codec, data: object, nbytes: int) -> boo
     return True
 
 
-def _copy_bytes(src: object, out: np.ndarray) -> None:
+def _copy_bytes(src: Buffer, out: np.ndarray) -> None:
     raw = np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
     dst = out.reshape(-1).view(np.uint8)
     if raw.size != dst.size:

@@ -42,11 +42,11 @@ class DeviceChain:
             check_gzip_frame(view, nbytes)
         elif self.algorithm == "blosc":
             try:
-                frame = parse_blosc(view, nbytes)
+                parsed = parse_blosc(view, nbytes)
             except UnsupportedFrame:
                 return  # sound, but not for the device: the host decodes it (WindowDecoder)
-            if frame.codec == "zstd":  # nvCOMP's zstd trusts its input: walk every stream
-                for b in frame.streams:
+            if parsed.codec == "zstd":  # nvCOMP's zstd trusts its input: walk every stream
+                for b in parsed.streams:
                     if not b.raw:
                         check_zstd_frame(view[b.src : b.src + b.size], b.out)
 

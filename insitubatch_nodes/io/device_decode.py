@@ -271,11 +271,13 @@ class WindowDecoder:
                     bf: BloscFrame | None = parse_blosc(frame, nbytes)
                 except UnsupportedFrame:
                     bf = None
-                if bf is not None and bf.codec is None:  # stored uncompressed in the frame
+                codec = bf.codec if bf is not None else None
+                if bf is not None and codec is None:  # stored uncompressed in the frame
                     streams.append(_Stream(s, i, HEADER, None, src_end, nbytes, -1, nbytes))
                     chunks.append(_Chunk(s, i, src_end, True))
                     src_end = _align(src_end + nbytes)
-                elif bf is None or any(b.dst % _ALIGN_OUT[bf.codec] for b in bf.streams):
+                elif (bf is None or codec is None
+                      or any(b.dst % _ALIGN_OUT[codec] for b in bf.streams)):
                     chunks.append(_Chunk(s, i, src_end, True, host=True))  # rare
                     src_end = _align(src_end + nbytes)
                 else:
@@ -309,16 +311,18 @@ class WindowDecoder:
               streams: list[_Stream], staging: np.ndarray) -> None:
         """Copy every stream into the staging buffer; decode the host's chunks there."""
         for p in streams:
-            frame = memoryview(stripes[p.stripe].frames[p.inner]).cast("B")
+            stored = stripes[p.stripe].frames[p.inner]
+            assert stored is not None  # ``_layout`` plans written chunks only
+            frame = memoryview(stored).cast("B")
             staging[p.src : p.src + p.size] = np.frombuffer(frame[p.at : p.at + p.size],
                                                             dtype=np.uint8)
         for c in chunks:
             if c.host:
                 reader = self.readers[stripes[c.stripe].var]
-                assert reader.decoder is not None
+                stored = stripes[c.stripe].frames[c.inner]
+                assert reader.decoder is not None and stored is not None
                 out = staging[c.at : c.at + reader.chunk_nbytes].view(reader.geom.dtype)
-                reader.decoder.decode_into(stripes[c.stripe].frames[c.inner],
-                                           out.reshape(reader.geom.chunks))
+                reader.decoder.decode_into(stored, out.reshape(reader.geom.chunks))
 
     def _decode(self, stripes: Sequence[StripeFrames], chunks: list[_Chunk],
                 streams: list[_Stream], src_n: int, dst_n: int) -> list[torch.Tensor]:

@@ -124,11 +124,11 @@ class LocalFiles(ReadPath):
                 continue
             key = stripes.chunk_key((index, *inner))
             t1 = time.perf_counter()
-            data = (self.get_part(key, stripes.chunk_nbytes, cp.byte_ranges)
-                    if cp is not None and not cp.whole and stripes.blocks_ok
-                    else self.get_scratch(key))
+            got = (self.get_part(key, stripes.chunk_nbytes, cp.byte_ranges)
+                   if cp is not None and not cp.whole and stripes.blocks_ok
+                   else self.get_scratch(key))
             store += time.perf_counter() - t1
-            stripes.place(data, inner, out, cp)
+            stripes.place(got, inner, out, cp)
         stripes.times.add(store, time.perf_counter() - t0 - store, wait)
 
     def read_many_blocking(self, stripes: Stripes, indices: list[int], outs: list[np.ndarray],
@@ -140,7 +140,7 @@ class LocalFiles(ReadPath):
 
     def frames_blocking(self, stripes: Stripes, index: int, check: FrameCheck) -> Frames:
         t0 = time.perf_counter()
-        out = []
+        out: Frames = []
         for inner in stripes.inner:
             key = stripes.chunk_key((index, *inner))
             data = self.get(key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import ClassVar, Protocol
 
@@ -24,6 +24,8 @@ from .retry import ChunkDecodeError
 Frames = list[bytes | memoryview | None]  # one stripe's stored chunks, in inner-chunk order
 # What a read decodes: stored chunks, or parts of them (a partial fetch), in inner order.
 Datas = list[bytes | memoryview | SparseFrame | None]
+# What ``place_all`` decodes: ``Frames`` or ``Datas`` (read only: either list)
+Placeable = Sequence[bytes | memoryview | SparseFrame | None]
 Parts = tuple[ChunkPart | None, ...]  # per inner chunk, what a partial read wants of it
 FrameCheck = Callable[[bytes | memoryview], None]  # raises ValueError on a damaged frame
 Loop = asyncio.AbstractEventLoop
@@ -52,7 +54,7 @@ class Stripes(Protocol):
     def place(self, data: bytes | memoryview | SparseFrame | None, inner: tuple[int, ...],
               out: np.ndarray, cp: ChunkPart | None = None) -> None: ...
 
-    def place_all(self, datas: Datas, out: np.ndarray, submitted: float | None = None,
+    def place_all(self, datas: Placeable, out: np.ndarray, submitted: float | None = None,
                   parts: Parts | None = None) -> None: ...
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import zarr
 import zarr.storage
+from zarr.abc.store import Store
+from zarr.core.metadata import ArrayV2Metadata
 from zarr.storage import StorePath
 
 from .async_gets import AsyncGets, ObjectStoreGets, ZarrStoreGets
@@ -88,10 +90,17 @@ def cached(path: ReadPath, cache: ChunkCache, scope: CacheScope) -> ReadPath:
     if isinstance(path, ZarrGetitem):
         arr = path.arr
         store = CachingStore(arr.store_path.store, cache, scope)
-        on_cache = zarr.Array(zarr.AsyncArray(arr.metadata, StorePath(store, arr.store_path.path),
-                                              arr.async_array.config))
-        return CachedGetitem(on_cache, CachedGets(path.gets, cache, scope), store)
+        return CachedGetitem(_on_store(arr, store), CachedGets(path.gets, cache, scope), store)
     return path
+
+
+def _on_store(arr: zarr.Array, store: Store) -> zarr.Array:
+    """``arr`` (its metadata, path and config) read through ``store``."""
+    where, meta = StorePath(store, arr.store_path.path), arr.metadata
+    config = arr.async_array.config
+    if isinstance(meta, ArrayV2Metadata):  # one call per format: zarr's overloads are per format
+        return zarr.Array(zarr.AsyncArray(meta, where, config))
+    return zarr.Array(zarr.AsyncArray(meta, where, config))
 
 
 def read_path_for(arr: zarr.Array, decodes: bool) -> ReadPath:

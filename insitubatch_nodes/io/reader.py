@@ -31,7 +31,7 @@ from .decode import ChunkDecoder, decoder_from
 from .partial.fetch import PartialFetch, PartialRule
 from .partial.ranges import ChunkPart, PartSpec, copy_wanted, stripe_parts
 from .partial.sparse import SparseFrame
-from .read_path_base import Datas, Parts
+from .read_path_base import Parts, Placeable
 from .read_paths import CachedGets, FrameCheck, Frames, LocalFiles, ReadPath, cached, read_path_for
 from .retry import (
     NO_RETRY,
@@ -257,7 +257,8 @@ class StripeReader:
             else:
                 if cp is not None:
                     self.partial_stats.decoded(False)
-                self.decoder.decode_into(data, target)  # type: ignore[arg-type]
+                assert not isinstance(data, SparseFrame)  # fetched for a part only (``some``)
+                self.decoder.decode_into(data, target)
         except ChunkDecodeError as e:
             e.inner = inner  # the reader names the chunk key (it knows the stripe)
             raise
@@ -270,7 +271,7 @@ class StripeReader:
         assert cp is not None
         copy_wanted(out, dst, target, src, cp.axis1)  # the rest may not be decoded
 
-    def place_all(self, datas: Datas, out: np.ndarray, submitted: float | None = None,
+    def place_all(self, datas: Placeable, out: np.ndarray, submitted: float | None = None,
                   parts: Parts | None = None) -> None:
         """``place`` every inner chunk of a stripe (with ``parts``, those wanted), counting
         the decode (and the time queued for the pool since ``submitted``, a

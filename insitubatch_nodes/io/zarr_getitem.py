@@ -49,6 +49,8 @@ class ZarrGetitem(ReadPath):
             # bytes (BadGzipFile is an OSError, but only gzip's decoder raises it)
             raise ChunkDecodeError(f"zarr could not decode the stripe: {e}") from e
         stripes.times.add(time.perf_counter() - t0, 0.0)
+        if not isinstance(data, np.ndarray):  # rows of an array on zarr's CPU buffers
+            raise TypeError(f"zarr read a stripe as {type(data).__name__}, not an ndarray")
         rows = int(data.shape[0])
         # Pass the pooled view itself, not a slice: a slice's base is the pool's array, so
         # it would not keep the view (and its place in the pool) alive if this read were

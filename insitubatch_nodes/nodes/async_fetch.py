@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from ..metrics.counters import FetchStats
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan
 from ..store.source import Source
-from ..workers.engine import JOB_TIMEOUT_S, WorkerEngine
+from ..workers.engine import JOB_TIMEOUT_S, WindowRun, WorkerEngine
 from ..workers.shared_memory import SharedMemoryArena
 from .state import copy_state, require, shutdown_source
 
@@ -190,7 +190,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return self._loop.lt
 
     # -- lifecycle --------------------------------------------------------------------
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise TypeError(
             "an AsyncFetchNode (and so an insitubatch loader) cannot be pickled or sent to "
             "worker processes: it owns an event loop thread. Build the loader in the process "
@@ -368,6 +368,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             epoch.handed_on(fut)
             self._delivered = snap
             return DecodedWindow(in_place, tuple({} for _ in in_place.reads))
+        # a window run by decode workers is in place (``WorkerSubmit.submit``): out above
+        assert not isinstance(fut, WindowRun)
         t0 = time.perf_counter()
         try:
             win = fut.result()

@@ -138,9 +138,11 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
                     # The whole variable as its own key: each run is a contiguous row range
                     # of ``ins``, one ``take`` straight into it (the per-batch hot path).
                     for p in parts:
+                        assert isinstance(p.array, np.ndarray)  # not decoded on a device
                         p.array.take(p.offsets, 0, ins[p.start : p.stop], "clip")
                     continue
                 for p in parts:
+                    assert isinstance(p.array, np.ndarray)  # not decoded on a device
                     if steps is None:
                         dst = ins[p.start : p.stop]
                     elif p.step < h:
@@ -163,6 +165,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         """The gather for stripes decoded on a device: the batch is made there, by
         ``index_select``, with every part's offsets sent in one copy."""
         first = parts[0].array
+        assert isinstance(first, torch.Tensor)  # decoded on a device: every part is
         dev, dtype = first.device, first.dtype
         offsets = np.concatenate([p.offsets for p in parts]).astype(np.int64, copy=False)
         index = torch.from_numpy(offsets).to(dev)
@@ -172,6 +175,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
             out = torch.empty((n, *var.sample_shape), dtype=dtype, device=dev)
             work = bits(out)
             for p in parts:
+                assert isinstance(p.array, torch.Tensor)
                 k = p.stop - p.start
                 torch.index_select(bits(p.array), 0, index[pos : pos + k],
                                    out=work[p.start : p.stop])
@@ -185,7 +189,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         for p in parts:
             k = p.stop - p.start
             dst, col = (ins, p.step) if p.step < h else (outs, p.step - h)
-            assert dst is not None
+            assert dst is not None and isinstance(p.array, torch.Tensor)
             bits(dst)[p.start : p.stop, col] = bits(p.array).index_select(0, index[pos : pos + k])
             pos += k
         batch[var.name] = ins

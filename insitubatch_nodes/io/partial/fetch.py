@@ -111,8 +111,9 @@ class PartialFetch:
         if blosc2_lib.load() is None or self._pays.get(wanted) is False:
             return await self._whole(gets, key)
         t0 = time.perf_counter()
+        head: Data | None
         if known is not None:
-            head: Data | None = known.head()
+            head = known.head()
         else:
             head = await gets.get_range(key, 0, self._head or self.rule.head_guess)
             if head is None:
