@@ -5,7 +5,50 @@ Gather -> PinOrCuda; ``build_loader`` composes it, and every node can be used on
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at run time)
+    from .config import (
+        CheckpointConfig,
+        DeviceConfig,
+        FetchConfig,
+        LoaderConfig,
+        SampleConfig,
+        SamplingConfig,
+    )
+    from .dataset import SampleDataset
+    from .errors import ConfigError, InsitubatchError, StateError, StoreError
+    from .fetch.first_batch import FirstBatch
+    from .io.chunk_cache import ChunkCache
+    from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
+    from .loader import InSituLoader, build_loader
+    from .memory.budget import parse_bytes
+    from .memory.ledger import MemoryLedger
+    from .memory.staging import StagingSeam
+    from .metrics.loader_stats import LoaderStats
+    from .nodes import (
+        AsyncFetchNode,
+        ChunkPermuteNode,
+        GatherNode,
+        NormalizeNode,
+        PinOrCudaNode,
+        ReadPlanNode,
+        ShuffleBufferNode,
+        SplitNode,
+    )
+    from .nodes.channels import StackChannelsNode, resolve_channels
+    from .nodes.patches import PatchNode
+    from .nodes.static import StaticFieldsNode, open_static
+    from .sampling.geometry import SampleGrid, VariableGeometry
+    from .sampling.plan import ReadPlan
+    from .sampling.quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
+    from .sampling.windows import SampleWindow
+    from .state.fingerprint import StateFingerprint
+    from .state.ranks import merge_rank_states
+    from .store.source import Discovery, Source, discover, open_icechunk, open_source
+    from .store.splits import SplitManifest, split_by_chunk, split_by_coordinate
+    from .store.statistics import Stats, VariableStats, compute_stats, dataset_stats
+    from .workers.engine import WorkerError
 
 # Where each public name lives, imported on first use (PEP 562): a decode worker process
 # imports ``insitubatch_nodes.workers.child`` and with it only the IO layer (numpy, zarr,

@@ -11,14 +11,18 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .synthetic import VARIABLES, DemoSpec, write_store
+
+if TYPE_CHECKING:
+    import torch
 
 # The demo store is the synthetic store with ``DemoSpec``'s defaults: one writer for all.
 make_demo_store = write_store
 
 
-def _build_model():
+def _build_model() -> torch.nn.Module:
     import torch.nn as nn
 
     # Pool first so the demo measures the loader, not a 2-core convolution.

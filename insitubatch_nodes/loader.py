@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ class _ExactIterator(LoaderIterator):
             error.add_note(f"insitubatch: going back to the state after batch "
                            f"{self._num_yielded} of this epoch failed too: {e!r}")
 
-    def next(self):  # noqa: D102
+    def next(self) -> Any:  # noqa: D102
         # One consumer at a time: two threads drawing from one graph break exactly-once
         # silently (draws taken twice, windows let go early). Refused, not serialised.
         busy = False
@@ -119,7 +120,7 @@ class _ExactIterator(LoaderIterator):
             if busy:
                 self._busy.release()
 
-    def _next_item(self):
+    def _next_item(self) -> Any:
         if self._cached_item is not None:
             item = self._cached_item
             self._cached_item = None
@@ -236,7 +237,9 @@ class InSituLoader(Loader):
         raise StateError(f"no state kept for num_yielded={num_yielded}; kept: {kept} "
                          "(raise keep_states)")
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch's batches: each a ``dict`` of tensors by key (``"sample_index"``
+        included), as every stage of the standard graph yields them."""
         if self._it is None:
             self._it = _ExactIterator(self)
         if not self._iter_for_state_dict:  # else iter() only hands back the pre-built one

@@ -60,7 +60,9 @@ class LoaderEpochs:
     def run_epoch(self, epoch: int, paired: dict[str, Any] | None = None) -> Run:
         loader = self.loader
         fetch = loader.node(ib.AsyncFetchNode)
-        loader.ledger.reset_peak()
+        ledger = loader.ledger
+        assert ledger is not None  # build_loader's loaders have one
+        ledger.reset_peak()
         # No polling thread in a timed epoch (floors and peers have none); the loader's
         # memory is measured alone in a fresh process (rss_probe).
         with RssSampler(poll=False) as rss, OtherLoad() as other:
@@ -70,7 +72,7 @@ class LoaderEpochs:
         stats = loader.stats()
         run = Run(f"{self.label}, epoch {epoch}", samples, secs, self.sample_nbytes, first,
                   float(used[0]), rss.peak, rss.growth,
-                  extra={**usage_extra(used), "ledger_peak_bytes": loader.ledger.peak,
+                  extra={**usage_extra(used), "ledger_peak_bytes": ledger.peak,
                          "resident_bound_bytes": loader.resident_bound, **(paired or {}),
                          "decode_threads": fetch.decode_threads,
                          "block_chunks": loader.node(ib.ChunkPermuteNode).block_chunks,

@@ -8,7 +8,7 @@ from typing import Any
 from . import PEER_NAMES
 
 
-def _plt():
+def _plt() -> Any:  # matplotlib.pyplot
     try:
         import matplotlib
     except ImportError as e:

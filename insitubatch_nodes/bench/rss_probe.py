@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = bench_manifest(source, kw.pop("split_fraction", 1.0), kw.get("seed", 0))
     import_rss = _rss()
     with ib.build_loader(source, manifest, "train", **kw) as loader:
+        assert loader.ledger is not None  # build_loader's loaders have one
         for _ in range(epochs):
             for b in loader:
                 del b

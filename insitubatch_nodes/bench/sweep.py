@@ -72,7 +72,9 @@ def _epochs(loader: ib.InSituLoader, n_batches: int, epochs: int, desc: str,
     with its share of the loader's metrics and, if asked, the last epoch's sample_index."""
     best: dict[str, Any] | None = None
     last_index: list[np.ndarray] = []
-    loader.ledger.reset_peak()
+    ledger = loader.ledger
+    assert ledger is not None  # build_loader's loaders have one
+    ledger.reset_peak()
     # Polled 4 times a second, not 100: the floor it is compared with runs without a sampler,
     # and each poll takes the GIL from the training thread (the peak is coarser for it).
     with RssSampler(interval_s=0.25) as rss:
@@ -107,7 +109,7 @@ def _epochs(loader: ib.InSituLoader, n_batches: int, epochs: int, desc: str,
     best["python_s"] = max(0.0, best["consumer_s"] - best["wait_fetch_s"])
     best["rss_growth_bytes"] = rss.growth
     best["rss_peak_bytes"] = rss.peak
-    best["ledger_peak_bytes"] = loader.ledger.peak
+    best["ledger_peak_bytes"] = ledger.peak
     best["resident_bound_bytes"] = loader.resident_bound
     best["shuffle_quality"] = loader.shuffle_quality
     best["last_epoch_index"] = last_index

@@ -56,7 +56,7 @@ class S3Server:
         opts.update(extra)
         return opts
 
-    def boto3(self):
+    def boto3(self) -> Any:  # an S3 client
         import boto3
 
         return boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION,
