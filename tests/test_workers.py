@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -283,7 +284,14 @@ def test_a_crash_or_ctrl_c_of_the_training_process_leaves_no_worker(weather, tmp
 
 def _stop_training(proc, how, shm):
     pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2, proc.stderr.read()
+    # stderr drained as it comes: a full pipe would block the process we wait for
+    chunks: list[str] = []
+    drain = threading.Thread(target=lambda: chunks.extend(iter(proc.stderr.readline, "")),
+                             daemon=True)
+    drain.start()
+    if len(pids) != 2:
+        drain.join(timeout=60)
+        raise AssertionError("".join(chunks))
     if how == "ctrl-c":
         time.sleep(0.3)
         # again until it stops, as a user would: an interrupt that lands in a weakref
@@ -296,7 +304,8 @@ def _stop_training(proc, how, shm):
             except subprocess.TimeoutExpired:
                 pass
     code = proc.wait(timeout=60)
-    err = proc.stderr.read()
+    drain.join(timeout=30)
+    err = "".join(chunks)
     assert code != 0
     if how == "ctrl-c":
         assert "KeyboardInterrupt" in err
