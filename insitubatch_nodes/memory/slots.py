@@ -72,19 +72,3 @@ def write_slot(dst: Slot, sample: np.ndarray) -> None:
     else:
         np.copyto(dst, sample)
 
-
-def levels_read(where: SlotWhere) -> tuple[slice, ...] | None:
-    """The ranges of the sample's first axis the parts take (sorted, merged), or ``None``
-    when one part takes the whole sample: what a partial read must decode."""
-    spans = []
-    for _, _, pl in where:
-        if pl.levels is None:
-            return None
-        spans.append((pl.levels.start, pl.levels.stop))
-    merged: list[list[int]] = []
-    for a, z in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], z)
-        else:
-            merged.append([a, z])
-    return tuple(slice(a, z) for a, z in merged)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...memory.slots import SlotWhere, is_direct, levels_read
+from ...memory.slots import SlotWhere, is_direct
 
 Ranges = tuple[tuple[int, int], ...]  # half-open [start, stop), sorted, disjoint, non-empty
 
@@ -67,7 +67,10 @@ class PartSpec:
         batch): the levels they take, or ``None`` for a slot decoded straight (whole)."""
         if is_direct(where) or not sample_shape:
             return None
-        return cls.of_levels(levels_read(where), sample_shape[0])
+        levels = [pl.levels for _, _, pl in where]
+        if any(lv is None for lv in levels):  # one part takes the whole sample
+            return None
+        return cls.of_levels([lv for lv in levels if lv is not None], sample_shape[0])
 
     @property
     def stop(self) -> int:
