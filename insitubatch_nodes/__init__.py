@@ -17,7 +17,23 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
         SamplingConfig,
     )
     from .dataset import SampleDataset
-    from .errors import ConfigError, InsitubatchError, StateError, StoreError
+    from .errors import (
+        ConfigError,
+        ConfigTypeError,
+        InsitubatchError,
+        InternalError,
+        LoaderUsageError,
+        LocalFileError,
+        MissingDependencyError,
+        SampleIndexError,
+        StateError,
+        StoreAccessError,
+        StoreConnectionError,
+        StoreError,
+        StoreExistsError,
+        StoreNotFoundError,
+        UnknownNameError,
+    )
     from .fetch.first_batch import FirstBatch
     from .io.chunk_cache import ChunkCache
     from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
@@ -60,6 +76,17 @@ _EXPORTS = {
     "InsitubatchError": ".errors",
     "StateError": ".errors",
     "StoreError": ".errors",
+    "ConfigTypeError": ".errors",
+    "InternalError": ".errors",
+    "LoaderUsageError": ".errors",
+    "LocalFileError": ".errors",
+    "MissingDependencyError": ".errors",
+    "SampleIndexError": ".errors",
+    "StoreAccessError": ".errors",
+    "StoreConnectionError": ".errors",
+    "StoreExistsError": ".errors",
+    "StoreNotFoundError": ".errors",
+    "UnknownNameError": ".errors",
     "WorkerError": ".workers.engine",
     "DeviceConfig": ".config",
     "FetchConfig": ".config",
@@ -142,5 +169,7 @@ __all__ = [
     "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache", "ChunkReadError",
     "CorruptChunkError", "StateFingerprint", "FirstBatch", "StackChannelsNode",
     "resolve_channels", "InsitubatchError", "ConfigError", "StoreError", "StateError",
-    "WorkerError",
+    "WorkerError", "ConfigTypeError", "LoaderUsageError", "LocalFileError",
+    "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",
+    "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "InternalError",
 ]

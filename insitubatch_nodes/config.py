@@ -18,15 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError, UnknownNameError
 from .io.chunk_cache import ChunkCache
 from .io.device_decode import FrameDecoder
 from .io.retry import RetryPolicy
 from .sampling.schedule import UNEVEN_POLICIES
-from .sampling.windows import SampleWindow
+from .sampling.windows import SampleWindow, steps_keyword
+from .store.splits import SplitManifest
 from .store.statistics import SCHEMES, Stats
 
-DEFAULT_RING_SIZE = 3
+DEFAULT_RING_SIZE = 3  # pinned host buffers CUDA copies go through (PinOrCudaNode's too)
 
 
 def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
@@ -49,7 +50,7 @@ class SamplingConfig:
 
     batch_size: int = 32
     block_chunks: int | None = None  # None: 16, or ~64 MB windows when decoding in place
-    # time windows: chunks per contiguous run (None: halos <= 25% of the reads); a window
+    # time steps: chunks per contiguous run (None: halos <= 25% of the reads); a window
     # holds block_chunks // run_chunks runs from scattered places in the split
     run_chunks: int | None = None
     seed: int = 0
@@ -87,10 +88,11 @@ class FetchConfig:
     """How windows are read: reads in flight, windows fetched ahead, decode threads and
     where decoding runs, the resident-memory budget and the retry policy.
 
-    ``prefetch_windows=None`` means 2 (``default_prefetch_windows``: a round trip hidden at
-    each window edge of an object store, a decode pool kept busy on a local disk);
+    ``prefetch_windows=None`` means 2 (``defaults.default_prefetch_windows``: a round trip
+    hidden at each window edge of an object store, a decode pool kept busy on a local disk),
+    deepened with decode workers until they all have work (``defaults.resolve_prefetch``);
     ``decode_threads=None`` means cores + 1, at most 4, or as many as cores when decoding in
-    place one sample per chunk (``default_decode_threads``).
+    place one sample per chunk (``defaults.default_decode_threads``).
     ``decode`` is ``"cpu"``, ``"gpu"`` or a ``FrameDecoder`` object (tests pass
     ``HostFrameDecoder``). ``in_place`` decodes every chunk straight into its batch rows
     (CPU decode, channels that take whole variables; time steps too): a chunk of one sample
@@ -133,8 +135,8 @@ class FetchConfig:
                              f"threads in this process), got {self.workers!r}")
         _flag("fetch", "prefetch_next_epoch", self.prefetch_next_epoch)
         if self.cache is not None and not isinstance(self.cache, ChunkCache):
-            raise TypeError(f"fetch.cache must be an ib.ChunkCache(directory, max_bytes=...), "
-                            f"got {self.cache!r}")
+            raise ConfigTypeError(f"fetch.cache must be an ib.ChunkCache(directory, "
+                                  f"max_bytes=...), got {self.cache!r}")
         if self.prefetch_windows is not None:
             _positive_int("fetch", "prefetch_windows", self.prefetch_windows, minimum=0)
         if self.decode_threads is not None:
@@ -145,13 +147,13 @@ class FetchConfig:
         if self.in_place is not None and not isinstance(self.in_place, bool):  # 0 == False
             raise ConfigError(f"fetch.in_place must be None, True or False, got {self.in_place!r}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
-            raise TypeError(f"fetch.retry must be a RetryPolicy, got {self.retry!r}")
+            raise ConfigTypeError(f"fetch.retry must be a RetryPolicy, got {self.retry!r}")
 
 
 @dataclass(frozen=True)
 class SampleConfig:
     """What one batch row holds: a sample's time steps (``steps``, a ``SampleWindow``;
-    the keyword ``window=`` of ``build_loader``), normalisation and cast, channels stacked,
+    ``window=`` is its deprecated old name), normalisation and cast, channels stacked,
     static fields, spatial patches."""
 
     steps: SampleWindow | None = None
@@ -179,13 +181,13 @@ class SampleConfig:
                              f"choice after normalization) or None, got {self.fill_nan!r}")
         if not isinstance(self.mask, bool):
             if isinstance(self.mask, str) or not isinstance(self.mask, Sequence):
-                raise TypeError(f"sample.mask must be True, False or a list of variable "
-                                f"names, got {self.mask!r}")
+                raise ConfigTypeError(f"sample.mask must be True, False or a list of variable "
+                                      f"names, got {self.mask!r}")
             object.__setattr__(self, "mask", tuple(self.mask))
         if self.normalize is not None:
             if not isinstance(self.normalize, Mapping):
-                raise TypeError(f"sample.normalize must map names to schemes, got "
-                                f"{self.normalize!r}")
+                raise ConfigTypeError(f"sample.normalize must map names to schemes, got "
+                                      f"{self.normalize!r}")
             bad = {k: v for k, v in self.normalize.items() if v not in SCHEMES}
             if bad:
                 raise ConfigError(f"sample.normalize has unknown schemes {bad}; schemes: "
@@ -194,15 +196,15 @@ class SampleConfig:
                 raise ConfigError("sample.normalize needs stats= (e.g. ib.dataset_stats(src) "
                                  "or ib.compute_stats(...)) to apply its schemes to")
         if self.steps is not None and not isinstance(self.steps, SampleWindow):
-            raise TypeError(f"sample.steps (window=) must be a SampleWindow, got {self.steps!r}")
+            raise ConfigTypeError(f"sample.steps must be a SampleWindow, got {self.steps!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"sample.dtype must be a torch.dtype such as torch.bfloat16, "
-                            f"got {self.dtype!r}")
+            raise ConfigTypeError(f"sample.dtype must be a torch.dtype such as torch.bfloat16, "
+                                  f"got {self.dtype!r}")
         for name in ("channels", "patch_size", "patch_stride"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 if isinstance(value, str) or not isinstance(value, Sequence):
-                    raise TypeError(f"sample.{name} must be a sequence, got {value!r}")
+                    raise ConfigTypeError(f"sample.{name} must be a sequence, got {value!r}")
                 object.__setattr__(self, name, tuple(value))
         if self.patch_stride is not None and self.patch_size is None:
             raise ConfigError("sample.patch_stride needs patch_size")
@@ -219,16 +221,16 @@ class SampleConfig:
                              f"{self.patch_size} must have one entry per patched dim each")
         if self.static is not None:
             if not isinstance(self.static, Mapping):
-                raise TypeError(f"sample.static must map names to arrays, as "
-                                f"ib.open_static(url) returns, got a "
-                                f"{type(self.static).__name__}: {repr(self.static)[:80]}")
+                raise ConfigTypeError(f"sample.static must map names to arrays, as "
+                                      f"ib.open_static(url) returns, got a "
+                                      f"{type(self.static).__name__}: {repr(self.static)[:80]}")
             for name, value in self.static.items():
                 numeric = (not value.dtype.is_complex if isinstance(value, torch.Tensor)
                            else np.asarray(value).dtype.kind in "biuf")
                 if not isinstance(name, str) or not numeric:
-                    raise TypeError(f"sample.static[{name!r}] must be a numeric array under "
-                                    f"a string name (ib.open_static(url) returns such a "
-                                    f"dict), got {type(value).__name__}")
+                    raise ConfigTypeError(f"sample.static[{name!r}] must be a numeric array under "
+                                          f"a string name (ib.open_static(url) returns such a "
+                                          f"dict), got {type(value).__name__}")
 
     @property
     def time_steps(self) -> SampleWindow | None:
@@ -259,7 +261,7 @@ class CheckpointConfig:
     ``drop_last``: sound, since states count windows and draws, not batches (the rest of the
     epoch is still served exactly once), except the batch size mid-epoch when decoding in
     place (batches planned from the epoch's start). Any other difference (manifest, split,
-    seed, grid, ranks, ``block_chunks``, ``uneven``, time windows) is refused whatever this
+    seed, grid, ranks, ``block_chunks``, ``uneven``, time steps) is refused whatever this
     says.
     """
 
@@ -272,8 +274,8 @@ class CheckpointConfig:
         _positive_int("checkpoint", "keep_states", self.keep_states, minimum=0)
         for name in ("allow_snapshot_change", "allow_state_change"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"checkpoint.{name} must be True or False, "
-                                f"got {getattr(self, name)!r}")
+                raise ConfigTypeError(f"checkpoint.{name} must be True or False, "
+                                      f"got {getattr(self, name)!r}")
         if self.log_every_s is not None and not self.log_every_s > 0:
             raise ConfigError(f"checkpoint.log_every_s must be > 0 (or None), "
                              f"got {self.log_every_s!r}")
@@ -282,18 +284,15 @@ class CheckpointConfig:
 _GROUPS: dict[str, type] = {"sampling": SamplingConfig, "fetch": FetchConfig,
                             "sample": SampleConfig, "device": DeviceConfig,
                             "checkpoint": CheckpointConfig}
-# build_loader's flat keywords that are spelled differently from their field
-_ALIASES = {"window": ("sample", "steps")}
 
 
 def _owner(key: str) -> tuple[str, str]:
-    if key in _ALIASES:
-        return _ALIASES[key]
     for group, cls in _GROUPS.items():
         if key in {f.name for f in dataclasses.fields(cls)}:
             return group, key
-    known = sorted([*_ALIASES, *(f.name for c in _GROUPS.values() for f in dataclasses.fields(c))])
-    raise TypeError(f"build_loader got an unknown option {key!r}; options: {', '.join(known)}")
+    known = sorted(f.name for c in _GROUPS.values() for f in dataclasses.fields(c))
+    raise ConfigTypeError(f"build_loader got an unknown option {key!r}; options: "
+                          f"{', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -310,8 +309,8 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         for name, cls in _GROUPS.items():
             if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"LoaderConfig.{name} must be a {cls.__name__}, "
-                                f"got {getattr(self, name)!r}")
+                raise ConfigTypeError(f"LoaderConfig.{name} must be a {cls.__name__}, "
+                                      f"got {getattr(self, name)!r}")
 
     @classmethod
     def of(cls, **options: Any) -> LoaderConfig:
@@ -320,7 +319,12 @@ class LoaderConfig:
         return cls().replace(**options)
 
     def replace(self, **options: Any) -> LoaderConfig:
-        """This config with the given flat keywords (or whole groups) changed."""
+        """This config with the given flat keywords (or whole groups) changed; ``window=``
+        is the deprecated old name of ``steps=`` (a warning; both at once an error)."""
+        if "window" in options:  # build_loader(window=) / SampleDataset: the caller's line
+            window = options.pop("window")
+            options["steps"] = steps_keyword(options.get("steps"), window, "build_loader",
+                                             stacklevel=4)
         groups: dict[str, dict[str, Any]] = {}
         whole: dict[str, Any] = {}
         for key, value in options.items():
@@ -340,5 +344,28 @@ class LoaderConfig:
         for group in _GROUPS:
             for f in dataclasses.fields(getattr(self, group)):
                 out[f.name] = getattr(getattr(self, group), f.name)
-        out["window"] = out.pop("steps")
         return out
+
+
+def check_split_args(manifest: Any, split: Any, caller: str = "build_loader") -> None:
+    """``(source, manifest, split)`` as ``build_loader`` and ``SampleDataset`` take them,
+    checked before anything is read: ``manifest`` a ``SplitManifest``, ``split`` the name
+    of one of its splits. The two swapped (a split name where the manifest goes, as when the
+    manifest's variable is called ``split``) is a ``ConfigError`` naming both arguments; a
+    name the manifest lacks an ``UnknownNameError`` listing the ones it has."""
+    usage = f"{caller}(source, manifest, split): e.g. {caller}(source, splits, 'train')"
+    if isinstance(split, SplitManifest) and not isinstance(manifest, SplitManifest):
+        raise ConfigError(f"{usage}; got manifest={manifest!r} and split=<a SplitManifest "
+                          f"of splits {list(split.names)}>: the two are swapped")
+    if not isinstance(manifest, SplitManifest):
+        raise ConfigError(f"{usage}; manifest must be a SplitManifest (from ib.split_by_chunk, "
+                          f"ib.split_by_coordinate or ib.SplitManifest.from_json), got "
+                          f"{type(manifest).__name__} {repr(manifest)[:80]}, with split="
+                          f"{repr(split)[:80]}")
+    if not isinstance(split, str):
+        raise ConfigError(f"{usage}; split must be the name of one of the manifest's splits "
+                          f"{list(manifest.names)}, got {type(split).__name__} "
+                          f"{repr(split)[:80]}")
+    if split not in manifest.names:
+        raise UnknownNameError(f"{caller}: unknown split {split!r}; the manifest has splits "
+                               f"{list(manifest.names)}")

@@ -26,8 +26,14 @@ import zarr.storage
 from torch.utils.data import Dataset
 from torchdata.nodes import BaseNode
 
-from .config import FetchConfig, LoaderConfig, SamplingConfig
-from .errors import ConfigError
+from .config import FetchConfig, LoaderConfig, SamplingConfig, check_split_args
+from .errors import (
+    ConfigError,
+    ConfigTypeError,
+    LoaderUsageError,
+    SampleIndexError,
+    UnknownNameError,
+)
 from .graph import Resolved, resolve, transform_stages
 from .io.loop_thread import LoopThread
 from .io.reader import StripeReader
@@ -170,9 +176,9 @@ class SampleDataset(Dataset):
     loader puts in a batch row for sample ``ds.sample_indices[k]``.
 
     ``ds.sample_indices`` holds the split's global sample indices (anchors, with time
-    windows), less the chunks the loader leaves out (their samples touch an anemoi store's
+    steps), less the chunks the loader leaves out (their samples touch an anemoi store's
     missing dates); ``len(ds)`` is its length. The options are ``build_loader``'s (a
-    ``LoaderConfig`` and/or its keywords); those of the sample (``window``, ``channels``,
+    ``LoaderConfig`` and/or its keywords); those of the sample (``steps``, ``channels``,
     ``static``, ``stats``/``normalize``, ``dtype``, ``patch_size``/``patch_stride``,
     ``channels_last``/``drop_ensemble``) shape ``ds[k]`` exactly as the loader's batches,
     and are checked the same way; the others (batch size, shuffle, ranks, fetch, device) are
@@ -195,6 +201,7 @@ class SampleDataset(Dataset):
     def __init__(self, source: Source, manifest: SplitManifest, split: str,
                  config: LoaderConfig | None = None, *,
                  cache_bytes: int | str = DEFAULT_CACHE_BYTES, **options: Any) -> None:
+        check_split_args(manifest, split, "SampleDataset")
         cfg = (config if config is not None else LoaderConfig()).replace(**options)
         # one sample at a time, on this process, decoded on the CPU: nothing else applies
         cfg = dataclasses.replace(cfg, sampling=SamplingConfig(
@@ -232,13 +239,13 @@ class SampleDataset(Dataset):
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         n = len(self)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            raise TypeError(f"SampleDataset indices are integer positions 0..{n - 1}, got "
-                            f"{k!r}")
+            raise ConfigTypeError(f"SampleDataset indices are integer positions 0..{n - 1}, got "
+                                  f"{k!r}")
         pos = int(k) + n if k < 0 else int(k)
         if not 0 <= pos < n:
-            raise IndexError(f"position {k} is out of range for the {n} samples of split "
-                             f"{self.split!r} (0 to {n - 1}); ds.index_of(i) finds the "
-                             "position of global sample i")
+            raise SampleIndexError(f"position {k} is out of range for the {n} samples of split "
+                                   f"{self.split!r} (0 to {n - 1}); ds.index_of(i) finds the "
+                                   "position of global sample i")
         batch = self._process().batch_of(int(self.sample_indices[pos]), self._offsets)
         if self._patches:
             return batch
@@ -257,10 +264,10 @@ class SampleDataset(Dataset):
                    "time steps another split's chunks)")
         g = self.resolved.grid
         if g.first or g.end != g.n_samples:
-            why += f"; with this window only anchors {g.first} to {g.end - 1} are samples"
+            why += f"; with these steps only anchors {g.first} to {g.end - 1} are samples"
         span = f"{idx[0]} to {idx[-1]}" if idx.size else "none"
-        raise KeyError(f"sample {sample_index} is not in split {self.split!r} (its samples: "
-                       f"{span}, {idx.size} in all){why}")
+        raise UnknownNameError(f"sample {sample_index} is not in split {self.split!r} (its "
+                               f"samples: {span}, {idx.size} in all){why}")
 
     def sample(self, sample_index: int) -> dict[str, torch.Tensor]:
         """``ds[ds.index_of(sample_index)]``: a sample by its global index."""
@@ -277,7 +284,7 @@ class SampleDataset(Dataset):
         # A worker that unpickled the dataset (spawn, forkserver) has no _proc yet; one
         # from another process here is a forked copy of the parent's.
         if proc is not None and proc.pid != pid and not self._fork_safe:
-            raise RuntimeError(
+            raise LoaderUsageError(
                 f"this SampleDataset reads {self.source.url} through obstore or icechunk, "
                 "whose clients hang in a forked process (their runtime's threads stay in "
                 "the parent, and new clients share that runtime): give the DataLoader "

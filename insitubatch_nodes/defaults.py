@@ -71,15 +71,24 @@ def every_steps(source: Source, every: int | str) -> tuple[int, int]:
     return k, int(aligned[0])
 
 
-# -- prefetch depth -----------------------------------------------------------------------
-def default_prefetch_windows(source: Source) -> int:
+# -- prefetch depth and decode threads ----------------------------------------------------
+def default_prefetch_windows() -> int:
     """2 windows ahead of the one being drawn, on every store. On object stores one would
-    expose a round trip at each window edge (README "Latency"); on local disks the decode
-    pool ran dry whenever the consumer was slow at a window edge (DESIGN.md "Prefetch depth
-    on local disks": one window more of memory for -1 to +8% samples/s on two saturated
-    cores). ``source`` is kept so the default may depend on the store again."""
-    del source
+    expose a round trip at each window edge; on local disks the decode pool ran dry whenever
+    the consumer was slow at a window edge (DESIGN.md "Prefetch depth on local disks").
+    Decode worker processes deepen it (``resolve_prefetch``)."""
     return PREFETCH_WINDOWS
+
+
+def default_decode_threads(one_sample_in_place: bool = False) -> int:
+    """``fetch.decode_threads=None``: one more decode thread than cores, at most 4. A decode
+    thread waits for the GIL around every chunk (open, read, close, decode each release and
+    retake it) while the training thread runs Python (the gather copy among it); a third
+    thread on two cores keeps them busy meanwhile (DESIGN.md "Decode threads"). Decoding in
+    place one sample per chunk there is no copy at all, and the extra thread only adds
+    switches: as many as cores. Chunks of several samples scattered in place keep the extra
+    thread: their row copies take the GIL back several times per chunk."""
+    return min(4, (os.cpu_count() or 1) + (0 if one_sample_in_place else 1))
 
 
 def workers_prefetch(workers: int, batch_size: int, window_samples: int) -> int:
@@ -97,7 +106,7 @@ def resolve_prefetch(source: Source, f: FetchConfig, workers: int, batch_size: i
     processes stay busy; a given value is kept as given (the budget check counts it)."""
     if f.prefetch_windows is not None:
         return f.prefetch_windows
-    prefetch = default_prefetch_windows(source)
+    prefetch = default_prefetch_windows()
     if workers:
         prefetch = max(prefetch, workers_prefetch(workers, batch_size, window_samples))
     return prefetch
@@ -257,7 +266,7 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
     runs per window, as many as ~256 MB allow."""
     sample_bytes = sum(v.stripe_nbytes for v in source.variables)
     if run_chunks is not None:
-        # time windows: several runs from scattered places mix a batch across the split;
+        # time steps: several runs from scattered places mix a batch across the split;
         # as many as ~256 MB allow, between 4 and 8
         runs = WINDOW_BYTES // max(1, run_chunks * sample_bytes)
         return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
@@ -269,7 +278,7 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
 def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
                 in_place: bool) -> tuple[int, int | None]:
     """(block_chunks, run_chunks): the configured values or the defaults for the path; with
-    time windows a window holds whole runs."""
+    time steps a window holds whole runs."""
     run_chunks = None
     if steps is not None:
         run_chunks = (s.run_chunks if s.run_chunks is not None

@@ -83,7 +83,7 @@ class Recommendation:
     quality: float | None  # modelled score at block_chunks
     resident_bound_bytes: int | None  # at block_chunks
     note: str
-    run_chunks: int | None = None  # time windows: chunks per contiguous run
+    run_chunks: int | None = None  # time steps: chunks per contiguous run
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
     if steps is not None and steps.is_single_step:
         steps = None
     if prefetch_windows is None:
-        prefetch_windows = default_prefetch_windows(source)
+        prefetch_windows = default_prefetch_windows()
     n_chunks, cs = source.grid.n_chunks, source.grid.chunk_size
     run = None if steps is None else min(default_run_chunks(steps, cs), n_chunks)
     step = 1 if run is None else run  # block_chunks in whole runs

@@ -18,11 +18,9 @@ import torch
 from torchdata.nodes import BaseNode, Loader
 from torchdata.nodes.loader import LoaderIterator
 
-from .config import LoaderConfig
-from .defaults import default_prefetch_windows
-from .errors import ConfigError, StateError
-from .graph import Resolved, build_graph, resolve, resolve_decode
-from .memory.budget import parse_bytes
+from .config import LoaderConfig, check_split_args
+from .errors import ConfigError, ConfigTypeError, LoaderUsageError, StateError, UnknownNameError
+from .graph import Resolved, build_graph, resolve
 from .memory.ledger import MemoryLedger
 from .metrics.collect import collect_stats, current_epoch, first_node, maybe_log
 from .metrics.counters import ConsumerMeter
@@ -43,8 +41,7 @@ from .state.fingerprint import StateFingerprint
 from .store.source import Source
 from .store.splits import SplitManifest
 
-__all__ = ["InSituLoader", "build_loader", "default_prefetch_windows", "parse_bytes",
-           "resolve_decode"]
+__all__ = ["InSituLoader", "build_loader"]
 
 
 class _ExactIterator(LoaderIterator):
@@ -110,11 +107,12 @@ class _ExactIterator(LoaderIterator):
         # silently (draws taken twice, windows let go early). Refused, not serialised.
         busy = False
         try:
+            self.loader.check_not_shut_down()
             busy = self._busy.acquire(blocking=False)
             if not busy:
-                raise RuntimeError("this loader is already being iterated by another thread: "
-                                   "a loader serves one consumer (build one loader per "
-                                   "consumer, or hand batches on through a queue)")
+                raise LoaderUsageError("this loader is already being iterated by another thread: "
+                                       "a loader serves one consumer (build one loader per "
+                                       "consumer, or hand batches on through a queue)")
             return self._next_item()
         finally:
             if busy:
@@ -170,7 +168,7 @@ class InSituLoader(Loader):
 
     Built by ``build_loader``, it exposes what the build computed: ``config`` (the
     ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
-    stay under), ``shuffle_quality`` (the model's score; with time windows over runs of
+    stay under), ``shuffle_quality`` (the model's score; with time steps over runs of
     ``run_chunks`` adjacent chunks), ``workers`` (decode worker processes, 0 for
     threads) and ``snapshot_id`` (the icechunk
     snapshot read, checked on resume) and ``fingerprint`` (what every state records and
@@ -193,7 +191,7 @@ class InSituLoader(Loader):
                                            else None)
         self.shuffle_quality: float | None = (resolved.shuffle_quality if resolved is not None
                                               else None)
-        # time windows: chunks per contiguous run, the unit shuffle_quality counts
+        # time steps: chunks per contiguous run, the unit shuffle_quality counts
         self.run_chunks: int | None = resolved.run_chunks if resolved is not None else None
         # decode worker processes (fetch.workers resolved; 0: decode threads)
         self.workers: int | None = resolved.workers if resolved is not None else None
@@ -217,6 +215,7 @@ class InSituLoader(Loader):
         # (epoch, draws) a loaded state resumes in, until the iter() that applies it
         self._pending: Resumed | None = None
         self._meter = ConsumerMeter()
+        self._shut_down = False
         if log_every_s is not None:
             self.log_stats_every(log_every_s)
 
@@ -240,6 +239,7 @@ class InSituLoader(Loader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch's batches: each a ``dict`` of tensors by key (``"sample_index"``
         included), as every stage of the standard graph yields them."""
+        self.check_not_shut_down()
         if self._it is None:
             self._it = _ExactIterator(self)
         if not self._iter_for_state_dict:  # else iter() only hands back the pre-built one
@@ -358,7 +358,7 @@ class InSituLoader(Loader):
         """The first node of type ``kind`` in the graph (e.g. ``AsyncFetchNode``)."""
         found = first_node(self.nodes(), kind)
         if found is None:
-            raise LookupError(f"no {kind.__name__} in this loader's graph")
+            raise UnknownNameError(f"no {kind.__name__} in this loader's graph")
         return found
 
     def __len__(self) -> int:
@@ -369,8 +369,8 @@ class InSituLoader(Loader):
         permute = first_node(self.nodes(), ChunkPermuteNode)
         shuffle = first_node(self.nodes(), ShuffleBufferNode)
         if permute is None or shuffle is None:  # TypeError: list() then does without
-            raise TypeError("this loader's graph has no ChunkPermuteNode and "
-                            "ShuffleBufferNode, so its length is not known")
+            raise ConfigTypeError("this loader's graph has no ChunkPermuteNode and "
+                                  "ShuffleBufferNode, so its length is not known")
         pending = self._pending_resume()
         draws = pending.draws if pending is not None else permute.draws_in(self.epoch)
         size = shuffle.batch_size
@@ -416,8 +416,16 @@ class InSituLoader(Loader):
         node here too, so a foreign node in between (torchdata 0.11's ``Prefetcher`` has
         no ``shutdown``) does not hide the fetch thread behind it. Idempotent.
         """
+        self._shut_down = True
         for node in self.nodes():
             shutdown_source(node)
+
+    def check_not_shut_down(self) -> None:
+        """Refuse to serve after ``shutdown()`` (final, unlike ``close()``)."""
+        if self._shut_down:
+            raise LoaderUsageError("this loader was shut down (loader.shutdown(), which is "
+                                   "final): build a new loader (close() and the end of a "
+                                   "with block only pause it; iterating again restarts it)")
 
     def close(self) -> None:
         """Stop the fetch thread now (``with loader:`` does this on exit); iterating the
@@ -451,7 +459,7 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     - fetch: ``max_inflight``, ``prefetch_windows`` (2), ``prefetch_next_epoch`` (True),
       ``decode_threads``, ``memory_budget`` (refused with the largest ``block_chunks`` that
       fits), ``retry``, ``decode`` (``"gpu"`` with ``device="cuda"``: nvCOMP per window);
-    - sample: ``window=SampleWindow(history, lead, stride)`` (time steps: ``name`` inputs and
+    - sample: ``steps=SampleWindow(history, lead, stride)`` (time steps: ``name`` inputs and
       ``"target/name"`` targets), ``stats`` (standardise), ``dtype`` (cast),
       ``channels=["t2m", ("z", 500)]`` (stacked into ``"channels"``), ``static`` (fields
       without a sample axis, ``"static/name"``), ``patch_size``/``patch_stride``;
@@ -460,6 +468,7 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
       ``allow_state_change`` (load states saved with another ``batch_size``/``drop_last``),
       ``log_every_s`` (``stats().summary()`` logged at most that often).
     """
+    check_split_args(manifest, split)
     cfg = (config if config is not None else LoaderConfig()).replace(**options)
     resolved = resolve(source, manifest, split, cfg)
     graph = build_graph(source, manifest, split, resolved)

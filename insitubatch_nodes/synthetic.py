@@ -20,6 +20,8 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 
+from .errors import ConfigError, StoreExistsError
+
 VARIABLES = ("t2m", "u10", "v10", "msl")
 _V2_DIMS = "_ARRAY_DIMENSIONS"  # where xarray keeps a Zarr v2 array's dimension names
 WRITE_BYTES = 64 * 2**20  # decoded bytes per write: whole chunks, never the whole array
@@ -42,8 +44,8 @@ class DemoSpec:
     def __post_init__(self) -> None:
         unknown = [v for v in self.variables if v not in VARIABLES]
         if unknown or not self.variables:
-            raise ValueError(f"variables must be some of {', '.join(VARIABLES)}; got "
-                             f"{list(self.variables)}")
+            raise ConfigError(f"variables must be some of {', '.join(VARIABLES)}; got "
+                              f"{list(self.variables)}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -102,8 +104,8 @@ def clear_store(path: str | Path) -> None:
     if not path.exists():
         return
     if not is_zarr_store(path):
-        raise FileExistsError(f"{str(path)!r} exists and is not a Zarr store; give a new path "
-                              "(only a Zarr store is ever replaced)")
+        raise StoreExistsError(f"{str(path)!r} exists and is not a Zarr store; give a new path "
+                               "(only a Zarr store is ever replaced)")
     shutil.rmtree(path)
 
 
@@ -230,7 +232,7 @@ class WB2Spec:
         for name in ("n_times", "n_lon", "n_lat"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"WB2Spec.{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"WB2Spec.{name} must be an integer >= 1, got {value!r}")
 
     @property
     def variables(self) -> tuple[str, ...]:

@@ -6,7 +6,7 @@
     insitubatch make-demo an.zarr --layout anemoi --small && \
         python recipes/forecast.py --store an.zarr --variables 2t msl t_500
 
-Samples are time windows (``SampleWindow(history=2, lead=(1,))``); the split is by dates
+Samples are time steps (``steps=SampleWindow(history=2, lead=(1,))``); the split is by dates
 (default: the first 80% of the store's dates train, the rest validate), with a gap so that
 no target of the training period is an input of the validation period; statistics come
 from the training period only (an anemoi dataset's own stored statistics); the variables
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         make_demo_store(args.store, DemoSpec.for_size(300))
 
     torch.manual_seed(args.seed)
-    window = ib.SampleWindow(history=2, lead=(1,))
+    steps = ib.SampleWindow(history=2, lead=(1,))
     source = ib.open_source(args.store)
     if args.variables:
         names = list(args.variables)
@@ -106,20 +106,20 @@ def main(argv: list[str] | None = None) -> None:
 
     periods = ({"train": period(args.train), "val": period(args.val)} if args.train
                else default_periods(source))
-    split = ib.split_by_coordinate(source, periods, window=window)
+    splits = ib.split_by_coordinate(source, periods, steps=steps)
     stats = (ib.dataset_stats(source) if source.format == "anemoi"
-             else ib.compute_stats(source, split, "train", progress=False))
+             else ib.compute_stats(source, splits, "train", progress=False))
     # One config for both loaders: same samples, channels and normalisation.
     config = ib.LoaderConfig(
         sampling=ib.SamplingConfig(batch_size=args.batch_size, seed=args.seed),
-        sample=ib.SampleConfig(steps=window, stats=stats, channels=tuple(names)),
+        sample=ib.SampleConfig(steps=steps, stats=stats, channels=tuple(names)),
     )
-    train = ib.build_loader(source, split, "train", config)
-    val = ib.build_loader(source, split, "val", config)
+    train = ib.build_loader(source, splits, "train", config)
+    val = ib.build_loader(source, splits, "val", config)
     print(f"{source.url}: {source.format} store, channels {names}; split periods "
-          f"{ {k: [str(v) for v in p] for k, p in periods.items()} }, gap {split.gap} steps")
+          f"{ {k: [str(v) for v in p] for k, p in periods.items()} }, gap {splits.gap} steps")
     channels = len(ib.resolve_channels(source, names))  # a whole-level variable: one per level
-    model = Forecaster(channels, window.history)
+    model = Forecaster(channels, steps.history)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     with train, val:
         for epoch in range(args.epochs):

@@ -45,7 +45,7 @@ def test_each_group_checks_its_values_and_names_the_field(option, value, words):
 
 
 @pytest.mark.parametrize("option, value, words", [
-    ("window", (2, 1), "sample.steps (window=) must be a SampleWindow"),
+    ("steps", (2, 1), "sample.steps must be a SampleWindow"),
     ("dtype", "bfloat16", "sample.dtype must be a torch.dtype"),
     ("retry", 3, "fetch.retry must be a RetryPolicy"),
     ("channels", "t2m", "sample.channels must be a sequence"),
@@ -62,7 +62,7 @@ def test_an_unknown_option_lists_the_known_ones():
 
 def test_flat_keywords_land_in_their_group():
     win = ib.SampleWindow(2, (1,))
-    cfg = LoaderConfig.of(batch_size=8, max_inflight=4, window=win, device="cpu",
+    cfg = LoaderConfig.of(batch_size=8, max_inflight=4, steps=win, device="cpu",
                           keep_states=2, channels=["x"])
     assert cfg.sampling.batch_size == 8 and cfg.fetch.max_inflight == 4
     assert cfg.sample.steps == win and cfg.sample.channels == ("x",)
@@ -117,7 +117,7 @@ def test_a_format_1_state_is_converted_on_load(store):
         state = ld.state_dict()
         want = [b["sample_index"].tolist() for b in it]
         sched = ld.node(ib.ChunkPermuteNode).schedule
-    assert state["format"] == 3 and state["progress"]["offset"] >= 0
+    assert state["format"] == 4 and state["progress"]["offset"] >= 0
     # Rewrite into format 1: the planner's counter, the scheduler's position in chunks.
     old = json.loads(json.dumps(state))
     del old["format"], old["progress"], old["fingerprint"]

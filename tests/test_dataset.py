@@ -157,7 +157,7 @@ def test_anchors_and_missing_dates_decide_the_samples(stores):
     src, manifest, _ = stores["anemoi"]
     w = ib.SampleWindow(2, (1,))
     # train: dates 0..13, 9 missing; 13's target is val's first date
-    ds = ib.SampleDataset(src, manifest, "train", window=w)
+    ds = ib.SampleDataset(src, manifest, "train", steps=w)
     assert ds.sample_indices.tolist() == [1, 2, 3, 4, 5, 6, 7, 11, 12]
     assert len(ds) == 9 and ds[-1]["sample_index"].item() == 12
     with pytest.raises(KeyError, match=r"sample 9 is not in split 'train'.*missing steps \[9\]"):

@@ -747,7 +747,7 @@ def test_len_is_the_batches_of_the_epoch_being_served(tmp_path_factory, n, chunk
     if world > -(-n // chunk) or (window is not None and n < 3):
         return  # more ranks than chunks, or no anchor: refused at build (tested elsewhere)
     kw = dict(batch_size=batch, drop_last=drop_last, rank=rank_seed % world, world_size=world,
-              uneven=uneven, block_chunks=block, window=window, seed=1)
+              uneven=uneven, block_chunks=block, steps=window, seed=1)
     try:
         ld = ib.build_loader(src, m, "train", **kw)
     except ValueError:

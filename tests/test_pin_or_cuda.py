@@ -464,7 +464,7 @@ def test_ring_never_hands_out_a_slot_with_a_copy_in_flight(size, steps):
 
 # -- GatherNode writes into the ring slot (CPU, fake ops) ---------------------------------
 
-def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None,
+def fake_cuda_graph(src, m, ops, ring_size, steps=None, normalize_dtype=None,
                     in_place=False, workers=0):
     """The standard graph (graph.py) with the CUDA calls of PinOrCudaNode replaced by ``ops``:
     the window-and-gather path unless ``in_place`` (None: as ``build_loader`` decides)."""
@@ -472,7 +472,7 @@ def fake_cuda_graph(src, m, ops, ring_size, window=None, normalize_dtype=None,
 
     stats = ib.compute_stats(src, m, "train") if normalize_dtype is not None else None
     cfg = ib.LoaderConfig.of(seed=4, rank=0, world_size=1, block_chunks=2, max_inflight=4,
-                             batch_size=6, window=window, ring_size=ring_size, stats=stats,
+                             batch_size=6, steps=steps, ring_size=ring_size, stats=stats,
                              dtype=normalize_dtype, in_place=in_place, workers=workers)
     return build_graph(src, m, "train", resolve(src, m, "train", cfg), ops=ops).root
 

@@ -1,4 +1,5 @@
-"""Time-window samples: right steps across chunk edges, exactly once, exact resume, reads."""
+"""Samples of several time steps (steps=): right steps across chunk edges, exactly once,
+exact resume, reads; window= as the deprecated old name of steps=."""
 
 import json
 
@@ -49,7 +50,7 @@ WINDOWS = [SampleWindow(2, (1,)), SampleWindow(3, (1, 5), 2), SampleWindow(1, (7
 def test_windows_hold_the_right_steps_exactly_once(weather, win, block):
     src, data = weather
     m = ib.split_by_chunk(src, (1.0,))
-    loader = ib.build_loader(src, m, "train", batch_size=7, block_chunks=block, window=win)
+    loader = ib.build_loader(src, m, "train", batch_size=7, block_chunks=block, steps=win)
     batches = epoch(loader)
     anchors = np.concatenate([b["sample_index"] for b in batches])
     assert sorted(anchors.tolist()) == list(range(win.before, 203 - win.after))
@@ -69,7 +70,7 @@ def test_each_chunk_read_once_plus_window_halos(weather):
     win = SampleWindow(2, (1, 3))
     m = ib.split_by_chunk(src, (1.0,))
     block = 4
-    loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=block, window=win,
+    loader = ib.build_loader(src, m, "train", batch_size=16, block_chunks=block, steps=win,
                              prefetch_next_epoch=False)  # two epochs' reads, no more
     for _ in range(2):
         epoch(loader)
@@ -85,7 +86,7 @@ def test_each_chunk_read_once_plus_window_halos(weather):
 @pytest.mark.parametrize("k", [0, 5, 13])
 def test_resume_with_windows_is_exact(weather, k):
     src, _ = weather
-    kw = dict(batch_size=6, block_chunks=2, window=SampleWindow(2, (1, 4)), seed=3)
+    kw = dict(batch_size=6, block_chunks=2, steps=SampleWindow(2, (1, 4)), seed=3)
     m = ib.split_by_chunk(src, (1.0,))
     ref = ib.build_loader(src, m, "train", **kw)
     full, nxt = epoch(ref), epoch(ref)
@@ -106,7 +107,7 @@ def test_batches_carry_the_time_coordinate(weather):
     src, _ = weather
     m = ib.split_by_chunk(src, (1.0,))
     b = next(iter(ib.build_loader(src, m, "train", batch_size=5,
-                                  window=SampleWindow(2, (1,)))))
+                                  steps=SampleWindow(2, (1,)))))
     want = (np.datetime64("1979-01-01", "ns")
             + b["sample_index"].numpy() * np.timedelta64(24 * 30, "h")).astype(np.int64)
     np.testing.assert_array_equal(b["time"].numpy(), want)
@@ -136,7 +137,7 @@ def test_windows_never_read_another_splits_steps(weather, mode):
         own = set(m.chunk_ids(split).tolist())
         try:
             batches = epoch(ib.build_loader(src, m, split, batch_size=5, block_chunks=2,
-                                            window=win))
+                                            steps=win))
         except ValueError as e:  # random splits: maybe no chunk of it is clear of the others
             assert mode == "random" and "left out" in str(e) and split in str(e)
             continue
@@ -163,7 +164,7 @@ def test_coordinate_splits_with_gap_and_leak_errors(weather):
     src, _ = weather
     win = SampleWindow(2, (1, 3))
     periods = {"train": ("1979", "1990"), "val": ("1991", "1993"), "test": ("1994", None)}
-    m = ib.split_by_coordinate(src, periods, window=win)
+    m = ib.split_by_coordinate(src, periods, steps=win)
     assert m.mode == "coordinate" and m.gap == win.span - 1
     coord = src.sample_coord
     ranges = {k: m.ranges(k)[0] for k in m.names}
@@ -176,7 +177,7 @@ def test_coordinate_splits_with_gap_and_leak_errors(weather):
         ib.split_by_coordinate(src, {"train": ("1979", "1991"), "val": ("1990", "1993")})
     with pytest.raises(ValueError, match="would leak into 'val'"):
         ib.split_by_coordinate(src, {"train": ("1979", "1990"), "val": ("1991", "1993")},
-                               window=win, gap=0)
+                               steps=win, gap=0)
     with pytest.raises(ValueError, match="selects no steps"):
         ib.split_by_coordinate(src, {"train": ("2100", None)})
 
@@ -192,8 +193,8 @@ def test_a_coordinate_split_that_snapping_makes_leak_is_refused(tmp_path):
     src = ib.open_source(tmp_path / "s.zarr", sample_dim="time")
     periods = {"train": (0, 11), "val": (15, 39)}
     with pytest.raises(ValueError, match="'train' would leak into 'val': snapped to chunks"):
-        ib.split_by_coordinate(src, periods, window=SampleWindow(2, (1,)), gap=0)
-    m = ib.split_by_coordinate(src, periods, window=SampleWindow(2, (1,)))  # the default gap
+        ib.split_by_coordinate(src, periods, steps=SampleWindow(2, (1,)), gap=0)
+    m = ib.split_by_coordinate(src, periods, steps=SampleWindow(2, (1,)))  # the default gap
     assert (m.ranges("val")[0][0] - m.ranges("train")[0][-1]) * 8 >= 2
 
 
@@ -224,7 +225,7 @@ def test_stats_match_numpy_and_normalize(weather):
     import torch
 
     loader = ib.build_loader(src, m, "train", batch_size=300, stats=st, dtype=torch.bfloat16,
-                             window=SampleWindow(2, (1,)))
+                             steps=SampleWindow(2, (1,)))
     (b,) = list(loader)
     assert b["t2m"].dtype == torch.bfloat16 and b["target/z"].dtype == torch.bfloat16
     zb = b["z"].float().numpy()
@@ -290,7 +291,7 @@ def test_channels_stack_levels_in_the_given_order(weather):
     src, data = weather
     m = ib.split_by_chunk(src, (1.0,))
     win = SampleWindow(2, (1,))
-    loader = ib.build_loader(src, m, "train", batch_size=9, window=win,
+    loader = ib.build_loader(src, m, "train", batch_size=9, steps=win,
                              channels=[("z", 850), "t2m", ("z", 500)])
     b = next(iter(loader))
     a = b["sample_index"].numpy()
@@ -389,7 +390,7 @@ def test_windows_across_ranks_and_elastic_resume(weather):
     src, _ = weather
     win = SampleWindow(2, (1, 2))
     m = ib.split_by_chunk(src, (1.0,))
-    kw = dict(batch_size=5, block_chunks=3, window=win, uneven="none")
+    kw = dict(batch_size=5, block_chunks=3, steps=win, uneven="none")
     want = list(range(win.before, 203 - win.after))
     loaders = [ib.build_loader(src, m, "train", rank=r, world_size=2, **kw) for r in range(2)]
     seen, states = [], []
@@ -406,7 +407,7 @@ def test_windows_across_ranks_and_elastic_resume(weather):
         rest += [s for b in ld for s in b["sample_index"].tolist()]
     assert sorted(seen + rest) == want
     padded = [ib.build_loader(src, m, "train", rank=r, world_size=2, batch_size=5,
-                              block_chunks=3, window=win) for r in range(2)]
+                              block_chunks=3, steps=win) for r in range(2)]
     assert len({sum(1 for _ in ld) for ld in padded}) == 1  # equal steps with windows too
 
 
@@ -420,7 +421,7 @@ def test_windows_on_one_step_chunks_mix_the_whole_split(tmp_path):
     n = 998  # anchors
 
     def run(**kw):
-        loader = ib.build_loader(src, m, "train", batch_size=8, window=w, **kw)
+        loader = ib.build_loader(src, m, "train", batch_size=8, steps=w, **kw)
         batches = [b["sample_index"].numpy() for b in loader]
         assert sorted(np.concatenate(batches).tolist()) == list(range(1, 999))
         runs = -(-n // loader.run_chunks)
@@ -438,7 +439,7 @@ def test_windows_on_one_step_chunks_mix_the_whole_split(tmp_path):
     assert spread < 0.05 * n
     assert old.shuffle_quality < 0.3 and abs(old.shuffle_quality - measured) <= 0.1
     with pytest.raises(ValueError, match="run_chunks=32 exceeds block_chunks=16"):
-        ib.build_loader(src, m, "train", window=w, block_chunks=16, run_chunks=32)
+        ib.build_loader(src, m, "train", steps=w, block_chunks=16, run_chunks=32)
 
 
 def test_a_state_from_another_run_length_is_refused(tmp_path):
@@ -446,11 +447,11 @@ def test_a_state_from_another_run_length_is_refused(tmp_path):
     src = ib.open_source(tmp_path / "s.zarr")
     m = ib.split_by_chunk(src, (1.0,))
     w = SampleWindow(history=2, lead=(1,))
-    loader = ib.build_loader(src, m, "train", batch_size=4, window=w, block_chunks=16)
+    loader = ib.build_loader(src, m, "train", batch_size=4, steps=w, block_chunks=16)
     it = iter(loader)
     next(it)
     state = loader.state_dict()
-    other = ib.build_loader(src, m, "train", batch_size=4, window=w, block_chunks=16,
+    other = ib.build_loader(src, m, "train", batch_size=4, steps=w, block_chunks=16,
                             run_chunks=4)
     with pytest.raises(ValueError, match=r"run_chunks: saved 8, this loader 4"):
         other.load_state_dict(state)
@@ -503,7 +504,7 @@ def test_chunks_without_an_anchor_are_not_dealt_to_ranks(tmp_path, uneven):
     w = SampleWindow(2, (1,))
     per = []
     for rank in range(2):
-        with ib.build_loader(src, m, "train", batch_size=4, window=w, rank=rank,
+        with ib.build_loader(src, m, "train", batch_size=4, steps=w, rank=rank,
                              world_size=2, uneven=uneven, seed=0) as ld:
             per.append([i for b in ld for i in b["sample_index"].tolist()])
     got = per[0] + per[1]
@@ -514,20 +515,20 @@ def test_chunks_without_an_anchor_are_not_dealt_to_ranks(tmp_path, uneven):
     else:
         assert set(got) == set(range(1, 16)) and len(got) - 15 < 8  # under a block repeated
     with pytest.raises(ValueError, match=r"world_size=3 exceeds the 2 blocks"):
-        ib.build_loader(src, m, "train", window=w, rank=0, world_size=3)
+        ib.build_loader(src, m, "train", steps=w, rank=0, world_size=3)
 
 
 def test_a_window_or_split_without_samples_is_refused_by_name(tmp_path):
     src = _steps_store(tmp_path / "s.zarr", 40, chunk=4)
     with pytest.raises(ValueError, match=r"spans 45 steps, more than the 40 steps"):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train",
-                        window=SampleWindow(30, (15,)))
+                        steps=SampleWindow(30, (15,)))
     m = ib.split_by_chunk(src, (0.9, 0.1))  # val: the last chunk, steps 36..39
     with pytest.raises(ValueError, match=r"split 'val' holds no sample of the time window "
                        r".*chunks \[9\] lie outside the steps 0..35"):
-        ib.build_loader(src, m, "val", window=SampleWindow(1, (4,)))
+        ib.build_loader(src, m, "val", steps=SampleWindow(1, (4,)))
     with pytest.raises(ValueError, match=r"split 'val' holds no sample"):
-        ib.SampleDataset(src, m, "val", window=SampleWindow(1, (4,)))
+        ib.SampleDataset(src, m, "val", steps=SampleWindow(1, (4,)))
 
 
 @pytest.mark.parametrize(("kw", "match"), [
@@ -550,10 +551,10 @@ def test_n_samples_in_counts_the_anchors_a_loader_serves(tmp_path, window):
     write_store(tmp_path / "s.zarr", [Var("x", (50, 3), (4, 3))])
     src = ib.open_source(tmp_path / "s.zarr")
     m = ib.split_by_chunk(src, (1.0,))
-    with ib.build_loader(src, m, "train", batch_size=5, window=window) as ld:
+    with ib.build_loader(src, m, "train", batch_size=5, steps=window) as ld:
         served = sum(len(b["sample_index"]) for b in ld)
     assert m.n_samples_in("train") == 50
-    assert m.n_samples_in("train", window=window) == served == 50 - window.span + 1
+    assert m.n_samples_in("train", steps=window) == served == 50 - window.span + 1
 
 
 @pytest.fixture(scope="module")
@@ -590,7 +591,7 @@ def test_every_keeps_those_anchors_each_once_and_resumes_exactly(hourly, chunk, 
         kept = np.arange(0, 100, every)
     if window is not None:
         kept = kept[(kept >= window.before) & (kept < 100 - window.after)]
-    kw = dict(batch_size=3, seed=2, every=every, window=window, block_chunks=4)
+    kw = dict(batch_size=3, seed=2, every=every, steps=window, block_chunks=4)
     with ib.build_loader(src, m, "train", **kw) as ld:
         assert len(ld) == -(-kept.size // 3)
         epochs = [[b["sample_index"].tolist() for b in ld] for _ in range(2)]
@@ -626,3 +627,52 @@ def test_every_is_checked(hourly, tmp_path):
     ds = ib.SampleDataset(plain, m, "train", every=7)  # random access keeps the same ones
     assert ds.sample_indices.tolist() == [0, 7, 14, 21, 28]
     np.testing.assert_array_equal(ds[1]["x"], data["x"][7])
+
+
+# -- steps= is the name; window= its deprecated alias ------------------------------------
+def test_window_is_a_deprecated_alias_of_steps_naming_it(weather):
+    src, _ = weather
+    win = SampleWindow(2, (1,))
+    periods = {"train": ("1979", "1990"), "val": ("1992", None)}
+    with pytest.warns(DeprecationWarning, match=r"split_by_coordinate\(window=.*steps=") as w:
+        old = ib.split_by_coordinate(src, periods, window=win)
+    assert w[0].filename == __file__  # the warning points at the caller's line
+    m = ib.split_by_coordinate(src, periods, steps=win)
+    assert old == m
+    with pytest.warns(DeprecationWarning, match=r"build_loader\(window=.*steps=") as w:
+        old_loader = ib.build_loader(src, m, "train", batch_size=4, window=win)
+    assert w[0].filename == __file__
+    new_loader = ib.build_loader(src, m, "train", batch_size=4, steps=win)
+    assert old_loader.config == new_loader.config and old_loader.config.sample.steps == win
+    assert [b["sample_index"].tolist() for b in old_loader] == \
+        [b["sample_index"].tolist() for b in new_loader]
+    with pytest.warns(DeprecationWarning, match="steps="):
+        ds = ib.SampleDataset(src, m, "train", window=win)
+    assert ds.config.sample.steps == win
+    with pytest.warns(DeprecationWarning, match="steps="):
+        assert ib.LoaderConfig.of(window=win).sample.steps == win
+    with pytest.warns(DeprecationWarning, match="steps="):
+        assert m.n_samples_in("train", window=win) == m.n_samples_in("train", steps=win)
+    assert "window" not in ib.LoaderConfig.of(steps=win).as_kwargs()
+
+
+def test_steps_and_window_together_are_a_config_error(weather):
+    src, _ = weather
+    win = SampleWindow(2, (1,))
+    periods = {"train": ("1979", "1990"), "val": ("1992", None)}
+    with pytest.raises(ib.ConfigError, match="both steps=.*and window="):
+        ib.split_by_coordinate(src, periods, steps=win, window=win)
+    m = ib.split_by_coordinate(src, periods, steps=win)
+    with pytest.raises(ib.ConfigError, match="both steps=.*and window="):
+        ib.build_loader(src, m, "train", steps=win, window=win)
+    with pytest.raises(ib.ConfigError, match="both steps=.*and window="):
+        ib.LoaderConfig.of(steps=win, window=win)
+
+
+def test_steps_raise_no_deprecation_warning(weather, recwarn):
+    src, _ = weather
+    win = SampleWindow(2, (1,))
+    m = ib.split_by_coordinate(src, {"train": ("1979", "1990"), "val": ("1992", None)},
+                               steps=win)
+    ib.build_loader(src, m, "train", batch_size=4, steps=win).shutdown()
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]

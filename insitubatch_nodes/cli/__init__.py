@@ -15,8 +15,7 @@ from .inspect_store import cmd_inspect
 from .make_demo import cmd_make_demo
 from .parser import build_parser
 
-__all__ = ["COMMANDS", "EXIT_USAGE", "build_parser", "cmd_bench", "cmd_inspect",
-           "cmd_make_demo", "main"]
+__all__ = ["COMMANDS", "EXIT_USAGE", "main"]
 
 EXIT_USAGE = 2
 

@@ -35,7 +35,7 @@ def channel_picks(names: list[str] | None) -> list[str | tuple[str, Any]] | None
 
 def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Print the store's report (text or JSON), or with ``--sample`` one sample of it; the
-    window (``--history``/``--lead``) is checked first, so a bad one exits 2."""
+    time steps (``--history``/``--lead``) are checked first, so a bad one exits 2."""
     from ..inspection import format_report, inspect_source
 
     source = open_store(parser, args.url, args.variables)
@@ -73,7 +73,7 @@ def inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, so
 
     try:
         ds = SampleDataset(source, split_by_chunk(source, (1.0,), names=("store",)), "store",
-                           window=steps)
+                           steps=steps)
         sample = ds[ds.index_of(args.sample)]
     except (KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)

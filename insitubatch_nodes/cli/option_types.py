@@ -38,7 +38,7 @@ fraction = bounded(float, 0, False, 1, "a number in (0, 1], e.g. 0.9")
 
 def byte_size(text: str) -> int:
     """A byte size as the loader reads one (4GB, 512MiB, 1000000), > 0."""
-    from ..loader import parse_bytes
+    from ..memory.budget import parse_bytes
 
     try:
         value = parse_bytes(text)

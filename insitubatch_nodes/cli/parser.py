@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--sample-objects", type=positive_int, default=5,
                    help="stored chunks per variable whose compressed size is measured")
     i.add_argument("--history", type=positive_int, default=None,
-                   help="samples are time windows of this many input steps: recommend the "
+                   help="samples are anchors with this many input steps: recommend the "
                         "run length (run_chunks) and block_chunks for them")
     i.add_argument("--lead", type=int, nargs="+", default=None, metavar="STEP",
                    help="target steps after the last input (with --history; default 1)")

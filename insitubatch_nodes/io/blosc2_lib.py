@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import LocalFileError
 from .blosc_frame import written_by_blosc1
 from .partial.ranges import Ranges
 
@@ -54,8 +55,8 @@ class _Lib:
         self.version = lib.blosc2_get_version_string().decode()
         major = self.version.split(".")[0]
         if major not in _MAJORS:  # another major may lay out blosc2_dparams otherwise
-            raise OSError(f"{path} is c-blosc2 {self.version}; this binding knows majors "
-                          f"{', '.join(_MAJORS)} (numcodecs decodes blosc instead)")
+            raise LocalFileError(f"{path} is c-blosc2 {self.version}; this binding knows majors "
+                                 f"{', '.join(_MAJORS)} (numcodecs decodes blosc instead)")
         lib.blosc2_init.restype = None
         lib.blosc2_init.argtypes = []
         lib.blosc2_create_dctx.restype = ctypes.c_void_p

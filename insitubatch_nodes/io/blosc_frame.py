@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InsitubatchError
+from .retry import ChunkDecodeError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -73,11 +74,11 @@ def check_header(frame: Buffer, nbytes: int) -> memoryview:
     view = memoryview(frame).cast("B")
     n = view.nbytes
     if n < HEADER:
-        raise ValueError(f"blosc frame of {n} bytes is shorter than its header")
+        raise ChunkDecodeError(f"blosc frame of {n} bytes is shorter than its header")
     total, cbytes = struct.unpack_from("<i", view, 4)[0], struct.unpack_from("<i", view, 12)[0]
     if cbytes != n or total != nbytes:
-        raise ValueError(f"blosc frame is damaged: {n} bytes received, header says {cbytes} "
-                         f"compressed / {total} decoded (expected {nbytes})")
+        raise ChunkDecodeError(f"blosc frame is damaged: {n} bytes received, header says {cbytes} "
+                               f"compressed / {total} decoded (expected {nbytes})")
     return view
 
 
@@ -91,21 +92,21 @@ def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
     shuffle = ("byte" if flags & 0x01 and typesize > 1 else "bit" if flags & 0x04 else None)
     if flags & 0x02:  # stored as is, right after the header
         if n != HEADER + nbytes:
-            raise ValueError(f"uncompressed blosc frame holds {n - HEADER} bytes, "
-                             f"expected {nbytes}")
+            raise ChunkDecodeError(f"uncompressed blosc frame holds {n - HEADER} bytes, "
+                                   f"expected {nbytes}")
         return BloscFrame(typesize, blocksize, None, None, ())
     code = flags >> 5
     if code not in _CODECS:
         raise UnsupportedFrame(f"blosc codec {_NAMES.get(code, code)!r} is not decoded on the "
                                "device")
     if blocksize <= 0 or typesize <= 0:
-        raise ValueError(f"blosc frame header is damaged (blocksize {blocksize}, typesize "
-                         f"{typesize})")
+        raise ChunkDecodeError(f"blosc frame header is damaged (blocksize {blocksize}, typesize "
+                               f"{typesize})")
     nblocks, leftover = divmod(nbytes, blocksize)
     nblocks += leftover > 0
     if HEADER + 4 * nblocks > n:
-        raise ValueError(f"blosc frame of {n} bytes is shorter than its {nblocks} block "
-                         "offsets")
+        raise ChunkDecodeError(f"blosc frame of {n} bytes is shorter than its {nblocks} block "
+                               "offsets")
     starts = struct.unpack_from(f"<{nblocks}i", view, HEADER)
     dont_split = bool(flags & 0x10)
     streams = []
@@ -119,13 +120,13 @@ def parse_blosc(frame: bytes | memoryview, nbytes: int) -> BloscFrame:
         pos = start
         for k in range(nsplits):
             if pos < HEADER or pos + 4 > n:
-                raise ValueError(f"blosc frame is damaged: block {j} stream {k} starts at "
-                                 f"byte {pos} of {n}")
+                raise ChunkDecodeError(f"blosc frame is damaged: block {j} stream {k} starts at "
+                                       f"byte {pos} of {n}")
             size = struct.unpack_from("<i", view, pos)[0]
             pos += 4
             if size < 0 or pos + size > n:
-                raise ValueError(f"blosc frame is damaged: block {j} stream {k} claims "
-                                 f"{size} bytes at byte {pos} of {n}")
+                raise ChunkDecodeError(f"blosc frame is damaged: block {j} stream {k} claims "
+                                       f"{size} bytes at byte {pos} of {n}")
             streams.append(BloscStream(pos, size, j * blocksize + k * neblock, neblock,
                                        size == neblock))
             pos += size

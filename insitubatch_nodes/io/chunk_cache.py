@@ -37,7 +37,7 @@ try:
 except ImportError:  # Windows: no flock; one process per cache directory there
     fcntl = None  # type: ignore[assignment]  # the module's name, None where it is missing
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LocalFileError
 from ..memory.budget import parse_bytes
 from ..store.storage import redact_urls
 
@@ -94,7 +94,8 @@ class ChunkCache:
         try:
             (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OSError(f"ChunkCache cannot create its directory {str(self.root)!r}: {e}") from e
+            raise LocalFileError(f"ChunkCache cannot create its directory {str(self.root)!r}: "
+                                 f"{e}") from e
         self._root = str(self.root)  # string joins: pathlib costs microseconds per chunk
         self.corrupt = 0  # entries found damaged (deleted, read as misses) by this process
         self.skipped = 0  # chunks not cached by put_later: the writer was too far behind

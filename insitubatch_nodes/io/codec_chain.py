@@ -18,6 +18,8 @@ import zarr
 import zarr.codecs as zc
 from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 
+from ..errors import StoreError
+
 Role = Literal["array-array", "array-bytes", "bytes-bytes"]
 ByteOrder = Literal["little", "big"]
 Config = tuple[tuple[str, Any], ...]  # a numcodecs config, as sorted (key, value) pairs
@@ -121,13 +123,13 @@ def classify(arr: zarr.Array) -> CodecChain:
         byteorder = _ENDIAN[endian.value] if endian is not None and itemsize > 1 else None
         return CodecChain(3, codecs, "C", byteorder)
     if meta.zarr_format != 2:
-        raise ValueError(f"array {arr.path!r} has zarr_format={meta.zarr_format!r}; "
+        raise StoreError(f"array {arr.path!r} has zarr_format={meta.zarr_format!r}; "
                          "expected 2 or 3")
     filters = tuple(Codec(f.codec_id, "array-array", _config(f)) for f in meta.filters or ())
     comp = () if meta.compressor is None else (_v2_compressor(meta.compressor),)
     order = meta.order
     if order not in ("C", "F"):
-        raise ValueError(f"array {arr.path!r} has chunk order {order!r}; expected 'C' or 'F'")
+        raise StoreError(f"array {arr.path!r} has chunk order {order!r}; expected 'C' or 'F'")
     return CodecChain(2, (*filters, Codec("bytes", "array-bytes"), *comp), order,
                       _v2_byteorder(np.dtype(arr.dtype)))
 

@@ -128,7 +128,7 @@ class ChunkDecoder:
                     and decode_blocks(data, out, wanted)):
                 return True
             if isinstance(data, SparseFrame):  # not reached: it decodes in part or raises
-                raise ValueError("part of a blosc frame did not decode in part")
+                raise ChunkDecodeError("part of a blosc frame did not decode in part")
             self._decode_into(data, out)
         except _CODEC_ERRORS as e:
             raise ChunkDecodeError(f"{self.chain}: {e}") from e
@@ -180,7 +180,7 @@ def _unshuffle_into(codec: numcodecs.Shuffle, src: Buffer, out: np.ndarray) -> N
     given without checking ``out``'s size, so a short or long chunk is refused first."""
     n = memoryview(src).nbytes
     if n != out.nbytes:
-        raise ValueError(f"shuffled chunk has {n} bytes, expected {out.nbytes}")
+        raise ChunkDecodeError(f"shuffled chunk has {n} bytes, expected {out.nbytes}")
     codec.decode(src, out=out)
 
 
@@ -221,7 +221,7 @@ def _fills_exactly(codec: numcodecs.abc.Codec, data: Buffer, nbytes: int) -> boo
     else:  # the others copy through numcodecs' ndarray_copy, which checks the size
         return not isinstance(codec, numcodecs.GZip)
     if got != nbytes:
-        raise ValueError(f"chunk decodes to {got} bytes, expected {nbytes}")
+        raise ChunkDecodeError(f"chunk decodes to {got} bytes, expected {nbytes}")
     return True
 
 
@@ -229,7 +229,7 @@ def _copy_bytes(src: Buffer, out: np.ndarray) -> None:
     raw = np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
     dst = out.reshape(-1).view(np.uint8)
     if raw.size != dst.size:
-        raise ValueError(f"decoded chunk has {raw.size} bytes, expected {dst.size}")
+        raise ChunkDecodeError(f"decoded chunk has {raw.size} bytes, expected {dst.size}")
     dst[...] = raw
 
 

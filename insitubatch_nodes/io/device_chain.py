@@ -17,6 +17,7 @@ import zarr
 
 from .blosc_frame import UnsupportedFrame, parse_blosc
 from .codec_chain import CodecChain, classify
+from .retry import ChunkDecodeError
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class DeviceChain:
         view = memoryview(frame).cast("B")
         if self.algorithm is None:
             if view.nbytes != nbytes:
-                raise ValueError(f"uncompressed chunk has {view.nbytes} bytes, expected {nbytes}")
+                raise ChunkDecodeError(f"uncompressed chunk has {view.nbytes} bytes, expected "
+                                       f"{nbytes}")
         elif self.algorithm == "zstd":
             check_zstd_frame(view, nbytes)
         elif self.algorithm == "lz4":
@@ -116,44 +118,44 @@ def check_zstd_frame(view: memoryview, nbytes: int) -> None:
     128 KiB block) so a truncated or padded frame is caught before the GPU sees it."""
     n = view.nbytes
     if n < 6 or struct.unpack_from("<I", view, 0)[0] != _ZSTD_MAGIC:
-        raise ValueError(f"not a zstd frame ({n} bytes, magic number missing)")
+        raise ChunkDecodeError(f"not a zstd frame ({n} bytes, magic number missing)")
     fhd = view[4]
     fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
     if fhd & 0x08:
-        raise ValueError("zstd frame header has its reserved bit set")
+        raise ChunkDecodeError("zstd frame header has its reserved bit set")
     pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
     fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
     if pos + fcs_size > n:
-        raise ValueError(f"zstd frame of {n} bytes is shorter than its header")
+        raise ChunkDecodeError(f"zstd frame of {n} bytes is shorter than its header")
     if fcs_size:
         fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[fcs_size]
         size = struct.unpack_from(fmt, view, pos)[0] + (256 if fcs_size == 2 else 0)
         if size != nbytes:
-            raise ValueError(f"zstd frame says it decodes to {size} bytes, expected {nbytes}")
+            raise ChunkDecodeError(f"zstd frame says it decodes to {size} bytes, expected {nbytes}")
     pos += fcs_size
     while True:
         if pos + 3 > n:
-            raise ValueError(f"zstd frame is truncated: {n} bytes, a block header at {pos}")
+            raise ChunkDecodeError(f"zstd frame is truncated: {n} bytes, a block header at {pos}")
         header = view[pos] | (view[pos + 1] << 8) | (view[pos + 2] << 16)
         last, kind, size = header & 1, (header >> 1) & 3, header >> 3
         if kind == 3:
-            raise ValueError(f"zstd frame has a reserved block type at byte {pos}")
+            raise ChunkDecodeError(f"zstd frame has a reserved block type at byte {pos}")
         pos += 3 + (1 if kind == 1 else size)
         if last:
             break
     end = pos + (4 if checksum else 0)
     if end != n:
-        raise ValueError(f"zstd frame is damaged: its blocks end at byte {end}, the buffer "
-                         f"holds {n}")
+        raise ChunkDecodeError(f"zstd frame is damaged: its blocks end at byte {end}, the buffer "
+                               f"holds {n}")
 
 
 def check_lz4_frame(view: memoryview, nbytes: int) -> None:
     """numcodecs' LZ4: a little-endian uint32 decoded size, then one raw LZ4 block."""
     if view.nbytes < 5:
-        raise ValueError(f"LZ4 frame of {view.nbytes} bytes is shorter than its header")
+        raise ChunkDecodeError(f"LZ4 frame of {view.nbytes} bytes is shorter than its header")
     size = struct.unpack_from("<I", view, 0)[0]
     if size != nbytes:
-        raise ValueError(f"LZ4 frame says it decodes to {size} bytes, expected {nbytes}")
+        raise ChunkDecodeError(f"LZ4 frame says it decodes to {size} bytes, expected {nbytes}")
 
 
 def check_gzip_frame(view: memoryview, nbytes: int) -> None:
@@ -161,8 +163,8 @@ def check_gzip_frame(view: memoryview, nbytes: int) -> None:
     (a truncated member loses its trailer, so the size no longer matches)."""
     n = view.nbytes
     if n < 18 or view[0] != 0x1F or view[1] != 0x8B or view[2] != 8:
-        raise ValueError(f"not a gzip member ({n} bytes, magic number or method missing)")
+        raise ChunkDecodeError(f"not a gzip member ({n} bytes, magic number or method missing)")
     size = struct.unpack_from("<I", view, n - 4)[0]
     if size != nbytes % (1 << 32):
-        raise ValueError(f"gzip member is damaged: its trailer says {size} bytes, expected "
-                         f"{nbytes}")
+        raise ChunkDecodeError(f"gzip member is damaged: its trailer says {size} bytes, expected "
+                               f"{nbytes}")

@@ -25,11 +25,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ..errors import ConfigError, MissingDependencyError
 from ..memory.dtypes import bits, torch_dtype
 from ..metrics.counters import ReadTimes
 from .blosc_frame import HEADER, BloscFrame, UnsupportedFrame, parse_blosc
 from .device_chain import DeviceChain
 from .reader import Frames, StripeReader
+from .retry import ChunkDecodeError
 
 _ALIGN = 16  # nvCOMP wants 8-byte aligned inputs and outputs (zstd, gzip); 16 is safe
 # Output alignment nvCOMP needs per stream format (its headers): blosc streams land at their
@@ -71,13 +73,13 @@ class NvcompFrameDecoder:
             from nvidia import nvcomp
         except ImportError as e:
             major = (torch.version.cuda or "12").split(".")[0]
-            raise ImportError(
+            raise MissingDependencyError(
                 "decode='gpu' needs NVIDIA's nvCOMP Python package for this torch's CUDA "
                 f"{torch.version.cuda}: pip install 'insitubatch-nodes[gpu-cu{major}]' "
                 f"(nvidia-nvcomp-cu{major}); or use decode='cpu'") from e
         dev = torch.device(device)
         if dev.type != "cuda":
-            raise ValueError(f"decode='gpu' decodes on a CUDA device, got device={device!r}")
+            raise ConfigError(f"decode='gpu' decodes on a CUDA device, got device={device!r}")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
@@ -103,8 +105,8 @@ class NvcompFrameDecoder:
         if sizes is not None and [int(s) for s in sizes] != [int(s) for s in dst_sizes]:
             bad = next(i for i, (a, b) in enumerate(zip(sizes, dst_sizes, strict=True))
                        if int(a) != int(b))
-            raise ValueError(f"nvCOMP {algorithm} decoded frame {bad} of the batch to "
-                             f"{int(sizes[bad])} bytes, expected {int(dst_sizes[bad])}")
+            raise ChunkDecodeError(f"nvCOMP {algorithm} decoded frame {bad} of the batch to "
+                                   f"{int(sizes[bad])} bytes, expected {int(dst_sizes[bad])}")
 
 
 @dataclass(frozen=True, eq=False)

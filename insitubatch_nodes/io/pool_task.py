@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from ..errors import InternalError
+
 T = TypeVar("T")
 
 
@@ -32,6 +34,6 @@ class OneShot(Generic[T]):
     def __call__(self) -> T:
         fn, args = self._fn, self._args
         if fn is None:
-            raise RuntimeError("a OneShot pool task ran twice")
+            raise InternalError("a OneShot pool task ran twice")
         self._fn, self._args = None, ()
         return fn(*args)

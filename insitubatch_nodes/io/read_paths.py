@@ -26,12 +26,11 @@ from .async_gets import AsyncGets, ObjectStoreGets, ZarrStoreGets
 from .cached_gets import CachedGets
 from .chunk_cache import CacheScope, ChunkCache
 from .local_files import LocalFiles
-from .read_path_base import FrameCheck, Frames, Loop, ReadPath, Stripes
+from .read_path_base import FrameCheck, Frames, ReadPath
 from .zarr_getitem import CachedGetitem, CachingStore, ZarrGetitem
 
-__all__ = ["AsyncGets", "CachedGetitem", "CachedGets", "CachingStore", "FrameCheck", "Frames",
-           "LocalFiles", "Loop", "ObjectStoreGets", "ReadPath", "Stripes", "ZarrGetitem",
-           "ZarrStoreGets", "cached", "read_path_for", "stable_name", "store_place"]
+__all__ = ["CachedGets", "FrameCheck", "Frames", "LocalFiles", "ObjectStoreGets", "ReadPath",
+           "cached", "read_path_for", "stable_name", "store_place"]
 
 log = logging.getLogger("insitubatch_nodes")
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zarr
 
+from ..errors import ConfigTypeError
 from ..metrics.counters import ReadTimes
 from ..sampling.geometry import VariableGeometry
 from ..store.storage import redact_urls
@@ -44,7 +45,7 @@ from .retry import (
 from .retry import classify as classify_error
 from .thread_buffer import ThreadBuffer
 
-__all__ = ["FrameCheck", "Frames", "PartSpec", "PartialRule", "StripeReader"]
+__all__ = ["Frames", "PartialRule", "StripeReader"]
 
 T = TypeVar("T")
 # A chunk that covers only part of its stripe decodes here first (per decode thread).
@@ -290,8 +291,8 @@ class StripeReader:
     # -- local stores: fetch and decode on the calling thread -------------------------
     def _local(self) -> LocalFiles:
         if not isinstance(self._path, LocalFiles):
-            raise TypeError(f"variable {self.geom.name!r} of {self.source_url} is read by the "
-                            f"{self.mode!r} path, not from local files")
+            raise ConfigTypeError(f"variable {self.geom.name!r} of {self.source_url} is read by "
+                                  f"the {self.mode!r} path, not from local files")
         return self._path
 
     def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,

@@ -20,6 +20,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from ..errors import ConfigTypeError
 from ..metrics.counters import ReadTimes
 from .async_gets import AsyncGets
 from .chunk_cache import CacheScope, ChunkCache
@@ -50,7 +51,7 @@ class ZarrGetitem(ReadPath):
             raise ChunkDecodeError(f"zarr could not decode the stripe: {e}") from e
         stripes.times.add(time.perf_counter() - t0, 0.0)
         if not isinstance(data, np.ndarray):  # rows of an array on zarr's CPU buffers
-            raise TypeError(f"zarr read a stripe as {type(data).__name__}, not an ndarray")
+            raise ConfigTypeError(f"zarr read a stripe as {type(data).__name__}, not an ndarray")
         rows = int(data.shape[0])
         # Pass the pooled view itself, not a slice: a slice's base is the pool's array, so
         # it would not keep the view (and its place in the pool) alive if this read were

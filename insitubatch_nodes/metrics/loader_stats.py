@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..errors import ConfigTypeError
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -138,7 +140,8 @@ class LoaderStats:
         left out. An unknown or missing name is a TypeError naming it."""
         unknown = sorted(set(counters) - set(_FLAT))
         if unknown:
-            raise TypeError(f"LoaderStats.of: unknown counters {unknown}; known: {sorted(_FLAT)}")
+            raise ConfigTypeError(f"LoaderStats.of: unknown counters {unknown}; known: "
+                                  f"{sorted(_FLAT)}")
         groups = {g: c(**{f.name: counters[f.name] for f in fields(c) if f.name in counters})
                   for g, c in _GROUPS.items()}
         return cls(**groups)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownNameError
 from ..memory.layout import Channel
 from ..store.source import Source
 from .transform import TransformNode
@@ -37,8 +38,8 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                              f"{labelled[name][0].name!r} (one channel already), so it takes "
                              f"no level; give it alone: {name!r}")
         if name not in source.names and labelled:
-            raise KeyError(f"unknown channel {name!r}; variables: {list(source.names)}, "
-                           f"named channels: {list(labelled)}")
+            raise UnknownNameError(f"unknown channel {name!r}; variables: {list(source.names)}, "
+                                   f"named channels: {list(labelled)}")
         var = source.variable(name)
         if level is None:
             # A (level, y, x) sample gives a channel per level, a single level included
@@ -48,13 +49,11 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                     raise ConfigError(f"stacking the levels of {name!r} needs samples shaped "
                                      f"(level, y, x); its dims are {var.dimension_names}")
                 dim = var.dimension_names[1] if var.dimension_names else "level"
-                try:
-                    if dim is None:  # an unnamed dim has no coordinate: index its levels
-                        raise KeyError(dim)
-                    values = source.coordinate(dim).tolist()
-                except (KeyError, ValueError):
-                    values = list(range(var.sample_shape[0]))
-                out += [Channel(name, k, f"{name}@{v}") for k, v in enumerate(values)]
+                labels: list[Any] = list(range(var.sample_shape[0]))  # no coordinate: indices
+                if dim is not None:
+                    with contextlib.suppress(KeyError, ValueError):
+                        labels = source.coordinate(dim).tolist()
+                out += [Channel(name, k, f"{name}@{v}") for k, v in enumerate(labels)]
                 shapes.add(var.sample_shape[1:])
                 continue
             if len(var.sample_shape) != 2:  # channels stack on the axis before (y, x)
@@ -72,13 +71,14 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
                              f"(level, y, x); its dims are {var.dimension_names}")
         dim = var.dimension_names[1]
         if dim is None:
-            raise KeyError(f"the level dimension of {name!r} has no name (dims "
-                           f"{var.dimension_names}), so no coordinate to pick {level!r} from")
+            raise UnknownNameError(f"the level dimension of {name!r} has no name (dims "
+                                   f"{var.dimension_names}), so no coordinate to pick "
+                                   f"{level!r} from")
         values = source.coordinate(dim)
         hits = np.flatnonzero(values == level)
         if hits.size != 1:
-            raise KeyError(f"{dim}={level!r} is not a level of {name!r}; levels: "
-                           f"{values.tolist()}")
+            raise UnknownNameError(f"{dim}={level!r} is not a level of {name!r}; levels: "
+                                   f"{values.tolist()}")
         out.append(Channel(name, int(hits[0]), f"{name}@{level}"))
         shapes.add(var.sample_shape[1:][-2:])
     if len(shapes) > 1:
@@ -88,7 +88,7 @@ def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) 
 
 class StackChannelsNode(TransformNode[dict[str, torch.Tensor]]):
     """Adds ``key`` (and ``"target/" + key``) holding the channels stacked, in the order given,
-    on the axis just before the spatial ones: ``(batch, C, y, x)``, or with time windows
+    on the axis just before the spatial ones: ``(batch, C, y, x)``, or with time steps
     ``(batch, steps, C, y, x)``. The per-variable tensors are dropped unless ``keep``."""
 
     def __init__(self, source: BaseNode[dict[str, torch.Tensor]], channels: Sequence[Channel],

@@ -141,7 +141,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
                         "again with merge_rank_states)")
 
     def draws_in(self, epoch: int) -> int:
-        """Draws (samples, or anchors with time windows) this rank yields in ``epoch``:
+        """Draws (samples, or anchors with time steps) this rank yields in ``epoch``:
         the current schedule's for its epoch (a resumed one's included), else a fresh
         epoch's; after equal steps (``uneven``)."""
         if self.schedule is not None and epoch == self.epoch:

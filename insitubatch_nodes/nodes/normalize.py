@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownNameError
 from ..memory.layout import BatchLayout, Placement
 from ..sampling.geometry import VariableGeometry
 from ..store.statistics import DEFAULT_SCHEME, SCHEMES, Stats, VariableStats
@@ -30,8 +30,8 @@ def check_schemes(schemes: Mapping[str, str] | None,
             raise ConfigError(f"normalization scheme {scheme!r} for {name!r} is not one of "
                              f"{list(SCHEMES)}")
         if name != DEFAULT_SCHEME and name not in known:
-            raise KeyError(f"normalization scheme given for {name!r}, which is not served; "
-                           f"names: {sorted(known)} (or {DEFAULT_SCHEME!r})")
+            raise UnknownNameError(f"normalization scheme given for {name!r}, which is not served; "
+                                   f"names: {sorted(known)} (or {DEFAULT_SCHEME!r})")
     return dict(schemes)
 
 
@@ -81,7 +81,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         masked = names if mask is True else list(mask or ())
         unknown = sorted(set(masked) - set(names))
         if unknown:
-            raise KeyError(f"mask names {unknown}, which are not served; variables: {names}")
+            raise UnknownNameError(f"mask names {unknown}, which are not served; variables: "
+                                   f"{names}")
         self.masked = frozenset(masked)
         self.fill_nan = None if fill_nan is None else float(fill_nan)
         # Variables the gather stacked into "channels" (or, split up, into their own key):
@@ -201,8 +202,8 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             return self._exact[name]
         if name in self._names:
             return torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
-        raise KeyError(f"batch key {key!r} is not normalized here; keys: "
-                       f"{sorted([*self._names, *self._stacked])}")
+        raise UnknownNameError(f"batch key {key!r} is not normalized here; keys: "
+                               f"{sorted([*self._names, *self._stacked])}")
 
     def _masks(self, batch: dict[str, torch.Tensor], key: str, value: torch.Tensor,
                name: str) -> None:

@@ -39,14 +39,13 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..errors import ConfigError
+from ..config import DEFAULT_RING_SIZE
+from ..errors import ConfigError, LoaderUsageError
 from ..memory.ring import HostRing, Lease
 from ..memory.staging import StagingSeam
 from .state import require, shutdown_source
 
 log = logging.getLogger("insitubatch_nodes")
-
-DEFAULT_RING_SIZE = 3
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device | None:
@@ -57,7 +56,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
     if dev.type == "cpu":
         return None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise LoaderUsageError(
             f"device={str(device)!r} was asked for, but this torch has no usable CUDA "
             f"(torch {torch.__version__}, cuda available: False). Use device=None or 'cpu'."
         )
@@ -322,7 +321,7 @@ class PinOrCudaNode(BaseNode[dict[str, torch.Tensor]]):
             ops = self._ops
             if not ops:
                 if self.device is None:  # next() takes this path for a CUDA device only
-                    raise RuntimeError("PinOrCudaNode: the CUDA path runs without a device")
+                    raise LoaderUsageError("PinOrCudaNode: the CUDA path runs without a device")
                 ops = CudaOps(self.device)
             self._stager = CudaStager(ops, self.ring_size)
             if self.staging is not None:

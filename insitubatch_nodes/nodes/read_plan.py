@@ -32,7 +32,7 @@ class ReadPlanNode(BaseNode[ReadPlan]):
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
-        # Steps each sample reads relative to its index (time windows): reads cover them all.
+        # Steps each sample reads relative to its index (time steps): reads cover them all.
         self.offsets = None if offsets is None else np.asarray(offsets, dtype=np.int64)
         # Given a batch size, plans also say which batch row each draw lands in, so the
         # fetch can decode straight into the batches (one sample per chunk).

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownNameError
 from ..store.arrays import array_in
 from ..store.source import Source, discover
 from ..store.storage import explain, open_url
@@ -53,8 +53,8 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
         variables = [variables]
     missing = [v for v in variables if v not in have]
     if missing:
-        raise KeyError(f"unknown static variable(s) {missing} in {display}; "
-                       f"arrays there: {have}")
+        raise UnknownNameError(f"unknown static variable(s) {missing} in {display}; "
+                               f"arrays there: {have}")
     return {v: np.asarray(array_in(group, v, display)[:]) for v in variables}
 
 

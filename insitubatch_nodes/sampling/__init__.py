@@ -1,4 +1,4 @@
-"""Pure index math, no IO: the sample grid, time windows, read plans, per-epoch schedules
+"""Pure index math, no IO: the sample grid, time steps, read plans, per-epoch schedules
 and rank shares, chunk permutations, shuffle quality, and the items stages pass on.
 
 The bottom layer: everything else may import it, it imports nothing of the package but

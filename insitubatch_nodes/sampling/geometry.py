@@ -76,7 +76,7 @@ class VariableGeometry:
 class SampleGrid:
     """The common sample axis of all variables and its split into chunks (stripes).
 
-    ``first``/``last`` bound the indices that are samples: with time windows, a sample is an
+    ``first``/``last`` bound the indices that are samples: with time steps, a sample is an
     anchor step whose whole window (history before, leads after) lies on the axis. With
     ``every`` > 1 only every ``every``-th index is one (those ``≡ phase`` modulo ``every``:
     6-hourly anchors of an hourly archive).
@@ -147,7 +147,7 @@ class SampleGrid:
         return np.arange(int(lens.sum()), dtype=np.int64) + offsets
 
     def n_samples_each(self, chunk_ids: np.ndarray) -> np.ndarray:
-        """Valid samples (anchors, with time windows) in each of the given chunks."""
+        """Valid samples (anchors, with time steps) in each of the given chunks."""
         starts, stops = self._bounds(np.asarray(chunk_ids, dtype=np.int64))
         if self.every > 1:
             return self._count_below(stops) - self._count_below(starts)

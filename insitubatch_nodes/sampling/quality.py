@@ -45,7 +45,7 @@ def shuffle_quality(n_chunks: int, chunk_size: int, block_chunks: int, batch_siz
 def measured_shuffle_quality(batches_sample_index: list[np.ndarray], chunk_size: int,
                              n_chunks: int) -> float:
     """Score measured from real batches (their ``sample_index``), full-size batches only.
-    With time windows, samples of one run are neighbours in time: pass the run's samples
+    With time steps, samples of one run are neighbours in time: pass the run's samples
     (``loader.run_chunks * chunk_size``) and the number of runs as the unit."""
     sizes = [len(b) for b in batches_sample_index]
     if not sizes:

@@ -439,7 +439,7 @@ def _adjusted(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
 def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window: int,
                 offsets: np.ndarray | None = None, draws: np.ndarray | None = None) -> ReadPlan:
     """The read plan of one window: its final draw order (``draws`` when already drawn)
-    and the stripes those draws need (all steps of each sample's time window, when
+    and the stripes those draws need (every time step of each sample, when
     ``offsets`` are given)."""
     draws = spec.final_draws() if draws is None else draws
     steps = np.zeros(1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)

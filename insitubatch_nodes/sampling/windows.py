@@ -1,4 +1,4 @@
-"""Time-window samples: a sample is an anchor step with history before it and leads after.
+"""A sample's time steps: an anchor step with history before it and leads after.
 
 Pure index math. ``SampleWindow(history=2, lead=(1, 6), stride=1)`` makes the sample at
 anchor ``t`` the inputs ``t-1, t`` and the targets ``t+1, t+6``; only anchors whose whole
@@ -7,6 +7,7 @@ window lies on the axis are samples, and exactly-once applies to anchors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,3 +132,19 @@ def default_run_chunks(steps: SampleWindow, chunk_size: int) -> int:
     run must be long for the halo, the window need not be (it holds several runs)."""
     halo = -(-steps.before // chunk_size) + -(-steps.after // chunk_size)
     return max(1, int(np.ceil(halo / HALO_SHARE)))
+
+
+def steps_keyword(steps: SampleWindow | None, window: SampleWindow | None, where: str,
+                  stacklevel: int = 3) -> SampleWindow | None:
+    """``steps=``, the sample's time steps, given either by that name or by its old one,
+    ``window=`` (deprecated: a ``DeprecationWarning`` naming ``steps=``; "window" is the
+    shuffle window, ``block_chunks`` chunks). Both at once is a ``ConfigError``."""
+    if window is None:
+        return steps
+    if steps is not None:
+        raise ConfigError(f"{where} got both steps={steps!r} and window={window!r}: window= is "
+                          "the old name of steps= (a sample's time steps); give steps= only")
+    warnings.warn(f"{where}(window=...) is deprecated: give the sample's time steps as "
+                  "steps=ib.SampleWindow(...) (a window is the shuffle window, block_chunks "
+                  "chunks)", DeprecationWarning, stacklevel=stacklevel)
+    return window

@@ -41,29 +41,29 @@ _HOW = {
              "it was saved from, or start this one fresh",
     "seed": "the seed decides the order of the rest of the epoch: build the loader with the "
             "saved seed (a new seed can start with a fresh loader)",
-    "n_samples": "the sample grid changed (another store, or another time window): resume "
-                 "on the store and window the state was saved with",
+    "n_samples": "the sample grid changed (another store, or other time steps): resume "
+                 "on the store and steps= the state was saved with",
     "chunk_size": "the sample grid changed (another store or chunking): resume on the store "
                   "the state was saved with",
-    "first": "the valid samples changed (another time window's history): resume with the "
-             "window= the state was saved with",
-    "end": "the valid samples changed (another time window's lead): resume with the "
-           "window= the state was saved with",
+    "first": "the valid samples changed (another history of steps=): resume with the "
+             "steps= the state was saved with",
+    "end": "the valid samples changed (another lead of steps=): resume with the "
+           "steps= the state was saved with",
     "every": "the anchors kept (sampling.every) changed: build the loader with the saved "
              "every=",
     "phase": "the anchors kept (sampling.every) fall on other steps: build the loader with "
              "the saved every=",
     "block_chunks": "windows are cut by block_chunks: build the loader with the saved value",
     "uneven": "the equal-steps policy changes every rank's share: build with the saved value",
-    "contiguous": "time windows deal contiguous blocks: build with the saved window= setting",
-    "run_chunks": "time windows deal runs of run_chunks adjacent chunks: build the loader with "
-                  "the saved run_chunks (and window=)",
+    "contiguous": "time steps deal contiguous blocks: build with the saved steps= setting",
+    "run_chunks": "time steps deal runs of run_chunks adjacent chunks: build the loader with "
+                  "the saved run_chunks (and steps=)",
     "excluded": "the chunks left out for the store's missing dates, because their time "
-                "windows reach another split or because they hold no anchor of the window, "
-                "differ (the store's missing_dates, window= or the split changed, or the state "
+                "steps reach another split or because they hold no anchor whose steps fit, "
+                "differ (the store's missing_dates, steps= or the split changed, or the state "
                 "was saved by a version of insitubatch_nodes before 2026-11-25, which left out "
-                "chunks by the window's span rather than the steps it reads): resume on the "
-                "store, split and window the state was saved with, or start the epoch afresh",
+                "chunks by the steps' span rather than the steps read): resume on the "
+                "store, split and steps= the state was saved with, or start the epoch afresh",
     "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
@@ -85,7 +85,7 @@ class StateFingerprint:
     """Everything that decides which samples a loader state's counters point at.
 
     ``manifest`` is ``SplitManifest.content_hash``; ``n_samples``/``chunk_size`` and the
-    valid samples ``[first, end)`` the grid the schedule deals (anchors, with time windows);
+    valid samples ``[first, end)`` the grid the schedule deals (anchors, with time steps);
     ``rank``/``world_size`` are ``None`` in a merged state.
     """
 
@@ -99,7 +99,7 @@ class StateFingerprint:
     block_chunks: int
     uneven: str
     contiguous: bool
-    run_chunks: int  # chunks per contiguous run with time windows; 0 without
+    run_chunks: int  # chunks per contiguous run with time steps; 0 without
     excluded: str  # hash of the chunks left out (missing dates, split edges; "" when none)
     batch_size: int
     drop_last: bool

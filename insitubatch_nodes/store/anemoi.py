@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
-from ..errors import StoreError
+from ..errors import StoreError, UnknownNameError
 from .arrays import array_in
 
 DATA = "data"
@@ -94,8 +94,8 @@ def select(layout: AnemoiLayout, variables: Sequence[str] | str, display: str,
     chosen = (variables,) if isinstance(variables, str) else tuple(variables)
     unknown = [v for v in chosen if v not in layout.variables]
     if unknown:
-        raise KeyError(f"unknown variable(s) {unknown} in the anemoi dataset {display!r}; "
-                       f"its variables: {list(layout.variables)}")
+        raise UnknownNameError(f"unknown variable(s) {unknown} in the anemoi dataset {display!r}; "
+                               f"its variables: {list(layout.variables)}")
     if len(set(chosen)) != len(chosen):
         raise StoreError(f"variables lists a name twice: {list(chosen)}")
     if not chosen:
@@ -110,8 +110,8 @@ def stored_statistics(group: zarr.Group, variables: Sequence[str], display: str,
     have = set(group.array_keys())
     missing = [k for k in STATISTICS if k not in have]
     if missing:
-        raise KeyError(f"the anemoi dataset {display!r} has no statistics arrays {missing} "
-                       f"(arrays: {sorted(have)}); compute them with ib.compute_stats")
+        raise UnknownNameError(f"the anemoi dataset {display!r} has no statistics arrays {missing} "
+                               f"(arrays: {sorted(have)}); compute them with ib.compute_stats")
     out = {}
     for k in STATISTICS:
         values = np.asarray(array_in(group, k, display)[:], dtype=np.float64)

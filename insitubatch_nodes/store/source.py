@@ -16,7 +16,7 @@ import numpy as np
 import zarr
 import zarr.storage
 
-from ..errors import StoreError
+from ..errors import ConfigTypeError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
 from .arrays import array_in
@@ -48,7 +48,7 @@ class Source:
     # orography): served whole by ``open_static``, never planned like data chunks.
     static: tuple[str, ...] = ()
     # Sample indices the store marks as missing (anemoi's ``missing_dates``): splits leave
-    # out every chunk holding one, so no sample or time window ever touches them.
+    # out every chunk holding one, so no sample or its time steps ever touch them.
     missing: tuple[int, ...] = ()
     # anemoi datasets: the variables chosen along ``data``'s variable axis, in order; the
     # loader serves them (only them) as ``batch["data"]``.
@@ -59,7 +59,7 @@ class Source:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables."""
         if self.group is None or dim not in self.group.array_keys():
             have = sorted(self.group.array_keys()) if self.group is not None else []
-            raise KeyError(f"no coordinate array {dim!r} in {self.url}; arrays: {have}")
+            raise UnknownNameError(f"no coordinate array {dim!r} in {self.url}; arrays: {have}")
         return np.asarray(array_in(self.group, dim, self.url)[:])
 
     def batch_coords(self) -> dict[str, np.ndarray]:
@@ -83,7 +83,8 @@ class Source:
         for v in self.variables:
             if v.name == name:
                 return v
-        raise KeyError(f"variable {name!r} is not served by {self.url}; served: {list(self.names)}")
+        raise UnknownNameError(f"variable {name!r} is not served by {self.url}; served: "
+                               f"{list(self.names)}")
 
     @property
     def sample_nbytes(self) -> int:
@@ -343,9 +344,9 @@ def _sample_coordinate(group: zarr.Group, sample_dim: str | None, n: int) -> np.
     if isinstance(units, str) and " since " in units:
         from xarray.coding.times import decode_cf_datetime
 
+        if calendar is not None and not isinstance(calendar, str):  # xarray fails too
+            return values
         try:
-            if calendar is not None and not isinstance(calendar, str):  # xarray fails too
-                raise TypeError(f"calendar {calendar!r} is not a string")
             return np.asarray(decode_cf_datetime(values, units, calendar))
         except Exception:
             return values
@@ -389,7 +390,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
         chosen = list(variables)
         missing = [n for n in chosen if n not in arrays]
         if missing:
-            raise KeyError(
+            raise UnknownNameError(
                 f"unknown variable(s) {missing} in {display!r}; variables that exist: "
                 f"{sorted(arrays)}"
             )
@@ -402,7 +403,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
         arr = arrays[name]
         dtype = np.dtype(arr.dtype)
         if dtype.kind not in _NUMERIC_KINDS:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"variable {name!r} in {display!r} has dtype {dtype} ({arr.dtype!r}); only "
                 "numeric dtypes (bool, integers, floats, complex) can become tensors. Leave it "
                 "out of variables=."

@@ -18,9 +18,9 @@ from typing import SupportsFloat, SupportsIndex
 
 import numpy as np
 
-from ..errors import StoreError
+from ..errors import ConfigTypeError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid
-from ..sampling.windows import SampleWindow
+from ..sampling.windows import SampleWindow, steps_keyword
 from .manifest_fields import (
     checked_field,
     fractions_field,
@@ -54,7 +54,7 @@ class SplitManifest:
     mode: str = "contiguous"
     source_url: str = ""
     snapshot_id: str | None = None  # icechunk snapshot the split was made on
-    gap: int = 0  # steps kept free between consecutive splits (time windows)
+    gap: int = 0  # steps kept free between consecutive splits (time steps)
     periods: tuple[tuple[str, str | None, str | None], ...] = ()  # coordinate ranges asked for
 
     def __post_init__(self) -> None:
@@ -81,7 +81,8 @@ class SplitManifest:
         for n, r in self.splits:
             if n == name:
                 return r
-        raise KeyError(f"unknown split {name!r}; the manifest has splits {list(self.names)}")
+        raise UnknownNameError(f"unknown split {name!r}; the manifest has splits "
+                               f"{list(self.names)}")
 
     def chunk_ids(self, name: str) -> np.ndarray:
         """The split's chunk ids in canonical (ascending) order."""
@@ -90,11 +91,13 @@ class SplitManifest:
             return np.empty(0, dtype=np.int64)
         return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
 
-    def n_samples_in(self, name: str, window: SampleWindow | None = None) -> int:
-        """Samples of split ``name``; with a time ``window``, its anchors: the samples
-        whose every step lies on the axis (what a loader with that window serves, less the
-        chunks it leaves out next to other splits and missing dates)."""
-        grid = self.grid if window is None else window.grid(self.grid)
+    def n_samples_in(self, name: str, steps: SampleWindow | None = None, *,
+                     window: SampleWindow | None = None) -> int:
+        """Samples of split ``name``; with time ``steps``, its anchors: the samples whose
+        every step lies on the axis (what a loader with those steps serves, less the chunks
+        it leaves out next to other splits and missing dates). ``window=``: deprecated."""
+        steps = steps_keyword(steps, window, "SplitManifest.n_samples_in")
+        grid = self.grid if steps is None else steps.grid(self.grid)
         return grid.n_samples_of(self.chunk_ids(name))
 
     def to_dict(self) -> dict:
@@ -328,15 +331,15 @@ def _as_bound(value: object, coord: np.ndarray, end: bool) -> int:
         return n if end else 0
     if np.issubdtype(coord.dtype, np.datetime64):
         if not isinstance(value, (str, bytes, datetime.date, np.datetime64)):
-            raise TypeError(f"{value!r} is not a date (a string such as '2015-06-30', a "
-                            "datetime or a numpy datetime64)")
+            raise ConfigTypeError(f"{value!r} is not a date (a string such as '2015-06-30', a "
+                                  "datetime or a numpy datetime64)")
         t = np.datetime64(value)
         if end:  # "2015" means through the end of 2015; "2015-06-30" through that day
             unit = np.datetime_data(t.dtype)[0]
             t = t + np.timedelta64(1, unit)  # type: ignore[call-overload]  # numpy's stubs want the unit as a Literal; datetime_data gives a str
         return int(np.searchsorted(coord, t.astype(coord.dtype), side="left"))
     if not isinstance(value, (str, bytes, bytearray, SupportsFloat, SupportsIndex)):
-        raise TypeError(f"{value!r} is not a number")
+        raise ConfigTypeError(f"{value!r} is not a number")
     v = float(value)  # numeric coordinate: inclusive bounds
     return int(np.searchsorted(coord, v, side="right" if end else "left"))
 
@@ -383,20 +386,21 @@ def _period_bounds(source: Source, coord: np.ndarray,
 
 
 def _check_disjoint(bounds: dict[str, tuple[int, int]], order: list[str], gap: int, need: int,
-                    window: SampleWindow | None, label: Callable[[int], str]) -> None:
+                    steps: SampleWindow | None, label: Callable[[int], str]) -> None:
     """Consecutive periods (in step order) neither overlap nor, with an explicit ``gap``
-    below what ``window`` spans, leave targets of one split among inputs of the next."""
+    below what ``steps`` span, leave targets of one split among inputs of the next."""
     for a, b in zip(order, order[1:], strict=False):
         (_, a1), (b0, b1) = bounds[a], bounds[b]
         if b0 < a1:
             raise StoreError(f"splits {a!r} and {b!r} overlap from {label(b0)} to "
                              f"{label(min(a1, b1) - 1)}; make their periods disjoint")
         if gap < need and b0 - a1 < need:
-            assert window is not None  # need > 0 only with a window
+            assert steps is not None  # need > 0 only with time steps
             raise StoreError(
                 f"split {a!r} would leak into {b!r}: targets of {a!r} up to "
-                f"{label(a1 - 1 + window.after)} are inputs of {b!r} from "
-                f"{label(b0 - window.before)} (gap={gap} steps, but the window needs {need}); "
+                f"{label(a1 - 1 + steps.after)} are inputs of {b!r} from "
+                f"{label(b0 - steps.before)} (gap={gap} steps, but the samples' steps need "
+                f"{need}); "
                 "leave gap=None or raise it")
 
 
@@ -404,7 +408,7 @@ def _snapped_chunks(grid: SampleGrid, bounds: dict[str, tuple[int, int]], order:
                     gap: int, need: int, label: Callable[[int], str]) -> dict[str, list[int]]:
     """Each split's periods snapped to whole chunks [c0, c1), whole chunks given up at the
     start of a later split to keep ``gap`` steps unused; an error where snapping closed the
-    window's ``need`` or left a split no chunk."""
+    steps' ``need`` or left a split no chunk."""
     cs, n = grid.chunk_size, grid.n_samples
 
     def snap(i: int) -> int:
@@ -422,7 +426,8 @@ def _snapped_chunks(grid: SampleGrid, bounds: dict[str, tuple[int, int]], order:
             raise StoreError(
                 f"split {a!r} would leak into {b!r}: snapped to chunks of {cs} steps, "
                 f"{a!r} ends at {label(a1 - 1)} and {b!r} starts at {label(b0)}, {free} steps "
-                f"apart, but the window needs {need} (gap={gap}); leave gap=None or raise it")
+                f"apart, but the samples' steps need {need} (gap={gap}); leave gap=None or "
+                "raise it")
     empty = [k for k in order if chunks[k][1] <= chunks[k][0]]
     if empty:
         raise StoreError(f"splits {empty} have no whole chunk left after snapping to chunks of "
@@ -435,17 +440,20 @@ def split_by_coordinate(
     periods: Mapping[str, tuple[object, object]],
     *,
     gap: int | None = None,
+    steps: SampleWindow | None = None,
     window: SampleWindow | None = None,
 ) -> SplitManifest:
     """Splits by ranges of the sample coordinate, e.g. years, snapped to chunk boundaries.
 
     ``{"train": ("1979", "2015"), "val": ("2016", "2017"), "test": ("2018", None)}``: ends
     are inclusive periods ("2015" is all of 2015), ``None`` is open. Between consecutive
-    splits at least ``gap`` steps stay unused (default: what ``window`` spans beyond one step,
-    so no target of one split is an input of another); whole chunks are given up for it at
-    the start of the later split. Overlapping periods, or a ``gap`` too small for
-    ``window``, are errors naming the overlap.
+    splits at least ``gap`` steps stay unused (default: what the samples' time ``steps``
+    span beyond one, so no target of one split is an input of another); whole chunks are
+    given up for it at the start of the later split. Overlapping periods, or a ``gap`` too
+    small for ``steps``, are errors naming the overlap. ``window=``: the deprecated old name
+    of ``steps=``.
     """
+    steps = steps_keyword(steps, window, "split_by_coordinate")
     coord = source.sample_coord
     if coord is None:
         raise StoreError(
@@ -455,13 +463,13 @@ def split_by_coordinate(
     if not periods:
         raise StoreError("give at least one period, e.g. {'train': ('1979', '2015')}")
     _check_increasing(source, coord)
-    need = 0 if window is None else window.span - 1
+    need = 0 if steps is None else steps.span - 1
     if gap is None:
         gap = need
     label = partial(_step_label, coord, source.n_samples)
     bounds = _period_bounds(source, coord, periods, label)
     order = sorted(bounds, key=lambda k: bounds[k])
-    _check_disjoint(bounds, order, gap, need, window, label)
+    _check_disjoint(bounds, order, gap, need, steps, label)
     chunks = _snapped_chunks(source.grid, bounds, order, gap, need, label)
     return SplitManifest(
         n_samples=source.n_samples, chunk_size=source.grid.chunk_size,

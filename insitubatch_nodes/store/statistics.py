@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import zarr
 
-from ..errors import StoreError
+from ..errors import StoreError, UnknownNameError
 from ..sampling.windows import chunks_touching
 from .anemoi import stored_statistics
 from .arrays import array_in
@@ -70,14 +70,14 @@ class VariableStats:
     def at(self, coord: str) -> tuple[float, float]:
         """(mean, std) at the kept coordinate written ``coord`` (``"500"`` of ``"z@500"``)."""
         if len(self.kept_dims) != 1:
-            raise KeyError(f"statistics of {self.name!r} keep dims {list(self.kept_dims)}, "
-                           f"so {self.name}@{coord} names no single row; compute them with "
-                           "keep_dims=[<the level dim>]")
+            raise UnknownNameError(f"statistics of {self.name!r} keep dims {list(self.kept_dims)}, "
+                                   f"so {self.name}@{coord} names no single row; compute them with "
+                                   "keep_dims=[<the level dim>]")
         written = [str(c) for c in self.coords]
         if coord not in written:
-            raise KeyError(f"{self.name}@{coord}: {coord!r} is not a {self.kept_dims[0]} "
-                           f"these statistics of {self.name!r} hold; they hold "
-                           f"{written or f'{np.size(self.mean)} rows without coordinates'}")
+            raise UnknownNameError(f"{self.name}@{coord}: {coord!r} is not a {self.kept_dims[0]} "
+                                   f"these statistics of {self.name!r} hold; they hold "
+                                   f"{written or f'{np.size(self.mean)} rows without coordinates'}")
         k = written.index(coord)
         return float(np.ravel(self.mean)[k]), float(np.ravel(self.std)[k])
 
@@ -93,7 +93,8 @@ class Stats:
         for v in self.variables:
             if v.name == name:
                 return v
-        raise KeyError(f"no statistics for {name!r}; have {[v.name for v in self.variables]}")
+        raise UnknownNameError(f"no statistics for {name!r}; have "
+                               f"{[v.name for v in self.variables]}")
 
     def mean_std(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean and std (float64, one per name, in the order given) for channel
@@ -107,9 +108,9 @@ class Stats:
             else:
                 v = self[var]
                 if np.size(v.mean) != 1:
-                    raise KeyError(f"statistics of {var!r} have {np.size(v.mean)} rows (kept "
-                                   f"dims {list(v.kept_dims)}): name one, e.g. "
-                                   f"'{var}@{v.coords[0] if v.coords else '<level>'}'")
+                    raise UnknownNameError(f"statistics of {var!r} have {np.size(v.mean)} rows ("
+                                           f"kept dims {list(v.kept_dims)}): name one, e.g. "
+                                           f"'{var}@{v.coords[0] if v.coords else '<level>'}'")
                 m, s = float(np.ravel(v.mean)[0]), float(np.ravel(v.std)[0])
             means.append(m)
             stds.append(s)

@@ -23,7 +23,15 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
-from ..errors import StoreError
+from ..errors import (
+    ConfigTypeError,
+    MissingDependencyError,
+    StoreAccessError,
+    StoreConnectionError,
+    StoreError,
+    StoreNotFoundError,
+    UnknownNameError,
+)
 
 OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "http",
                         "https", "memory")
@@ -96,7 +104,7 @@ def open_url(url: str | os.PathLike[str],
         # a file:// URL escapes its path ("%20" for a space), as Path.as_uri() writes it
         path = Path(unquote(parts.path) if scheme == "file" else text).expanduser()
         if not path.exists():
-            raise FileNotFoundError(
+            raise StoreNotFoundError(
                 f"Zarr store not found: {redact_url(text)!r} (looked for the directory "
                 f"{str(path)!r}). Give an existing local path, a file:// URL, or an "
                 "object-store URL such as s3://bucket/path.zarr."
@@ -146,13 +154,13 @@ def explain(opened: OpenedStore, exc: BaseException) -> BaseException:
     if isinstance(exc, zarr.errors.ContainsArrayError) or (
             isinstance(exc, not_found) and _holds_array(opened)):
         parent, _, name = opened.display.rstrip("/").rpartition("/")
-        return ValueError(
+        return StoreError(
             f"{opened.display} is a Zarr array, not a group: open_source reads the variables "
             f"of a group. Open the group that holds it and name the variable: "
             f"open_source({parent!r}, variables=[{name!r}])"
         )
     if isinstance(exc, oe.BaseError) and _plain_http_refused(opened):
-        return ConnectionError(
+        return StoreConnectionError(
             f"cannot read from {where}: the endpoint is plain http:// and obstore refuses "
             "non-TLS requests unless they are allowed (its error says only \"builder "
             "error\"). For a plain-HTTP endpoint such as moto or MinIO, pass "
@@ -162,20 +170,20 @@ def explain(opened: OpenedStore, exc: BaseException) -> BaseException:
     if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or (
             http_status(exc) in (401, 403)):
         code = _s3_code(exc) or "403 Forbidden"
-        return PermissionError(
+        return StoreAccessError(
             f"access to {where} was denied ({code}). Check the credentials and region in "
             "storage_options (access_key_id / secret_access_key / region, or the "
             "environment's credentials) and that they may read this bucket."
         )
     if isinstance(exc, oe.BaseError) and not isinstance(exc, oe.NotFoundError):
-        return ConnectionError(
+        return StoreConnectionError(
             f"cannot read from {where}: {_first_line(exc)}. Check that the endpoint is "
             "reachable; retries and timeouts are set with storage_options "
             "retry_config / client_options (e.g. {'timeout': '30s'})."
         )
     if isinstance(exc, not_found):
         hint = _probe(opened)
-        return FileNotFoundError(
+        return StoreNotFoundError(
             f"no Zarr group at {where}: {hint} Point open_source at the group that holds "
             "the variables (the directory with zarr.json or .zgroup)."
         )
@@ -241,8 +249,8 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
     try:
         import icechunk
     except ImportError:
-        raise ImportError("icechunk is not installed: pip install 'insitubatch-nodes[icechunk]'"
-                          ) from None
+        raise MissingDependencyError("icechunk is not installed: pip install "
+                                     "'insitubatch-nodes[icechunk]'") from None
     if sum(x is not None for x in (branch, tag, snapshot_id)) > 1:
         raise StoreError(f"give one of branch/tag/snapshot_id, got branch={branch!r}, "
                          f"tag={tag!r}, snapshot_id={snapshot_id!r}")
@@ -267,7 +275,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
             elif parts.scheme in ("", "file"):
                 path = Path(unquote(parts.path) if parts.scheme == "file" else text)
                 if not path.exists():
-                    raise FileNotFoundError(f"no icechunk repository at {str(path)!r}")
+                    raise StoreNotFoundError(f"no icechunk repository at {str(path)!r}")
                 storage = icechunk.local_filesystem_storage(str(path))
             else:
                 raise StoreError(f"icechunk location {redact_url(text)!r}: use a local path or "
@@ -275,7 +283,7 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
         try:
             repo = icechunk.Repository.open(storage, authorize_virtual_chunk_access=access)
         except Exception as e:
-            raise FileNotFoundError(f"cannot open {display}: {_first_line(e)}") from None
+            raise StoreNotFoundError(f"cannot open {display}: {_first_line(e)}") from None
     containers, locked = _virtual_containers(repo, display, access)
     ref = (f"branch {branch!r}" if branch is not None else f"tag {tag!r}" if tag is not None
            else f"snapshot {snapshot_id!r}")
@@ -283,8 +291,9 @@ def open_icechunk_store(location: Any, *, branch: str | None = None, tag: str | 
         session = repo.readonly_session(branch=branch, tag=tag, snapshot_id=snapshot_id)
     except Exception as e:
         known = {"branches": _safe(repo.list_branches), "tags": _safe(repo.list_tags)}
-        raise KeyError(f"{ref} not found in {display} ({_first_line(e).strip(' x')}); "
-                       f"it has branches {known['branches']} and tags {known['tags']}") from None
+        raise UnknownNameError(f"{ref} not found in {display} ({_first_line(e).strip(' x')}); "
+                               f"it has branches {known['branches']} and tags "
+                               f"{known['tags']}") from None
     store: Store = session.store
     if containers:  # virtual chunks may be read: their refusals re-worded for humans
         store = VirtualChunkGate(store, f"{display} @ {ref}", containers, locked)
@@ -306,7 +315,7 @@ def _container_credentials(icechunk: Any, access: Mapping[str, Any] | None
         try:
             out.update(icechunk.containers_credentials({prefix: cred}))
         except ValueError:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"virtual_chunk_access[{redact_url(prefix)!r}] is a {type(cred).__name__}, not "
                 "icechunk credentials: give None (local files, anonymous or the environment's "
                 "credentials) or icechunk.s3_credentials(...) / gcs_credentials(...) / "
@@ -379,7 +388,7 @@ class VirtualChunkGate(WrapperStore[Any]):
         text = str(exc)
         if "virtual reference" in text and (denied := _DENIED.search(text)):
             opened = [redact_url(c) for c in self.containers if c not in self.locked]
-            return PermissionError(
+            return StoreAccessError(
                 f"chunk {key!r} of {self.display} is a virtual reference whose read was denied "
                 f"({denied.group(1)}): check the credentials given in virtual_chunk_access for "
                 f"{' or '.join(opened) or 'its container'} (icechunk.s3_credentials(...) and "
@@ -390,7 +399,7 @@ class VirtualChunkGate(WrapperStore[Any]):
         prefix = found.group(1) if found else None
         prefixes = [prefix] if prefix in self.locked else list(self.locked)
         example = ", ".join(f"{redact_url(p)!r}: None" for p in prefixes)
-        return PermissionError(
+        return StoreAccessError(
             f"chunk {key!r} of {self.display} is a virtual reference into "
             f"{' or '.join(redact_url(p) for p in prefixes)}, which this session is not "
             f"authorized to read: open it with open_icechunk(..., virtual_chunk_access={{"

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import blosc2_lib
 from ..blosc_frame import check_header
+from ..retry import ChunkDecodeError
 from ..thread_buffer import ThreadBuffer
 from .blocks import HEADER, BlockPlan, Whole, plan_frame
 from .ranges import Ranges
@@ -62,10 +63,10 @@ def _decode_sparse(frame: SparseFrame, out: np.ndarray, wanted: Ranges) -> None:
     if isinstance(plan, Whole) or plan.header.cbytes != frame.cbytes:
         why = plan.reason if isinstance(plan, Whole) else (
             f"its header says {plan.header.cbytes} bytes, it was {frame.cbytes}")
-        raise ValueError(f"part of a blosc frame cannot be decoded: {why}")
+        raise ChunkDecodeError(f"part of a blosc frame cannot be decoded: {why}")
     missing = frame.missing(plan.spans)
     if missing:
-        raise ValueError(f"part of a blosc frame lacks the blocks at {missing}")
+        raise ChunkDecodeError(f"part of a blosc frame lacks the blocks at {missing}")
     lib = blosc2_lib.load()
     head, n = plan.header.head_bytes, plan.header.nblocks
     buf = _SPARSE.raw(head + max(e - s for s, e in plan.spans))
@@ -77,5 +78,5 @@ def _decode_sparse(frame: SparseFrame, out: np.ndarray, wanted: Ranges) -> None:
         frame.copy_into(buf, head, s, e)
         if lib is None or not lib.decode_ranges(buf[:size], out, (decode,),
                                                 plan.header.typesize):
-            raise ValueError(f"blosc block {j} (bytes {s}..{e} of the frame) did not decode")
+            raise ChunkDecodeError(f"blosc block {j} (bytes {s}..{e} of the frame) did not decode")
 

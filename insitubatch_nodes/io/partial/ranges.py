@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...errors import ConfigError
 from ...memory.slots import SlotWhere, is_direct
 
 Ranges = tuple[tuple[int, int], ...]  # half-open [start, stop), sorted, disjoint, non-empty
@@ -41,10 +42,10 @@ class PartSpec:
 
     def __post_init__(self) -> None:
         if not self.ranges or merge(self.ranges) != tuple(self.ranges):
-            raise ValueError(f"PartSpec ranges must be sorted, disjoint, non-touching and "
-                             f"non-empty (see PartSpec.of), got {self.ranges!r}")
+            raise ConfigError(f"PartSpec ranges must be sorted, disjoint, non-touching and "
+                              f"non-empty (see PartSpec.of), got {self.ranges!r}")
         if self.ranges[0][0] < 0:
-            raise ValueError(f"PartSpec ranges must be >= 0, got {self.ranges!r}")
+            raise ConfigError(f"PartSpec ranges must be >= 0, got {self.ranges!r}")
 
     @classmethod
     def of(cls, indices: Iterable[int]) -> PartSpec:
@@ -98,7 +99,7 @@ def byte_ranges(shape: tuple[int, ...], itemsize: int, axis1: Ranges) -> Ranges:
     """The byte ranges of a C-order array of ``shape`` holding indices ``axis1`` along axis
     1, in every index along axis 0 (joined where they touch)."""
     if len(shape) < 2:
-        raise ValueError(f"an array of shape {shape} has no axis 1 to select along")
+        raise ConfigError(f"an array of shape {shape} has no axis 1 to select along")
     inner = math.prod(shape[2:]) * itemsize
     row = shape[1] * inner
     return merge((s * row + lo * inner, s * row + hi * inner)
@@ -123,8 +124,8 @@ def stripe_parts(spec: PartSpec, name: str, shape: tuple[int, ...], chunks: tupl
     """``chunk_part`` of each inner chunk of a stripe of variable ``name`` (``inner``: their
     coordinates after the sample axis), once ``spec`` is checked against its ``shape``."""
     if len(shape) < 2 or spec.stop > shape[1]:
-        raise ValueError(f"variable {name!r} of shape {shape} has no indices "
-                         f"{spec.ranges!r} along axis 1 to read in part")
+        raise ConfigError(f"variable {name!r} of shape {shape} has no indices "
+                          f"{spec.ranges!r} along axis 1 to read in part")
     return tuple(chunk_part(spec, chunks, shape[1], c[0], itemsize) for c in inner)
 
 

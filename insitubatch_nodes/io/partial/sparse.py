@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 
+from ...errors import ConfigError
 from .ranges import Ranges, merge
 
 Piece = tuple[int, bytes | memoryview]  # (offset in the frame, its bytes)
@@ -34,7 +35,7 @@ class SparseFrame:
         pieces = tuple(sorted(self.pieces, key=lambda p: p[0]))
         ends = [off + memoryview(b).nbytes for off, b in pieces]
         if any(nxt < end for (nxt, _), end in zip(pieces[1:], ends, strict=False)):
-            raise ValueError("the pieces of a sparse blosc frame overlap")
+            raise ConfigError("the pieces of a sparse blosc frame overlap")
         object.__setattr__(self, "pieces", pieces)
 
     @property
