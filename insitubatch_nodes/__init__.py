@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
         StoreNotFoundError,
         UnknownNameError,
     )
-    from .fetch.first_batch import FirstBatch
     from .io.chunk_cache import ChunkCache
     from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
     from .loader import InSituLoader, build_loader
@@ -96,7 +95,6 @@ _EXPORTS = {
     "SampleDataset": ".dataset",
     "merge_rank_states": ".state.ranks",
     "StateFingerprint": ".state.fingerprint",
-    "FirstBatch": ".fetch.first_batch",
     "SampleGrid": ".sampling.geometry",
     "VariableGeometry": ".sampling.geometry",
     "ChunkCache": ".io.chunk_cache",
@@ -167,7 +165,7 @@ __all__ = [
     "discover", "Discovery", "dataset_stats",
     "LoaderConfig", "SamplingConfig", "FetchConfig", "SampleConfig", "DeviceConfig",
     "CheckpointConfig", "StagingSeam", "SampleDataset", "ChunkCache", "ChunkReadError",
-    "CorruptChunkError", "StateFingerprint", "FirstBatch", "StackChannelsNode",
+    "CorruptChunkError", "StateFingerprint", "StackChannelsNode",
     "resolve_channels", "InsitubatchError", "ConfigError", "StoreError", "StateError",
     "WorkerError", "ConfigTypeError", "LoaderUsageError", "LocalFileError",
     "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",

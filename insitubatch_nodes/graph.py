@@ -32,7 +32,6 @@ from .defaults import (
     window_size,
 )
 from .errors import ConfigError
-from .fetch.first_batch import FirstBatch
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .memory.arena import BatchArena
 from .memory.budget import check_budget
@@ -387,12 +386,11 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     pool = BufferPool(ledger, allocate=shared.allocate if shared is not None else None)
     arena = (BatchArena(layout, pool, steps) if resolved.in_place and layout is not None
              else None)
-    first = FirstBatch()  # the shuffle buffer tells the fetch what its first batch needs
     fetch = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                            prefetch_windows=resolved.prefetch_windows,
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
-                           first=first, prefetch_next_epoch=f.prefetch_next_epoch,
+                           batch_size=s.batch_size, prefetch_next_epoch=f.prefetch_next_epoch,
                            workers=resolved.workers, shared=shared, cache=f.cache,
                            worker_timeout_s=f.worker_timeout_s)
     if fetch.workers:
@@ -402,8 +400,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     node = fetch
     if done("fetch", node):
         return Graph(node, stages, ledger)
-    node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last,
-                             arena=arena, first=first)
+    node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last)
     if done("shuffle", node):
         return Graph(node, stages, ledger)
     gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords(),

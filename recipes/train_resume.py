@@ -38,10 +38,9 @@ def make_loader(source: ib.Source, manifest: ib.SplitManifest, seed: int,
     node = ReadPlanNode(node, source.variables)
     # gpu_decode: zstd/LZ4/gzip/blosc chunks decoded by nvCOMP on the GPU (see README "GPU")
     decoder = NvcompFrameDecoder(device) if gpu_decode else None
-    # The shuffle buffer tells the fetch which windows its first batch needs (fetched first).
-    first = ib.FirstBatch()
-    node = AsyncFetchNode(node, source, max_inflight=32, device_decode=decoder, first=first)
-    node = ShuffleBufferNode(node, source.variables, batch_size=32, first=first)
+    # batch_size: the fetch submits the windows of the first batch before those ahead.
+    node = AsyncFetchNode(node, source, max_inflight=32, device_decode=decoder, batch_size=32)
+    node = ShuffleBufferNode(node, source.variables, batch_size=32)
     # On CUDA the gather writes straight into PinOrCudaNode's pinned buffers: hand both the
     # same seam (only when every stage between keeps the batch's tensors, as here).
     staging = ib.StagingSeam() if device.type == "cuda" else None

@@ -8,7 +8,6 @@ from stores import Var, write_store
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.fetch.epoch_ahead import EpochAhead
-from insitubatch_nodes.fetch.first_batch import FirstBatch
 from insitubatch_nodes.fetch.hold import FirstBatchHold
 from insitubatch_nodes.fetch.loop_submit import LoopSubmit
 from insitubatch_nodes.fetch.thread_submit import ThreadSubmit
@@ -56,28 +55,30 @@ def test_epoch_ahead_failing_drops_its_windows_and_keeps_the_start():
 
 
 def test_the_hold_keeps_windows_ahead_until_the_first_batchs_are_out():
-    first = FirstBatch()
-    hold = FirstBatchHold(first, in_place=False)
+    hold = FirstBatchHold(in_place=False)
     asked = []
     hold.begin(lambda draws: asked.append(draws) or 3)
     assert asked == [1] and hold.started and hold.holding and hold.start_draws == 3
-    assert not hold.let_go(2, lambda: None)  # another of the first batch's windows queued
-    assert hold.let_go(1, lambda: None) and not hold.holding
+    assert not hold.let_go(2)  # another of the first batch's windows queued
+    assert hold.let_go(1) and not hold.holding
     hold.reset()
     assert not (hold.started or hold.holding or hold.deferred)
 
 
 def test_in_place_the_hold_defers_windows_ahead_to_the_first_batch_going_out():
-    first = FirstBatch()
-    first.draws = 4
-    hold = FirstBatchHold(first, in_place=True)
+    hold = FirstBatchHold(in_place=True)
+    hold.draws = 4
     hold.begin(lambda draws: 2 * draws)
-    called = []
-    assert not hold.let_go(1, lambda: called.append(1))
+    assert not hold.let_go(1)
     assert hold.deferred
-    first.went_out()
-    assert called == [1]
     assert hold.resume() and not hold.resume()  # once
+
+
+def test_in_place_the_hold_lets_windows_ahead_go_when_the_start_holds_one_batch():
+    hold = FirstBatchHold(in_place=True)
+    hold.draws = 4
+    hold.begin(lambda draws: draws + 3)  # less than a batch more than the first one
+    assert hold.let_go(1) and not hold.deferred
 
 
 def test_local_stores_go_to_the_decode_threads_and_others_to_the_loop(tmp_path):

@@ -48,7 +48,7 @@ def rest_of_epoch(src, m, state, split="train", **kw):
 def test_state_records_its_fingerprint(store):
     src, m = store
     state, _ = saved_after(src, m)
-    assert state["format"] == 3
+    assert state["format"] == 4
     fp = state["fingerprint"]
     assert fp["manifest"] == m.content_hash and fp["split"] == "train"
     assert (fp["seed"], fp["batch_size"], fp["block_chunks"]) == (0, 8, 2)
@@ -104,17 +104,19 @@ def test_malformed_states_are_one_value_error(store, bad, match):
 
 
 def _node_state(state, key):
-    d = state["root"]
-    while key not in d:
-        d = d["source"]
-    return d
+    """The deepest stage state holding ``key`` (the offset: the fetch's, decoding in place)."""
+    d, found = state["root"], None
+    while isinstance(d, dict):
+        found = d if key in d else found
+        d = d.get("source")
+    return found
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("position", 999, r"ChunkPermuteNode state field 'position' is 999, past the 12 windows"),
     ("position", -1, "ChunkPermuteNode state field 'position' must be an integer >= 0"),
     ("epoch", "1", "ChunkPermuteNode state field 'epoch' must be an integer >= 0, got '1'"),
-    ("offset", 999, "ShuffleBufferNode state field 'offset' is 999, past the 8 draws"),
+    ("offset", 999, "AsyncFetchNode state field 'offset' is 999, past the 8 draws"),
     ("history", [[2, [[0, 0]]]], r"'history'\[0\] must be \[world_size"),
 ])
 def test_out_of_range_node_fields_are_refused(store, field, value, match):
@@ -142,8 +144,9 @@ def test_progress_that_disagrees_with_the_nodes_is_refused(store):
     state, _ = saved_after(src, m)
     state["progress"]["offset"] += 1
     with ib.build_loader(src, m, "train", **KW) as ld, \
-            pytest.raises(ValueError, match="field 'progress.offset' is 1, but ShuffleBufferNode "
-                                            "state field 'offset' is 0"):
+            pytest.raises(ValueError, match=r"field 'progress.offset' is 1, but the draws "
+                                            r"into the head window \(state field 'offset' "
+                                            r"of ShuffleBufferNode or.*AsyncFetchNode\) is 0"):
         ld.load_state_dict(state)
 
 
@@ -195,6 +198,45 @@ def test_a_format_2_state_still_loads_with_a_warning_and_resumes_exactly(store):
         rest = [i for b in ld for i in b["sample_index"].tolist()]
     assert rest == rest_of_epoch(src, m, state)
     assert sorted(seen + rest) == split_samples(m, "train")
+
+
+def _stage_states(state):
+    """The nested stage states of a loader state, root first."""
+    out, d = [], state["root"]
+    while isinstance(d, dict):
+        out.append(d)
+        d = d.get("source")
+    return out
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_format_3_state_resumes_exactly(store, in_place):
+    """Format 3 kept the draws into the head window in the shuffle buffer's state; decoding
+    in place the fetch keeps them now (it cuts the batches), and an older state is moved
+    there on load."""
+    src, m = store
+    kw = dict(batch_size=6, in_place=in_place)
+    state, seen = saved_after(src, m, **kw)
+    old = copy.deepcopy(state)
+    old["format"] = 3
+    stages = _stage_states(old)
+    fetch = next(d for d in stages if "offset" in d and "offset" not in d["source"])
+    shuffle = stages[stages.index(fetch) - 1]
+    shuffle["offset"] += fetch.pop("offset")
+    assert shuffle["offset"] > 0  # mid-window: 18 draws into windows of 8
+    assert [d.get("offset") for d in _stage_states(state) if "offset" in d] == (
+        [0, shuffle["offset"]] if in_place else [shuffle["offset"], 0])
+    rest = rest_of_epoch(src, m, old, **kw)
+    assert rest == rest_of_epoch(src, m, state, **kw)
+    assert sorted(seen + rest) == split_samples(m, "train")
+
+
+def test_a_state_saved_in_place_resumes_on_the_gather_path_mid_window(store):
+    src, m = store
+    state, seen = saved_after(src, m, batch_size=6)
+    want = rest_of_epoch(src, m, state, batch_size=6)
+    assert rest_of_epoch(src, m, state, batch_size=6, in_place=False) == want
+    assert sorted(seen + want) == split_samples(m, "train")
 
 
 # -- merged (elastic) states ---------------------------------------------------------------
@@ -423,7 +465,7 @@ def test_a_state_saved_with_another_time_window_is_refused(store):
     state, _ = saved_after(src, m, k=1, window=w2)
     assert state["fingerprint"]["contiguous"] is True
     with ib.build_loader(src, m, "train", **KW, window=ib.SampleWindow(history=4, lead=1)) as ld, \
-            pytest.raises(ValueError, match=r"first: saved 1, this loader 3 \(.*window="):
+            pytest.raises(ValueError, match=r"first: saved 1, this loader 3 \(.*steps="):
         ld.load_state_dict(state)
     with ib.build_loader(src, m, "train", **KW) as ld, \
             pytest.raises(ValueError, match="contiguous: saved True, this loader False"):

@@ -11,7 +11,6 @@ from stores import BLOSC, Var, write_store
 from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.fetch.first_batch import FirstBatch
 from insitubatch_nodes.graph import build_graph, resolve
 from insitubatch_nodes.nodes import (
     ChunkPermuteNode,
@@ -20,7 +19,15 @@ from insitubatch_nodes.nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
-from insitubatch_nodes.sampling.items import BatchDraw, DecodedWindow, ScheduledWindow
+from insitubatch_nodes.memory.arena import BatchArena
+from insitubatch_nodes.memory.layout import build_layout
+from insitubatch_nodes.memory.ledger import BufferPool
+from insitubatch_nodes.sampling.items import (
+    BatchDraw,
+    DecodedBatch,
+    DecodedWindow,
+    ScheduledWindow,
+)
 
 STAGES = ["split", "permute", "plan", "fetch", "shuffle", "gather", "pin"]
 
@@ -34,11 +41,11 @@ def setup(tmp_path_factory):
     return src, ib.split_by_chunk(src, (0.9, 0.1)), data
 
 
-def build(src, m, upto, seed=5, in_place=False):
+def build(src, m, upto, seed=5, in_place=False, batch_size=7):
     """The standard graph (graph.py, as build_loader wires it), up to stage ``upto``: the
     window-and-gather path (these tests wire their own shuffle buffers), unless ``in_place``
     (None: as build_loader decides, chunks scattered into batches on this store)."""
-    cfg = ib.LoaderConfig.of(seed=seed, block_chunks=3, max_inflight=4, batch_size=7,
+    cfg = ib.LoaderConfig.of(seed=seed, block_chunks=3, max_inflight=4, batch_size=batch_size,
                              rank=0, world_size=1, in_place=in_place)
     return build_graph(src, m, "train", resolve(src, m, "train", cfg), upto=upto).root
 
@@ -54,6 +61,9 @@ def key(item):
                 tuple(sorted((i, a.tobytes()) for i, a in d.items()) for d in item.arrays))
     if isinstance(item, BatchDraw):
         return item.sample_index.tolist()
+    if isinstance(item, DecodedBatch):  # waited for as iterated: the rows it was given
+        return (item.sample_index.tolist(),
+                tuple(sorted((k, v.tobytes()) for k, v in item.arrays.result().items())))
     if isinstance(item, dict):
         return tuple(sorted((k, v.numpy().tobytes()) for k, v in item.items()))
     return item
@@ -251,14 +261,17 @@ class RecordingPlans(BaseNode):
         return self.inner.state_dict()
 
 
-def fetch_recording(src, m, first=None):
-    plans = RecordingPlans(build(src, m, "plan"))
-    plans.fetch = ib.AsyncFetchNode(plans, src, prefetch_windows=2, first=first)
+def fetch_recording(src, m, batch_size=None, in_place=False):
+    """A fetch over recorded plans; ``in_place``: decoding into batches of ``batch_size``."""
+    plans = RecordingPlans(build(src, m, "plan", in_place=in_place, batch_size=batch_size or 7))
+    arena = (BatchArena(build_layout(src.variables), BufferPool()) if in_place else None)
+    plans.fetch = ib.AsyncFetchNode(plans, src, prefetch_windows=2, batch_size=batch_size,
+                                    arena=arena)
     return plans, plans.fetch
 
 
 def test_without_first_batch_the_first_window_is_fetched_alone(setup):
-    """A hand-built fetch without a ``FirstBatch``: no window ahead is submitted until the
+    """A hand-built fetch without ``batch_size``: no window ahead is submitted until the
     first one is out (it would share the cores with its last stripes); then the usual depth
     is kept."""
     src, m = setup[0], setup[1]
@@ -276,23 +289,26 @@ def test_without_first_batch_the_first_window_is_fetched_alone(setup):
         fetch.shutdown()
 
 
-@pytest.mark.parametrize(("batch", "restore_after", "together"), [
-    (7, 0, 1),  # within the first window (24 draws): it goes alone
-    (30, 0, 2),  # runs into the second window: both go in at once
-    (7, 3, 2),  # restored 21 draws into the head window: 3 left there, 4 from the next
-    (7, 2, 1),  # restored 14 draws in: the batch is within the head window
+@pytest.mark.parametrize(("batch", "restore_after", "together", "in_place"), [
+    (7, 0, 1, False),  # within the first window (24 draws): it goes alone
+    (30, 0, 2, False),  # runs into the second window: both go in at once
+    # restored 21 draws into the head window: 3 left there, 4 from the next. Decoding in
+    # place the fetch counts those draws itself, so both windows go in; delivering whole
+    # windows only the shuffle buffer knows them, and the head window goes alone
+    (7, 3, 2, True),
+    (7, 3, 1, False),
+    (7, 2, 1, True),  # restored 14 draws in: the batch is within the head window
 ])
 def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_after,
-                                                        together):
-    """With the shuffle buffer's ``FirstBatch``, the fetch starts with every window the first
-    batch (after a restore: the next batch) draws from, and no more; the windows ahead go in
-    once all of those are out."""
+                                                        together, in_place):
+    """Given its batch size, the fetch starts with every window the first batch (after a
+    restore decoding in place: the next batch) draws from, and no more; the windows ahead
+    go in once all of those are out."""
     src, m = setup[0], setup[1]
     state = None
     if restore_after:
-        first = FirstBatch()
-        _, fetch = fetch_recording(src, m, first)
-        shuffle = ShuffleBufferNode(fetch, src.variables, batch, first=first)
+        _, fetch = fetch_recording(src, m, batch, in_place)
+        shuffle = ShuffleBufferNode(fetch, src.variables, batch)
         try:
             shuffle.reset()
             for _ in range(restore_after):
@@ -300,18 +316,20 @@ def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_aft
             state = shuffle.state_dict()
         finally:
             shuffle.shutdown()
-    first = FirstBatch()
-    plans, fetch = fetch_recording(src, m, first)
-    shuffle = ShuffleBufferNode(fetch, src.variables, batch, first=first)
+    plans, fetch = fetch_recording(src, m, batch, in_place)
+    shuffle = ShuffleBufferNode(fetch, src.variables, batch)
     try:
         shuffle.reset(state)
         next(shuffle)
         # the first batch's windows pulled together (0, 1, ... pending), then, once all are
-        # made (the last of them about to be handed over), the two ahead
-        assert plans.pending == [*range(together), 1, 2]
-        assert plans.made[together] == 1  # no window ahead before the last of them was made
-        shuffle.reset()  # a fresh epoch after a restore: back to the batch size
-        assert first.draws == batch
+        # handed over, the windows ahead
+        assert plans.pending[:together] == list(range(together))
+        assert plans.pending[together] == 1
+        if not in_place:  # in place a window is handed over as submitted, not made
+            assert plans.made[together] == 1  # no window ahead before the last was made
+            # the two ahead (restored on whole windows, the batch then asks for the next
+            # window, and one more goes in behind it)
+            assert plans.pending[:together + 2] == [*range(together), 1, 2]
     finally:
         shuffle.shutdown()
 
@@ -361,11 +379,27 @@ def test_an_epoch_survives_a_plan_stage_that_fails_once(setup, at):
     assert got == want
 
 
-def test_the_graph_hands_one_first_batch_to_the_fetch_and_the_shuffle_buffer(setup):
-    shuffle = build(setup[0], setup[1], "shuffle")
+def test_decoded_in_place_the_fetch_yields_the_batches_the_shuffle_buffer_passes_on(setup):
+    """In place the fetch yields each batch of the plans (rows sorted, in plan order), and
+    the shuffle buffer hands on exactly those: nothing is cut twice, no side channel."""
+    src, m = setup[0], setup[1]
+    fetch = build(src, m, "fetch", in_place=True)
     try:
-        assert isinstance(shuffle, ShuffleBufferNode)
-        assert shuffle.first is not None and shuffle.first is shuffle.source.first
+        fetch.reset()
+        batches = list(fetch)
+        assert batches and all(isinstance(b, DecodedBatch) for b in batches)
+        assert all(b.sample_index.tolist() == sorted(b.sample_index.tolist()) for b in batches)
+        rows = [b.arrays.result() for b in batches]  # waited for, in order
+        assert all(r["x"].shape[0] == b.sample_index.size for r, b in zip(rows, batches))
+    finally:
+        fetch.shutdown()
+    shuffle = build(src, m, "shuffle", in_place=True)
+    try:
+        shuffle.reset()
+        draws = list(shuffle)
+        assert [d.sample_index.tolist() for d in draws] == [
+            b.sample_index.tolist() for b in batches]
+        assert all(d.ready is not None and not d.parts for d in draws)
     finally:
         shuffle.shutdown()
 

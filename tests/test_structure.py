@@ -108,7 +108,7 @@ def test_no_import_cycle():
 # of it ("state.checkpoint"); a module's layer is that of its most specific entry.
 LAYERS = [
     {"errors", "sampling", "memory", "metrics.counters", "metrics.loader_stats",
-     "state.fingerprint", "state.ranks", "fetch.first_batch"},
+     "state.fingerprint", "state.ranks"},
     {"io", "workers", "store"},
     {"config", "defaults"},
     {"fetch"},

@@ -2,8 +2,8 @@
 batch draws from go in; the windows ahead follow once they are all out (in place: once
 the first batch itself went out). DESIGN.md "Time to first batch" says why.
 
-``FirstBatch`` (first_batch.py) is what the shuffle buffer tells the fetch; this is what
-the fetch keeps of it between its calls.
+How far the first batch reaches is the fetch's to say: its batch size (``AsyncFetchNode(
+batch_size=)``) and, decoding in place, the draws of the head window a restore skips.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..sampling.plan import ReadPlan
-from .first_batch import FirstBatch
 from .jobs import InPlaceJob, prepare_in_place
 from .submit import FetchContext
 
@@ -22,10 +21,10 @@ class FirstBatchHold:
     batch to go out (``deferred``, in place), and the start's head window while it holds
     stripes for its copies (``head``)."""
 
-    def __init__(self, first: FirstBatch, in_place: bool) -> None:
-        # The draws the first batch reaches, from the shuffle buffer (graph.py wires it);
-        # a fresh one says 0, and the first window goes alone.
-        self.first = first
+    def __init__(self, in_place: bool) -> None:
+        # The draws of the first windows the first batch reaches (set by the fetch at each
+        # reset); 0: unknown, and the first window goes alone.
+        self.draws = 0
         self.in_place = in_place
         self.started = False  # next() ran since the last reset (the first windows went in)
         self.holding = False  # the first batch's windows are not all out: none go ahead
@@ -45,30 +44,29 @@ class FirstBatchHold:
         share the cores with their last stripes and delay it."""
         self.starting = True  # the head window (in place: its first batch first)
         try:
-            self.start_draws = top_up(max(1, self.first.draws))
+            self.start_draws = top_up(max(1, self.draws))
         finally:
             self.starting = False
         self.holding = True
         self.started = True
 
-    def let_go(self, queued: int, then: Callable[[], None]) -> bool:
+    def let_go(self, queued: int) -> bool:
         """The head window of ``queued`` is about to go out: whether the windows ahead go
         in now. Not while windows the first batch needs are still to come after it; in
         place the window goes out undecoded and its first batch lands while the rest
-        decodes, so they wait (``then`` is called) until that batch went out, when the
-        start's windows hold a batch's worth more than it (else at once, to keep the pool
-        busy)."""
+        decodes, so they wait (``resume``) until that batch went out, when the start's
+        windows hold a batch's worth more than it (else at once, to keep the pool busy)."""
         if self.holding and queued > 1:
             return False
-        defer = (self.holding and self.in_place
-                 and self.start_draws >= 2 * max(1, self.first.draws)
-                 and self.first.after_first(then))
+        defer = (self.holding and self.in_place and self.draws > 0
+                 and self.start_draws >= 2 * self.draws)
         self.holding = False
         self.deferred = defer
         return not defer
 
     def resume(self) -> bool:
-        """``FirstBatch.went_out``: whether windows ahead were waiting for it (once)."""
+        """The first batch went out (the fetch was asked for the next one): whether windows
+        ahead were waiting for it (once)."""
         deferred, self.deferred = self.deferred, False
         return deferred
 

@@ -1,9 +1,10 @@
 """The batches being decoded into: buffers keyed by batch number, filled row by row.
 
-With one sample per chunk the fetch decodes every chunk straight into its final batch row
-(``plan.BatchSlots`` says which); a batch is complete once every window that feeds it has
-been fetched, and the shuffle buffer then takes it whole. Shared by the fetch (which
-allocates on the loop thread) and the shuffle buffer (which takes on the consumer thread).
+Decoding in place, the fetch writes every chunk straight into its final batch rows
+(``plan.BatchSlots`` says which); a batch is complete once every write to it landed. The
+fetch owns the arena: it yields each batch with a ``BatchFuture`` (``future``), and whoever
+makes the batch's tensors downstream (``GatherNode``) waits on that future. Batches are
+allocated on the training thread or the decode threads and taken on the training thread.
 """
 
 from __future__ import annotations
@@ -40,14 +41,29 @@ class _Filling:
         self.error: BaseException | None = None
 
 
-class BatchArena:
-    """Batch buffers by batch number, filled by the fetch and taken by the shuffle buffer.
+class BatchFuture:
+    """Batch ``b`` of an arena, as a future: ``result()`` waits until its rows have landed
+    and hands its arrays over (``BatchArena.take``); asking again after a failed read
+    raises that error again."""
 
-    ``rows(b, n, writes)`` allocates batch ``b`` (``n`` rows, every key of the layout) on
-    first use, expecting ``writes`` row writes in all; ``done(b, k)`` counts ``k`` of them;
-    ``take(b)`` waits until all have landed (so a batch is handed out as soon as it is
-    complete, not when the window around it is), hands it over and forgets every earlier
-    batch (skipped on resume: complete, so their memory may be recycled).
+    __slots__ = ("arena", "batch")
+
+    def __init__(self, arena: BatchArena, batch: int) -> None:
+        self.arena, self.batch = arena, batch
+
+    def result(self) -> dict[str, np.ndarray]:
+        return self.arena.take(self.batch)
+
+
+class BatchArena:
+    """Batch buffers by batch number, filled by the decode threads or workers.
+
+    ``expect(b, n)`` announces batch ``b`` (``n`` rows, every key of the layout), whose
+    memory its first write takes (``arrays_of``); ``done(b, k, generation)`` counts ``k``
+    row writes, ``fail`` a read that will not land; ``take(b)`` (through ``future(b)``)
+    waits until all have landed (so a batch is handed out as soon as it is complete, not
+    when the window around it is), hands it over and forgets every earlier batch (skipped
+    on resume: complete, so their memory may be recycled).
     """
 
     def __init__(self, layout: BatchLayout, pool: BufferPool,
@@ -173,12 +189,18 @@ class BatchArena:
                     got.error = error
                     got.ready.set()
 
+    def future(self, b: int) -> BatchFuture:
+        """Batch ``b`` (announced by ``expect``) as a future the fetch yields downstream."""
+        return BatchFuture(self, b)
+
     def take(self, b: int) -> dict[str, np.ndarray]:
+        """Wait for batch ``b``'s rows, then hand its arrays over (see the class)."""
         with self._lock:
             got = self._batches.get(b)
         if got is None:
-            raise RuntimeError(f"batch {b} was never decoded into: the plans and the shuffle "
-                               "buffer disagree on where batches start (a bug)")
+            raise StaleBatch(f"batch {b} of generation {self.generation} is not being "
+                             "decoded: it was taken already, or the fetch was reset (a new "
+                             "epoch, a restore) since it was yielded")
         if not got.ready.is_set():
             t0 = time.perf_counter()
             got.ready.wait()

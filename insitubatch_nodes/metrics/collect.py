@@ -71,8 +71,8 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
     resident = ledger.resident if ledger is not None else 0
     peak = ledger.peak if ledger is not None else 0
 
-    # Decoding in place, the consumer waits for a batch inside the shuffle buffer
-    # (BatchArena.take): that is waiting on the fetch, not shuffling.
+    # Decoding in place, the consumer waits for a batch's rows inside the gather (its
+    # BatchFuture): that is waiting on the fetch (the gather counts it as upstream time).
     arena_wait = fetch.arena.wait_s if fetch is not None and fetch.arena is not None else 0.0
     fetch_next = fs.next_s if fs else 0.0
     fetch_wait = (fs.wait_s if fs else 0.0) + arena_wait
@@ -109,7 +109,7 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
         window_occupancy=resident / bound if bound else None,
         wait_fetch_s=fetch_wait,
         schedule_s=max(0.0, fetch_next - fetch_wait + arena_wait),
-        shuffle_s=max(0.0, sh_next - sh_up - arena_wait),
+        shuffle_s=max(0.0, sh_next - sh_up),
         gather_s=max(0.0, g_next - g_up),
         deliver_s=max(0.0, meter.total_wait_s - g_next),
         store_s=rt.store_s,

@@ -3,7 +3,8 @@
 The node keeps torchdata's pattern (reset / next / get_state / shutdown) and the order
 windows go out in; the parts it runs over live in ``fetch/``: how windows are submitted
 (``SubmitPath``: decode threads, event loop, worker processes, device), the first-batch
-hold, the next epoch started early, and the loop thread.
+hold, the batches cut from windows decoded in place, the next epoch started early, and the
+loop thread.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..defaults import PREFETCH_WINDOWS
-from ..errors import ConfigError
+from ..errors import ConfigError, StateError
+from ..fetch.batches import BatchCut
 from ..fetch.device_submit import DeviceSubmit, window_decoder_for
 from ..fetch.epoch_ahead import EpochAhead
-from ..fetch.first_batch import FirstBatch
 from ..fetch.hold import FirstBatchHold
 from ..fetch.jobs import DirectWindow, slot_parts
 from ..fetch.loop import FetchLoop
@@ -38,12 +39,12 @@ from ..io.retry import RetryPolicy
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool, MemoryLedger
 from ..metrics.counters import FetchStats
-from ..sampling.items import DecodedWindow
+from ..sampling.items import DecodedBatch, DecodedWindow
 from ..sampling.plan import ReadPlan
 from ..store.source import Source
 from ..workers.engine import JOB_TIMEOUT_S, WindowRun, WorkerEngine
 from ..workers.shared_memory import SharedMemoryArena
-from .state import copy_state, require, shutdown_source
+from .state import copy_state, require, require_count, shutdown_source
 
 # Windows fetched ahead of the one being drawn, on every store (defaults.default_prefetch_windows
 # says why): the node's default and the loader's are this one number.
@@ -73,13 +74,21 @@ def submit_path(ctx: FetchContext, hold: FirstBatchHold, loop: FetchLoop,
     return LoopSubmit(ctx, hold, loop)
 
 
-class AsyncFetchNode(BaseNode[DecodedWindow]):
+class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
     """Fetches and decodes each ``ReadPlan``'s stripes, keeping the next windows in flight.
 
     Up to ``max_inflight`` stripe reads run at once on the loop; decoding happens on a small
     thread pool (the decoders release the GIL). Windows are delivered in plan order, and the
     node's state is the upstream state as of the last window delivered, so in-flight work
     is simply refetched on resume.
+
+    Decoding in place (an ``arena``; plans with batch slots), the chunks are written straight
+    into their batches and the node yields those batches (``DecodedBatch``) in plan order,
+    each as soon as every window feeding it is submitted; its state is then the upstream
+    state before the window holding the next draw and the draws of that window delivered
+    (``offset``), which a restore skips. ``batch_size`` says how far the first batch reaches,
+    so an epoch or a restore submits just its windows first (DESIGN.md "Time to first
+    batch"); without it the first window goes alone.
 
     With ``device_decode`` (a ``FrameDecoder``), variables whose codec chain the device can
     decode are fetched compressed and decoded per window on the device (``WindowDecoder``,
@@ -96,7 +105,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     ``reset(None)`` reads something the training loop sets between epochs.
     """
 
-    SOURCE_KEY = "source"  # upstream state as of the last window delivered
+    SOURCE_KEY = "source"  # upstream state before the window holding the next draw
+    OFFSET_KEY = "offset"  # in place: draws of that window delivered (0 for whole windows)
 
     def __init__(self, source: BaseNode[ReadPlan], dataset: Source, *, max_inflight: int = 32,
                  prefetch_windows: int = DEFAULT_PREFETCH_WINDOWS,
@@ -104,7 +114,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
                  ledger: MemoryLedger | None = None, pool: BufferPool | None = None,
                  retry: RetryPolicy | None = None,
                  device_decode: FrameDecoder | None = None,
-                 arena: BatchArena | None = None, first: FirstBatch | None = None,
+                 arena: BatchArena | None = None, batch_size: int | None = None,
                  prefetch_next_epoch: bool = True, workers: int = 0,
                  shared: SharedMemoryArena | None = None,
                  cache: ChunkCache | None = None,
@@ -114,6 +124,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             raise ConfigError(f"max_inflight must be >= 1, got {max_inflight}")
         if prefetch_windows < 0:
             raise ConfigError(f"prefetch_windows must be >= 0, got {prefetch_windows}")
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 (or None), got {batch_size}")
+        self.batch_size = batch_size
         # Decode worker processes writing into batches in ``shared`` memory (in place only;
         # graph.py sets the arena's pool to allocate there). 0: the decode threads.
         if workers and (arena is None or shared is None):
@@ -147,8 +160,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
             slot_parts(arena, [r.geom.sample_shape for r in self.readers])
             if arena is not None else ())
         self._loop = FetchLoop(self.decode_threads, self.window_decoder is not None)
-        self._hold = FirstBatchHold(first if first is not None else FirstBatch(),
-                                    arena is not None)
+        self._hold = FirstBatchHold(arena is not None)
         path = submit_path(self._ctx, self._hold, self._loop, self.window_decoder)
         if self.workers:
             assert shared is not None
@@ -158,7 +170,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         self._epoch = EpochWindows()
         # In-place windows write into the arena's batches of this epoch: not ahead of it.
         self._ahead = EpochAhead(bool(prefetch_next_epoch) and arena is None)
-        self._delivered: dict | None = None
+        self._delivered: dict | None = None  # upstream state after the last window handed on
+        # In place: the batches cut from the windows handed on, the restore's draws of the
+        # head window to skip, batches yielded since the reset, and the position after the
+        # last one (state, offset).
+        self._cut = BatchCut()
+        self._skip = 0
+        self._served = 0
+        self._at: tuple[dict | None, int] = (None, 0)
 
     def _open_readers(self, dataset: Source,
                       cache: ChunkCache | None) -> tuple[StripeReader, ...]:
@@ -171,9 +190,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return readers
 
     @property
-    def first(self) -> FirstBatch:
-        """The draws the first batch reaches, from the shuffle buffer (graph.py wires it)."""
-        return self._hold.first
+    def in_place(self) -> bool:
+        """Whether chunks are decoded straight into batches (an arena): then this node
+        yields batches (``DecodedBatch``), else windows (``DecodedWindow``)."""
+        return self.arena is not None
 
     @property
     def prefetch_next_epoch(self) -> bool:
@@ -245,6 +265,13 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._loop.check_process()
+        skip = (0 if initial_state is None
+                else require_count(initial_state, self.OFFSET_KEY, self))
+        if skip and self.arena is None:
+            raise StateError(f"AsyncFetchNode state field {self.OFFSET_KEY!r} is {skip}: draws "
+                             "into a window are counted here only when decoding in place; "
+                             "this fetch delivers whole windows (the state was saved by a "
+                             "loader built differently)")
         epoch, ahead = self._epoch, self._ahead
         # Nothing of an epoch begun by reset(None) asked for yet: the upstream would start it
         # again (it moves on only once asked), whatever this node fetched ahead since.
@@ -253,7 +280,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         epoch.cancel()
         if self.arena is not None:
             self.arena.clear()
+            self.arena.skip_next(skip)  # the restored head window's draws delivered before
+        self._cut.clear()
+        self._skip, self._served = skip, 0
         self._hold.reset()
+        self._hold.draws = skip + (self.batch_size or 0)
         epoch.error = None
         epoch.exhausted = False
         start = ahead.start
@@ -278,6 +309,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         epoch.asked = False
         self._delivered = copy_state(start if adopt and start is not None
                                      else self.source.state_dict())
+        self._at = (self._delivered, skip)
 
     # -- fetching ---------------------------------------------------------------------
     def _jobs(self, plan: ReadPlan, grouped: bool | None = None) -> list[tuple[int, list[int]]]:
@@ -331,22 +363,26 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
     def _submit(self, plan: ReadPlan, snap: dict, lt: LoopThread) -> Entry:
         """Start fetching ``plan``'s window: its queue entry."""
         if plan.slots is not None and self.arena is not None:
-            # Delivered at once: the shuffle buffer waits per batch (BatchArena.take),
-            # so a batch goes out as soon as its rows are in, not its whole window.
+            # Handed on as submitted: its batches go out at once and the gather waits on
+            # each (BatchArena.future), so a batch is used as soon as its rows are in.
             return Entry(self._path.submit(plan, lt), snap, plan)
         if self._path.all_cached(plan):
             # read whole from the local chunk cache: straight to the pool as well
             return Entry(self._submit_cached(plan, lt), snap, None)
         return Entry(self._path.submit(plan, lt), snap, None)
 
-    def next(self) -> DecodedWindow:
+    def next(self) -> DecodedWindow | DecodedBatch:
         t_in = time.perf_counter()
         try:
-            return self._next()
+            if self.arena is not None:
+                return self._next_batch()
+            return self._next_window()
         finally:
             self.stats.next_s += time.perf_counter() - t_in
 
-    def _next(self) -> DecodedWindow:
+    def _head(self) -> Entry | None:
+        """The next window to hand on, the windows ahead of it submitted as the first-batch
+        hold allows; ``None`` once the epoch has none left."""
         self._loop.check_process()
         epoch, hold = self._epoch, self._hold
         epoch.asked = True
@@ -358,17 +394,44 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         elif not hold.holding:
             hold.deferred = False  # asked for a window before the first batch went out
             self._top_up(self.prefetch_windows + 1)
-        if not epoch.queue:
-            raise StopIteration
-        fut, snap, in_place = epoch.queue[0]
-        if in_place is not None:
-            hold.drawn(in_place)
+        return epoch.queue[0] if epoch.queue else None
+
+    def _next_batch(self) -> DecodedBatch:
+        """In place: the next batch the plans made, once every window feeding it is
+        submitted (its rows may still be decoding: the gather waits on its arrays)."""
+        if self._served == 1 and self._hold.resume():
+            # The first batch went out: the windows ahead held back for it go in now.
+            self._top_up(self.prefetch_windows - self._hold.head_holds())
+        cut = self._cut
+        while not cut.out:
+            head = self._head()
+            if head is None:
+                cut.check_done()
+                self._at = (self._delivered, 0)
+                raise StopIteration
+            fut, snap, plan = head
+            assert plan is not None, "an in-place fetch queues windows with batch slots"
+            BatchCut.check_skip(plan, self._skip, type(self).__name__)
+            self._hold.drawn(plan)
             self._before_delivery()
-            epoch.queue.popleft()
-            epoch.handed_on(fut)
-            self._delivered = snap
-            return DecodedWindow(in_place, tuple({} for _ in in_place.reads))
-        # a window run by decode workers is in place (``WorkerSubmit.submit``): out above
+            self._epoch.queue.popleft()
+            self._epoch.handed_on(fut)
+            before, self._delivered = self._delivered, snap
+            assert self.arena is not None and before is not None
+            skip, self._skip = self._skip, 0
+            cut.add(plan, before, snap, skip, self.arena)
+        item = cut.out.popleft()
+        self._at = (item.state, item.offset)
+        self._served += 1
+        return item.batch
+
+    def _next_window(self) -> DecodedWindow:
+        head = self._head()
+        if head is None:
+            raise StopIteration
+        epoch = self._epoch
+        fut, snap, _ = head
+        # a window run by decode workers is in place (``WorkerSubmit.submit``)
         assert not isinstance(fut, WindowRun)
         t0 = time.perf_counter()
         try:
@@ -396,14 +459,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         the first-batch hold says not yet. Topped up before the head is popped: if pulling
         or submitting a plan raises, the head stays queued and the next call delivers it
         (popped first, it was lost while the state already counted it delivered)."""
-        if self._hold.let_go(len(self._epoch.queue), self._after_first_batch):
+        if self._hold.let_go(len(self._epoch.queue)):
             self._top_up(self.prefetch_windows + 1 - self._hold.head_holds())
-
-    def _after_first_batch(self) -> None:
-        """``FirstBatch.went_out``: the windows ahead, held back for the first batch (its
-        window is out of the queue by now, so ``prefetch_windows`` of them)."""
-        if self._hold.resume():
-            self._top_up(self.prefetch_windows - self._hold.head_holds())
 
     def windows_pending(self) -> tuple[int, int]:
         """(windows submitted and not yet handed over, of which fully fetched). In place,
@@ -415,8 +472,11 @@ class AsyncFetchNode(BaseNode[DecodedWindow]):
         return len(futs), sum(f.done() for f in futs)
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: copy_state(self._delivered)}
+        if self.arena is not None:
+            state, offset = self._at
+            return {self.SOURCE_KEY: copy_state(state), self.OFFSET_KEY: offset}
+        return {self.SOURCE_KEY: copy_state(self._delivered), self.OFFSET_KEY: 0}
 
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
         """The state of this node before its first window, over ``upstream``'s state."""
-        return {self.SOURCE_KEY: upstream}
+        return {self.SOURCE_KEY: upstream, self.OFFSET_KEY: 0}

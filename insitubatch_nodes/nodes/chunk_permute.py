@@ -99,10 +99,11 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
                                               f"{self.HISTORY_KEY!r}")
 
     def check_state(self, state: Mapping[str, Any], offset: int | None = None,
-                    ) -> RankSchedule:
+                    owner: str = "ShuffleBufferNode") -> RankSchedule:
         """The schedule ``state`` resumes, after checking its position is within that
         epoch's windows and, given ``offset`` (draws taken in the head window, from the
-        ``ShuffleBufferNode``), that the head window has that many draws."""
+        ``ShuffleBufferNode`` or, decoding in place, the ``AsyncFetchNode``: ``owner``), that
+        the head window has that many draws."""
         epoch, pos, history = self.parse_state(state)
         self._check_history(epoch, history)
         schedule = rank_schedule(self._context(), epoch, self.rank, self.world_size, history)
@@ -114,7 +115,7 @@ class ChunkPermuteNode(BaseNode[ScheduledWindow]):
             size = schedule.windows[pos].n_final if pos < n else 0
             if offset > size:
                 raise StateError(
-                    f"ShuffleBufferNode state field 'offset' is {offset}, past the {size} draws "
+                    f"{owner} state field 'offset' is {offset}, past the {size} draws "
                     f"of window {pos} of epoch {epoch} on rank {self.rank} of "
                     f"{self.world_size}: the state was edited or saved by a loader built "
                     "differently")

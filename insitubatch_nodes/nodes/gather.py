@@ -32,6 +32,11 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     ``np.take(..., out=, mode="clip")`` writes straight into the tensor's memory; the
     default ``mode="raise"`` buffers through a temporary first. The offsets come from
     geometry, so clipping never changes a value.
+
+    A draw decoded in place (``BatchDraw.ready``) is a batch already made: this node waits
+    for its rows (the wait counts as upstream time: it is the fetch's) and wraps them. A
+    failed read raises here, and again on every ``next()`` until a reset: its draws are
+    spent, so going on must not quietly serve the next batch.
     """
 
     SOURCE_KEY = "source"
@@ -39,13 +44,11 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
     def __init__(self, source: BaseNode[BatchDraw], variables: Sequence[VariableGeometry],
                  pool: BufferPool | None = None, *, steps: SampleWindow | None = None,
                  coords: Mapping[str, np.ndarray] | None = None,
-                 staging: StagingSeam | None = None, layout: BatchLayout | None = None,
-                 window: SampleWindow | None = None) -> None:
+                 staging: StagingSeam | None = None,
+                 layout: BatchLayout | None = None) -> None:
         super().__init__()
         self.source = source
         self.variables = tuple(variables)
-        # ``window=`` is the name earlier versions used for ``steps``.
-        steps = steps if steps is not None else window
         # With time steps, "name" holds the inputs (batch, history, ...) and
         # "target/name" the targets (batch, n_leads, ...).
         self.steps = None if steps is None or steps.is_single_step else steps
@@ -62,6 +65,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         # Shared with a CUDA PinOrCudaNode downstream by the graph builder: gather into its
         # pinned ring slot instead of pageable pool memory (saves one host copy per batch).
         self.staging = staging
+        self._error: BaseException | None = None  # a batch whose rows failed: raised again
 
     def _out(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if self.staging is not None:
@@ -72,6 +76,7 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._error = None
         self.source.reset(None if initial_state is None
                           else require(initial_state, self.SOURCE_KEY, self))
 
@@ -79,7 +84,10 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         stats = self.stats
         t0 = time.perf_counter()
         try:
+            if self._error is not None:
+                raise self._error
             draw = next(self.source)
+            ready = self._ready(draw)
         except BaseException:  # StopIteration included: the wait counts on both sides
             dt = time.perf_counter() - t0
             stats.upstream_s += dt
@@ -89,8 +97,8 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         n = int(draw.sample_index.size)
         batch: dict[str, torch.Tensor] = {}
         nbytes = 0
-        if draw.ready is not None:  # decoded in place: the batch is already made
-            for name, arr in draw.ready.items():
+        if ready is not None:  # decoded in place: the batch is already made
+            for name, arr in ready.items():
                 batch[name] = torch.from_numpy(arr)
                 nbytes += arr.nbytes
         else:
@@ -107,6 +115,17 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
         stats.nbytes += nbytes
         stats.next_s += time.perf_counter() - t0
         return batch
+
+    def _ready(self, draw: BatchDraw) -> dict[str, np.ndarray] | None:
+        """The arrays of a batch decoded in place, once its rows landed (``None`` for draws
+        to gather); a failed read is kept and raised again."""
+        if draw.ready is None:
+            return None
+        try:
+            return draw.ready.result()
+        except BaseException as e:
+            self._error = e
+            raise
 
     def _gather_arrays(self, draw: BatchDraw, n: int, batch: dict[str, torch.Tensor],
                        skip: set[int]) -> int:

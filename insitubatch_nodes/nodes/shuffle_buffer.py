@@ -1,4 +1,5 @@
-"""ShuffleBufferNode: cuts the windows' draw orders into batches of draws."""
+"""ShuffleBufferNode: cuts the windows' draw orders into batches of draws (decoded in
+place, the plans cut them already: it passes the fetch's batches on)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,9 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, StateError
-from ..fetch.first_batch import FirstBatch
-from ..memory.arena import BatchArena
 from ..metrics.counters import ShuffleStats
 from ..sampling.geometry import VariableGeometry
-from ..sampling.items import BatchDraw, DecodedWindow, GatherPart
+from ..sampling.items import BatchDraw, DecodedBatch, DecodedWindow, GatherPart
 from .state import copy_state, require, require_count, shutdown_source
 
 
@@ -70,14 +69,19 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     Batches run on across window edges, so only the epoch's last batch is short. A stripe is
     dropped as soon as its last sample is drawn. State: upstream state before the head
     window, and how many of its samples were drawn.
+
+    Decoded in place, the fetch yields batches (``DecodedBatch``) already cut and mixed by
+    the plans (``schedule.batch_slots`` draws them exactly as this node would): each is
+    passed on as a ``BatchDraw`` whose rows are ready (``ready``), and the fetch keeps the
+    draws delivered into its head window in its own state.
     """
 
     SOURCE_KEY = "source"  # upstream state before the head window was pulled
     OFFSET_KEY = "offset"  # draws already taken from the head window
 
-    def __init__(self, source: BaseNode[DecodedWindow], variables: Sequence[VariableGeometry],
-                 batch_size: int, drop_last: bool = False,
-                 arena: BatchArena | None = None, first: FirstBatch | None = None) -> None:
+    def __init__(self, source: BaseNode[DecodedWindow | DecodedBatch],
+                 variables: Sequence[VariableGeometry], batch_size: int,
+                 drop_last: bool = False) -> None:
         super().__init__()
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -85,15 +89,9 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self.variables = tuple(variables)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
-        # Where windows with batch slots were decoded (the same arena as the fetch's).
-        self.arena = arena
-        # Told at each reset how far into its first windows the first batch draws, so the
-        # fetch submits just those first (graph.py hands the fetch the same object).
-        self.first = first
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
-        self._error: BaseException | None = None  # a batch that failed: raised again
         self.stats = ShuffleStats()
 
     def resident_counts(self) -> tuple[int, int]:
@@ -108,22 +106,14 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         super().reset(initial_state)
         self._resident.clear()
         self._exhausted = False
-        self._error = None
-        self._served = 0  # batches handed out since this reset
-        # The skip and the first batch's reach are set before upstream resets: a prefetching
-        # stage between may ask the fetch for windows as soon as it is reset.
         self._skip = (0 if initial_state is None
                       else require_count(initial_state, self.OFFSET_KEY, self))
-        if self.first is not None:
-            self.first.draws = self._skip + self.batch_size
-        if self.arena is not None:
-            # The fetch need not decode them again; 0 on a fresh start, so a skip set by an
-            # earlier reset whose window was never prepared does not carry over.
-            self.arena.skip_next(self._skip)
         self.source.reset(None if initial_state is None
                           else require(initial_state, self.SOURCE_KEY, self))
 
-    def _pull(self) -> _Resident | None:
+    def _pull(self, batch_ok: bool = False) -> _Resident | DecodedBatch | None:
+        """The next window as a resident one (``None``: the epoch has no more); with
+        ``batch_ok``, a batch the fetch cut already (decoded in place) as it is."""
         snap = copy_state(self.source.state_dict())
         t0 = time.perf_counter()
         try:
@@ -137,6 +127,18 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
             return None
         finally:
             self.stats.upstream_s += time.perf_counter() - t0
+        if isinstance(win, DecodedBatch):
+            if self._skip:
+                raise StateError(
+                    f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is {self._skip}, but "
+                    "its upstream yields batches cut already (decoded in place), whose draws "
+                    "into a window the fetch counts: the state was saved by a loader built "
+                    "differently")
+            if not batch_ok:
+                raise RuntimeError("ShuffleBufferNode's upstream yielded a batch "
+                                   "(DecodedBatch) between windows (DecodedWindow): a fetch "
+                                   "yields one or the other for a whole epoch")
+            return win
         self.stats.windows += 1
         if self._skip > win.plan.n_samples:
             raise StateError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
@@ -144,8 +146,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                              "restored window: the state was edited or saved by a loader "
                              "built differently")
         plan = win.plan
-        # Decoded straight into its batches (slots): no stripes are held here.
-        evict = tuple([] if plan.slots is not None else sorted(zip(last, reads, strict=True))
+        evict = tuple(sorted(zip(last, reads, strict=True))
                       for reads, last in zip(plan.reads, plan.last_use, strict=True))
         res = _Resident(win, snap, evict=evict, next_evict=[0] * len(evict))
         if self._skip:
@@ -164,22 +165,19 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     def next(self) -> BatchDraw:
         t0 = time.perf_counter()
         try:
-            if self._served == 1 and self.first is not None:
-                # the first batch went out: the fetch may plan its windows ahead now (said
-                # once: FirstBatch forgets the callback when it runs it)
-                self.first.went_out()
-            draw = self._next()
-            self._served += 1
-            return draw
+            return self._next()
         finally:
             self.stats.next_s += time.perf_counter() - t0
 
     def _next(self) -> BatchDraw:
-        if self._error is not None:
-            raise self._error
+        if not self._resident and not self._exhausted:
+            first = self._pull(batch_ok=True)
+            if isinstance(first, DecodedBatch):  # cut and mixed by the plans: passed on
+                return BatchDraw(first.sample_index, (), ready=first.arrays)
+            if first is not None:
+                self._resident.append(first)
         pieces: list[np.ndarray] = []
         drawn: list[_Resident] = []  # windows this batch drew from, in order
-        batches: set[int] = set()  # with batch slots: the batch these draws were decoded into
         need = self.batch_size
         starts: list[int] = []  # each drawn window's offset before this batch
         try:
@@ -190,12 +188,9 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                     res = self._pull()
                     if res is None:
                         break
+                    assert isinstance(res, _Resident)
                     self._resident.append(res)
                 head = self._resident[0]
-                slots = head.window.plan.slots
-                if slots is not None and head.offset < slots.batch.size:
-                    batches.add(int(slots.batch[head.offset]))
-                    batches.add(int(slots.batch[min(head.offset + need, slots.batch.size) - 1]))
                 starts.append(head.offset)
                 taken = self._draw(head, need)
                 pieces.append(taken)
@@ -214,26 +209,10 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         if need == self.batch_size or (need and self.drop_last):
             self._resident.clear()
             raise StopIteration
-        if batches:
-            return self._ready_draw(pieces, batches)
         draw = self._make_draw(pieces, drawn)
         for res in drawn:  # the parts hold their stripes now: the window need not
             res.let_go()
         return draw
-
-    def _ready_draw(self, pieces: list[np.ndarray], batches: set[int]) -> BatchDraw:
-        """The batch the fetch decoded these draws into, taken from the arena whole."""
-        if len(batches) != 1 or self.arena is None:
-            raise RuntimeError(f"the draws of one batch were planned into batches "
-                               f"{sorted(batches)}: plans and shuffle buffer disagree (a bug)")
-        samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-        try:
-            ready = self.arena.take(batches.pop())
-        except BaseException as e:
-            # Its draws are spent: asking again must not quietly move on to the next batch.
-            self._error = e
-            raise
-        return BatchDraw(samples, (), ready=ready)
 
     def _make_draw(self, pieces: list[np.ndarray], drawn: list[_Resident]) -> BatchDraw:
         samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])

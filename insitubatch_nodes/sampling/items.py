@@ -4,13 +4,18 @@ Each stage imports the type it consumes from here, never from the stage that pro
 so any stage can be swapped for another that yields the same item.
 
     SplitNode -> int -> ChunkPermuteNode -> ScheduledWindow -> ReadPlanNode -> ReadPlan
-    -> AsyncFetchNode -> DecodedWindow -> ShuffleBufferNode -> BatchDraw -> GatherNode
-    -> dict[str, Tensor] -> PinOrCudaNode
+    -> AsyncFetchNode -> DecodedWindow | DecodedBatch -> ShuffleBufferNode -> BatchDraw
+    -> GatherNode -> dict[str, Tensor] -> PinOrCudaNode
+
+A window's stripes (``DecodedWindow``) are cut into batches and mixed by the shuffle buffer;
+decoded in place, the plan already cut them (``plan.BatchSlots``), so the fetch yields each
+batch (``DecodedBatch``) in plan order and the shuffle buffer passes it on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -47,6 +52,24 @@ class DecodedWindow:
     arrays: tuple[dict[int, np.ndarray | torch.Tensor], ...]
 
 
+class ArraysFuture(Protocol):
+    """A batch's arrays by batch key, being written by the decode threads or workers:
+    ``result()`` waits until every row has landed (raising the read's error if one
+    failed), as ``concurrent.futures.Future.result`` does."""
+
+    def result(self) -> dict[str, np.ndarray]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedBatch:
+    """One batch decoded in place, yielded by the fetch in plan order as soon as every
+    chunk it needs is submitted: its rows' sample indices (ascending: rows are sorted) and
+    its arrays, still being written (``arrays.result()`` waits for them)."""
+
+    sample_index: np.ndarray
+    arrays: ArraysFuture
+
+
 @dataclass(frozen=True, eq=False)
 class GatherPart:
     """Rows ``[start, stop)`` of a batch come from ``array`` at ``offsets`` (sample axis);
@@ -69,6 +92,6 @@ class BatchDraw:
 
     sample_index: np.ndarray
     parts: tuple[tuple[GatherPart, ...], ...]
-    # The batch already decoded in place (one sample per chunk): its arrays by batch key,
-    # rows in ``sample_index`` order; then there is nothing to gather.
-    ready: dict[str, np.ndarray] | None = None
+    # A batch decoded in place (``DecodedBatch.arrays``): its arrays by batch key, rows in
+    # ``sample_index`` order, once written; then there is nothing to gather.
+    ready: ArraysFuture | None = None

@@ -74,8 +74,10 @@ def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[st
     the graph lacks a stage that says so."""
     offset = None
     for node, d in _levels(nodes, root_state):
-        if isinstance(node, ShuffleBufferNode):
-            offset = d.get(node.OFFSET_KEY)
+        if isinstance(node, (ShuffleBufferNode, AsyncFetchNode)):
+            # draws into the head window: the shuffle buffer's, or decoding in place the
+            # fetch's (the other one's is 0)
+            offset = (offset or 0) + d.get(node.OFFSET_KEY, 0)
         if isinstance(node, ChunkPermuteNode):
             if offset is None:
                 return None
@@ -146,11 +148,15 @@ def check_root_state(nodes: list[BaseNode], root_state: Any,
     offset = None
     d = root_state
     resumed = None
+    owner = ShuffleBufferNode.__name__  # the stage whose offset counts (place_offset)
     for node in nodes:
-        if isinstance(node, ShuffleBufferNode):
-            offset = require_count(d, node.OFFSET_KEY, node)
+        if isinstance(node, (ShuffleBufferNode, AsyncFetchNode)):
+            got = require_count(d, node.OFFSET_KEY, node)
+            if got:
+                owner = type(node).__name__
+            offset = (offset or 0) + got
         if isinstance(node, ChunkPermuteNode):
-            schedule = node.check_state(d, offset)
+            schedule = node.check_state(d, offset, owner)
             epoch, pos, _ = node.parse_state(d)
             taken = sum(w.n_final for w in schedule.windows[:pos]) + (offset or 0)
             resumed = Resumed(epoch, schedule.target, schedule.target - taken)
@@ -165,7 +171,8 @@ def check_root_state(nodes: list[BaseNode], root_state: Any,
 
 _PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
                     "window": "ChunkPermuteNode state field 'position'",
-                    "offset": "ShuffleBufferNode state field 'offset'",
+                    "offset": "the draws into the head window (state field 'offset' of "
+                              "ShuffleBufferNode or, decoding in place, AsyncFetchNode)",
                     "history": "ChunkPermuteNode state field 'history'"}
 
 
@@ -211,6 +218,48 @@ def upgrade_v1(nodes: list[BaseNode], root_state: Any) -> None:
                 upstream[ChunkPermuteNode.POSITION_KEY] = d.pop("window")
             return
 
+
+
+def upgrade_v3(nodes: list[BaseNode], root_state: Any) -> None:
+    """Formats 1-3 -> 4, in place: decoding in place, the fetch (not the shuffle buffer)
+    counts the draws delivered into its head window, and every fetch state has the count
+    (0 for whole windows)."""
+    shuffle: dict | None = None
+    for node, d in _levels(nodes, root_state):
+        if isinstance(node, ShuffleBufferNode):
+            shuffle = d
+        if isinstance(node, AsyncFetchNode):
+            if node.OFFSET_KEY not in d:
+                moved = 0
+                if node.in_place and shuffle is not None:
+                    moved = shuffle.get(ShuffleBufferNode.OFFSET_KEY, 0)
+                    shuffle[ShuffleBufferNode.OFFSET_KEY] = 0
+                d[node.OFFSET_KEY] = moved
+            return
+
+
+def place_offset(nodes: list[BaseNode], root_state: Any) -> None:
+    """The draws delivered into the head window, kept where this graph counts them: the
+    fetch's state when it decodes in place, else the shuffle buffer's (a state saved in
+    place resumes on the gather path)."""
+    fetch = shuffle = None
+    for node, d in _levels(nodes, root_state):
+        if isinstance(node, ShuffleBufferNode):
+            shuffle = d
+        if isinstance(node, AsyncFetchNode):
+            fetch = (node, d)
+            break
+    if fetch is None or shuffle is None:
+        return
+    node, d = fetch
+    key = ShuffleBufferNode.OFFSET_KEY
+    if node.OFFSET_KEY not in d or key not in shuffle:
+        return  # check_root_state names the missing field
+    values = (d[node.OFFSET_KEY], shuffle[key])
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return  # check_root_state names the field
+    total = sum(values)
+    d[node.OFFSET_KEY], shuffle[key] = (total, 0) if node.in_place else (0, total)
 
 
 def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
@@ -265,7 +314,7 @@ def read_format(state: dict[str, Any]) -> int:
     """Pop the state's format version (1 when absent); one this version cannot read is an
     error naming the formats it reads."""
     fmt = state.pop(FORMAT_KEY, 1)
-    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt not in (1, 2, STATE_FORMAT):
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt not in range(1, STATE_FORMAT + 1):
         raise StateError(f"loader state field {FORMAT_KEY!r} is {fmt!r}; this version of "
                          f"insitubatch_nodes reads formats 1 to {STATE_FORMAT}")
     return fmt
@@ -329,8 +378,12 @@ def loadable_state(nodes: list[BaseNode], state: dict[str, Any], fmt: int,
         epoch, history = parse_elastic(state[ELASTIC_KEY])
         state = {LoaderIterator.ROOT_KEY: elastic_root_state(nodes, epoch, history),
                  LoaderIterator.NUM_YIELDED_KEY: 0}
-    elif fmt == 1:
-        upgrade_v1(nodes, state[LoaderIterator.ROOT_KEY])
+    else:
+        if fmt == 1:
+            upgrade_v1(nodes, state[LoaderIterator.ROOT_KEY])
+        if fmt < 4:
+            upgrade_v3(nodes, state[LoaderIterator.ROOT_KEY])
+        place_offset(nodes, state[LoaderIterator.ROOT_KEY])
     checked = check_root_state(nodes, state[LoaderIterator.ROOT_KEY])
     found = checked[0] if checked is not None else None
     if progress is not None and found is not None and progress != found:

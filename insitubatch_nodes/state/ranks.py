@@ -26,7 +26,10 @@ FINGERPRINT_KEY = "fingerprint"
 # on load (state.checkpoint.upgrade_v1).
 # 3: every state built by build_loader carries a "fingerprint" (state/fingerprint.py), checked
 # on load; formats 1 and 2 have none and load with a warning that they cannot be checked.
-STATE_FORMAT = 3
+# 4: decoding in place the fetch yields batches, and AsyncFetchNode's state counts the draws
+# delivered into its head window ("offset", 0 for whole windows; ShuffleBufferNode's is 0
+# then); formats 1-3 are converted on load (state.checkpoint.upgrade_v3).
+STATE_FORMAT = 4
 
 
 def rank_progress(state: dict[str, Any]) -> tuple[int, tuple[Resumption, ...], Progress]:

@@ -1,0 +1,102 @@
+"""Decoded in place, the fetch yields batches: each window handed on is cut into the batches
+its plan already made (``plan.BatchSlots``), and a batch goes out once every window that
+feeds it is submitted, with the fetch's position after it.
+
+The cut is the plan's: draws are numbered through the epoch and batch ``b`` holds draws
+``[b * batch_size, (b + 1) * batch_size)``, so a batch is one run of a window's slots, or
+the tail of one window and the head of the next. Nothing is cut twice and nothing waits
+here: the batch's arrays are a future (``BatchArena.future``) the gather waits on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import StateError
+from ..memory.arena import BatchArena
+from ..sampling.items import DecodedBatch
+from ..sampling.plan import ReadPlan
+
+
+class CutBatch(NamedTuple):
+    """A batch ready to go out, and the fetch's position once it has: the upstream state
+    before the window holding the next draw, and the draws of that window delivered."""
+
+    batch: DecodedBatch
+    state: dict
+    offset: int
+
+
+class BatchCut:
+    """The batches of the windows handed on, in plan order (``out``), and the one still
+    waiting for its next window's draws (``_pieces`` of batch ``_batch``)."""
+
+    def __init__(self) -> None:
+        self.out: deque[CutBatch] = deque()
+        self._batch = -1
+        self._pieces: list[np.ndarray] = []
+        self._have = 0
+
+    def clear(self) -> None:
+        """Forget everything cut (a reset: the batches were cleared from the arena)."""
+        self.out.clear()
+        self._batch, self._pieces, self._have = -1, [], 0
+
+    @staticmethod
+    def check_skip(plan: ReadPlan, skip: int, owner: str) -> None:
+        """A restore's ``skip`` draws of the head window lie within it, at a batch edge."""
+        if skip > plan.n_samples:
+            raise StateError(f"{owner} state field 'offset' is {skip}, past the "
+                             f"{plan.n_samples} draws of the restored window: the state was "
+                             "edited or saved by a loader built differently")
+        batch = plan.slots.batch if plan.slots is not None else None
+        if (batch is not None and 0 < skip < batch.size and batch[skip] >= 0
+                and batch[skip] == batch[skip - 1]):
+            raise StateError(
+                f"{owner} state field 'offset' is {skip}, inside batch {int(batch[skip])} of "
+                "this loader's plans: batches decoded in place are cut from the epoch's "
+                "start, and this state was saved between other batches (by a loader "
+                "gathering them: build this one with in_place=False)")
+
+    def add(self, plan: ReadPlan, before: dict, after: dict, skip: int,
+            arena: BatchArena) -> None:
+        """Cut ``plan``'s window (handed on; the upstream's state was ``before`` its plan
+        and ``after`` it) from draw ``skip`` on: every batch it completes goes to ``out``."""
+        slots = plan.slots
+        assert slots is not None, "a window decoded in place has batch slots"
+        batch = slots.batch
+        n = int(batch.size)
+        if skip >= n:
+            return
+        edges = np.flatnonzero(batch[skip + 1:] != batch[skip:-1]) + skip + 1
+        starts = [skip, *edges.tolist()]
+        ends = [*edges.tolist(), n]
+        for a, e in zip(starts, ends, strict=True):
+            b = int(batch[a])
+            if b < 0:
+                continue  # a short last batch that drop_last drops
+            if b != self._batch:
+                if self._pieces:
+                    raise RuntimeError(
+                        f"batch {self._batch} got {self._have} of its "
+                        f"{slots.rows_in(self._batch)} rows before window {plan.window} "
+                        f"started batch {b}: the plans cut the epoch's batches inconsistently "
+                        "(a bug)")
+                self._batch = b
+            self._pieces.append(plan.draw_order[a:e])
+            self._have += e - a
+            if self._have < slots.rows_in(b):
+                continue
+            pieces, self._pieces, self._have = self._pieces, [], 0
+            samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+            at = (after, 0) if e == n else (before, e)
+            self.out.append(CutBatch(DecodedBatch(samples, arena.future(b)), *at))
+
+    def check_done(self) -> None:
+        """The epoch's windows are all cut: no batch may be left waiting for rows."""
+        if self._pieces:
+            raise RuntimeError(f"the epoch ended with batch {self._batch} holding {self._have} "
+                               "rows, fewer than the plans gave it (a bug)")
