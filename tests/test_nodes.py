@@ -12,6 +12,9 @@ from torchdata.nodes import BaseNode
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.graph import build_graph, resolve
+from insitubatch_nodes.memory.arena import BatchArena
+from insitubatch_nodes.memory.layout import build_layout
+from insitubatch_nodes.memory.ledger import BufferPool
 from insitubatch_nodes.nodes import (
     ChunkPermuteNode,
     PinOrCudaNode,
@@ -19,9 +22,6 @@ from insitubatch_nodes.nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
-from insitubatch_nodes.memory.arena import BatchArena
-from insitubatch_nodes.memory.layout import build_layout
-from insitubatch_nodes.memory.ledger import BufferPool
 from insitubatch_nodes.sampling.items import (
     BatchDraw,
     DecodedBatch,
@@ -390,7 +390,8 @@ def test_decoded_in_place_the_fetch_yields_the_batches_the_shuffle_buffer_passes
         assert batches and all(isinstance(b, DecodedBatch) for b in batches)
         assert all(b.sample_index.tolist() == sorted(b.sample_index.tolist()) for b in batches)
         rows = [b.arrays.result() for b in batches]  # waited for, in order
-        assert all(r["x"].shape[0] == b.sample_index.size for r, b in zip(rows, batches))
+        assert all(r["x"].shape[0] == b.sample_index.size
+                   for r, b in zip(rows, batches, strict=True))
     finally:
         fetch.shutdown()
     shuffle = build(src, m, "shuffle", in_place=True)
