@@ -21,8 +21,8 @@ from torchdata.nodes.loader import LoaderIterator
 from .config import LoaderConfig, check_split_args
 from .errors import ConfigError, ConfigTypeError, LoaderUsageError, StateError, UnknownNameError
 from .graph import Resolved, build_graph, resolve
+from .graph_stats import collect_stats, current_epoch, first_node, maybe_log
 from .memory.ledger import MemoryLedger
-from .metrics.collect import collect_stats, current_epoch, first_node, maybe_log
 from .metrics.counters import ConsumerMeter
 from .metrics.loader_stats import LoaderStats
 from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, NormalizeNode, ShuffleBufferNode

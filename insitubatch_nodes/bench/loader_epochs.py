@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.metrics.collect import LoaderStats
+from insitubatch_nodes.metrics.loader_stats import LoaderStats
 
 from .common import OtherLoad, RssSampler, Run, consume, one_epoch_at_a_time, usage_extra
 from .core_config import SPLIT, CoreConfig

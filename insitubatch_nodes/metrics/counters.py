@@ -1,7 +1,7 @@
 """Counters and stats types: the leaf every layer may import.
 
 The readers (``io/``), the nodes and the loader bump these plain counters where the work
-happens; ``metrics.collect.collect_stats`` reads them into one frozen ``LoaderStats``
+happens; ``graph_stats.collect_stats`` reads them into one frozen ``LoaderStats``
 (``metrics/loader_stats.py``). Nothing here
 imports the rest of the package, so no layer has to reach upward for a counter.
 """

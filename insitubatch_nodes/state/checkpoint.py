@@ -19,7 +19,7 @@ from torchdata.nodes import BaseNode
 from torchdata.nodes.loader import LoaderIterator
 
 from ..errors import StateError
-from ..metrics.collect import first_node
+from ..graph_stats import first_node
 from ..nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,

@@ -1,4 +1,9 @@
-"""Per-stage metrics: cheap counters the nodes keep, read as one frozen ``LoaderStats``.
+"""Reading a graph's counters: ``collect_stats`` makes the ``LoaderStats`` snapshot from the
+nodes of a graph; ``first_node``, ``current_epoch`` and ``maybe_log`` answer the loader's
+questions about them. Beside ``graph.py`` because it knows the stages; the counters and the
+snapshot themselves are ``metrics/`` (the bottom layer, which imports no stage).
+
+Per-stage metrics: cheap counters the nodes keep, read as one frozen ``LoaderStats``.
 
 Every counter is a plain int/float bumped where the work happens (a few ``perf_counter``
 calls per batch and per stripe read, no locks on the consumer path), so metrics are always
@@ -25,9 +30,9 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from ..nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, ShuffleBufferNode
-from .counters import ConsumerMeter, PartialStats, ReadTimes
-from .loader_stats import LoaderStats
+from .metrics.counters import ConsumerMeter, PartialStats, ReadTimes
+from .metrics.loader_stats import LoaderStats
+from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, ShuffleBufferNode
 
 
 def first_node(nodes: Sequence[BaseNode], kind: type) -> Any:
