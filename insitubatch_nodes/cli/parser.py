@@ -1,7 +1,5 @@
-"""The ``insitubatch`` command's argparse parser: every subcommand and option, one table.
-
-The one function allowed past 80 lines: it is a flat list of ``add_argument`` calls, and
-splitting it would scatter an option's help away from its neighbours'.
+"""The ``insitubatch`` command's argparse parser: one function per subcommand, each a flat
+list of its ``add_argument`` calls.
 """
 
 from __future__ import annotations
@@ -9,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from ..bench import BELUGA_MODES, PEER_NAMES, PEERS_HINT
 from .make_demo import LAYOUTS, SMALL_GRID, SMALL_TIMES
@@ -34,7 +33,6 @@ def store_args(parser: argparse.ArgumentParser, url_help: str) -> None:
                         help="variables to read (default: every non-coordinate array)")
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``insitubatch``: each subcommand's parser is its args' ``parser``,
     so a command reports its usage errors under its own name."""
@@ -48,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{make-demo,inspect,bench}")
     sub.required = True
 
+    make_demo_parser(sub)
+    inspect_parser(sub)
+    bench_parser(sub)
+    for command in sub.choices.values():
+        command.set_defaults(parser=command)  # errors are reported by the subcommand's parser
+    return p
+
+
+def make_demo_parser(sub: Any) -> None:
+    """``insitubatch make-demo``: write a synthetic store."""
     d = sub.add_parser("make-demo", help="write a synthetic ERA5-like store (demo or WB2 "
                                          "layout)",
                        description="Write a synthetic ERA5-like store. --layout era5 (default): "
@@ -85,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--force", action="store_true", help="replace an existing Zarr store")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
 
+
+def inspect_parser(sub: Any) -> None:
+    """``insitubatch inspect``: describe a store, recommend ``block_chunks``, show a sample."""
     i = sub.add_parser("inspect", help="describe a store and recommend block_chunks",
                        description="Variables, shapes, dtypes, chunks/shards, bytes per chunk "
                                    "(decoded, and compressed as measured on the store), codecs, "
@@ -122,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "axes beyond the last two are shown at index 0 (an anemoi dataset's "
                         "variable: pick it with --variables NAME)")
 
+
+def bench_parser(sub: Any) -> None:
+    """``insitubatch bench``: the loader against a naive ``DataLoader``, the read floors, peers."""
     b = sub.add_parser("bench", help="benchmark the loader against a naive DataLoader and the "
                                      "read floor (or --sweep the knobs)",
                        description="Side by side on one store, in one run: this loader, a naive "
@@ -174,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
+    sweep_args(b)
+
+
+def sweep_args(b: argparse.ArgumentParser) -> None:
+    """``insitubatch bench --sweep``: the knobs swept and the synthetic stores."""
     s = b.add_argument_group("sweep (--sweep)")
     s.add_argument("--sweep", action="store_true",
                    help="sweep samples per chunk, block_chunks and max_inflight instead")
@@ -192,6 +211,3 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N,N", help="default 1,2,4,8,16,32,64")
     s.add_argument("--keep-stores", action="store_true",
                    help="keep the synthetic stores under DIR/sweep-stores")
-    for command in sub.choices.values():
-        command.set_defaults(parser=command)  # errors are reported by the subcommand's parser
-    return p
