@@ -9,7 +9,6 @@ loop thread.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Any, NoReturn
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..defaults import PREFETCH_WINDOWS
+from ..defaults import PREFETCH_WINDOWS, default_decode_threads
 from ..errors import ConfigError, StateError
 from ..fetch.batches import BatchCut
 from ..fetch.device_submit import DeviceSubmit, window_decoder_for
@@ -49,18 +48,6 @@ from .state import copy_state, require, require_count, shutdown_source
 # Windows fetched ahead of the one being drawn, on every store (defaults.default_prefetch_windows
 # says why): the node's default and the loader's are this one number.
 DEFAULT_PREFETCH_WINDOWS = PREFETCH_WINDOWS
-
-
-def default_decode_threads(one_sample_in_place: bool = False) -> int:
-    """One more decode thread than cores, at most 4. A decode thread waits for the GIL
-    around every chunk (open, read, close, decode each release and retake it) while the
-    training thread runs Python (the gather copy among it); a third thread on two cores
-    keeps them busy meanwhile (DESIGN.md "Decode threads": +7-10% at 8 samples per chunk).
-    Decoding in place one sample per chunk there is no copy at all, and the extra thread
-    only adds switches: as many as cores (+1-2% on one-step stores). Chunks of several
-    samples scattered in place keep the extra thread: their row copies take the GIL back
-    several times per chunk (0.96 -> 1.03x the floor + copy at 8 per chunk)."""
-    return min(4, (os.cpu_count() or 1) + (0 if one_sample_in_place else 1))
 
 
 def submit_path(ctx: FetchContext, hold: FirstBatchHold, loop: FetchLoop,
