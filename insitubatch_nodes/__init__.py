@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
         StoreExistsError,
         StoreNotFoundError,
         UnknownNameError,
+        UsageTypeError,
     )
     from .io.chunk_cache import ChunkCache
     from .io.retry import ChunkReadError, CorruptChunkError, RetryPolicy
@@ -86,6 +87,7 @@ _EXPORTS = {
     "StoreExistsError": ".errors",
     "StoreNotFoundError": ".errors",
     "UnknownNameError": ".errors",
+    "UsageTypeError": ".errors",
     "WorkerError": ".workers.engine",
     "DeviceConfig": ".config",
     "FetchConfig": ".config",
@@ -169,5 +171,6 @@ __all__ = [
     "resolve_channels", "InsitubatchError", "ConfigError", "StoreError", "StateError",
     "WorkerError", "ConfigTypeError", "LoaderUsageError", "LocalFileError",
     "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",
-    "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "InternalError",
+    "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "UsageTypeError",
+    "InternalError",
 ]

@@ -77,6 +77,11 @@ class InternalError(InsitubatchError, RuntimeError):
     """A broken invariant of this package (a bug: please report it with the message)."""
 
 
+class UsageTypeError(InsitubatchError, TypeError):
+    """An object used in a way its type does not allow: a loader pickled or sent to
+    ``DataLoader`` worker processes."""
+
+
 class MissingDependencyError(InsitubatchError, ImportError):
     """An optional dependency a feature needs is not installed: the message names the
     extra that installs it."""

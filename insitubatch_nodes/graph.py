@@ -31,7 +31,7 @@ from .defaults import (
     resolve_workers,
     window_size,
 )
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError, UnknownNameError
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .memory.arena import BatchArena
 from .memory.budget import check_budget
@@ -99,7 +99,7 @@ def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None
     ``FrameDecoder`` object is used as given (tests pass ``HostFrameDecoder``)."""
     if not isinstance(decode, str):
         if not isinstance(decode, FrameDecoder):
-            raise TypeError(f"decode must be 'cpu', 'gpu' or a FrameDecoder, got {decode!r}")
+            raise ConfigTypeError(f"decode must be 'cpu', 'gpu' or a FrameDecoder, got {decode!r}")
         return decode
     if decode == "cpu":
         return None
@@ -221,7 +221,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     configuration can have is raised here, naming the value and what would be valid."""
     s, f = config.sampling, config.fetch
     if split not in manifest.names:
-        raise KeyError(f"unknown split {split!r}; the manifest has splits {list(manifest.names)}")
+        raise UnknownNameError(f"unknown split {split!r}; the manifest has splits "
+                               f"{list(manifest.names)}")
     manifest.check_source(source, config.checkpoint.allow_snapshot_change)
     steps = config.sample.time_steps
     grid = _sample_grid(source, steps, s.every)

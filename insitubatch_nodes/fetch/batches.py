@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import StateError
+from ..errors import InternalError, StateError
 from ..memory.arena import BatchArena
 from ..sampling.items import DecodedBatch
 from ..sampling.plan import ReadPlan
@@ -31,19 +31,38 @@ class CutBatch(NamedTuple):
 
 
 class BatchCut:
-    """The batches of the windows handed on, in plan order (``out``), and the one still
-    waiting for its next window's draws (``_pieces`` of batch ``_batch``)."""
+    """The batches of the windows handed on, in plan order (``out``), the one still waiting
+    for its next window's draws (``_pieces`` of batch ``_batch``), the draws of the next
+    window a restore skips (``skip``), the batches taken since the reset (``served``) and
+    the fetch's position after the last one (``at``: upstream state, offset)."""
 
     def __init__(self) -> None:
         self.out: deque[CutBatch] = deque()
         self._batch = -1
         self._pieces: list[np.ndarray] = []
         self._have = 0
+        self.skip = 0
+        self.served = 0
+        self.at: tuple[dict | None, int] = (None, 0)
 
-    def clear(self) -> None:
-        """Forget everything cut (a reset: the batches were cleared from the arena)."""
+    def reset(self, start: dict | None, skip: int) -> None:
+        """Forget everything cut (the batches were cleared from the arena); the epoch (or
+        restore) starts at upstream state ``start``, ``skip`` draws into its first window."""
         self.out.clear()
         self._batch, self._pieces, self._have = -1, [], 0
+        self.skip, self.served, self.at = skip, 0, (start, skip)
+
+    def take(self) -> DecodedBatch:
+        """The next batch cut (``out`` is not empty); the position moves past it."""
+        item = self.out.popleft()
+        self.at = (item.state, item.offset)
+        self.served += 1
+        return item.batch
+
+    def take_skip(self) -> int:
+        """The restore's skip, for the window being cut now (then 0)."""
+        skip, self.skip = self.skip, 0
+        return skip
 
     @staticmethod
     def check_skip(plan: ReadPlan, skip: int, owner: str) -> None:
@@ -80,7 +99,7 @@ class BatchCut:
                 continue  # a short last batch that drop_last drops
             if b != self._batch:
                 if self._pieces:
-                    raise RuntimeError(
+                    raise InternalError(
                         f"batch {self._batch} got {self._have} of its "
                         f"{slots.rows_in(self._batch)} rows before window {plan.window} "
                         f"started batch {b}: the plans cut the epoch's batches inconsistently "
@@ -95,8 +114,10 @@ class BatchCut:
             at = (after, 0) if e == n else (before, e)
             self.out.append(CutBatch(DecodedBatch(samples, arena.future(b)), *at))
 
-    def check_done(self) -> None:
-        """The epoch's windows are all cut: no batch may be left waiting for rows."""
+    def end(self, state: dict | None) -> None:
+        """The epoch's windows are all cut (the upstream at ``state``): no batch may be
+        left waiting for rows."""
+        self.at = (state, 0)
         if self._pieces:
-            raise RuntimeError(f"the epoch ended with batch {self._batch} holding {self._have} "
+            raise InternalError(f"the epoch ended with batch {self._batch} holding {self._have} "
                                "rows, fewer than the plans gave it (a bug)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import weakref
 
+from ..errors import LoaderUsageError
 from ..io.loop_thread import LoopThread
 
 
@@ -26,7 +27,7 @@ class FetchLoop:
 
     def check_process(self) -> None:
         if self.pid is not None and os.getpid() != self.pid:
-            raise RuntimeError(
+            raise LoaderUsageError(
                 "this insitubatch loader was started in another process and then forked (e.g. "
                 "wrapped in a DataLoader with num_workers > 0). It does its own parallel IO on "
                 "a background thread, which does not survive fork (and obstore clients hang "
@@ -39,8 +40,9 @@ class FetchLoop:
         (a no-op in a forked child: ``LoopThread.stop_soon``)."""
         self.check_process()
         if self.shut_down:
-            raise RuntimeError("this AsyncFetchNode was shut down (loader.shutdown(), "
-                               "close() or the end of a with block): build a new loader")
+            raise LoaderUsageError("this AsyncFetchNode was shut down (loader.shutdown() "
+                                   "is final): build a new loader (close() and the end "
+                                   "of a with block stop it until the next iteration)")
         if self.lt is None:
             self.pid = os.getpid()
             self.lt = LoopThread(self.decode_threads, "fetch", "decode",

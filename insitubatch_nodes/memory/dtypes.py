@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ConfigTypeError
+
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     """The torch dtype ``torch.from_numpy`` gives for a numpy dtype (clear error if none)."""
     try:
         return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     except TypeError as e:
-        raise TypeError(f"numpy dtype {dtype} has no torch equivalent: {e}") from None
+        raise ConfigTypeError(f"numpy dtype {dtype} has no torch equivalent: {e}") from None
 
 
 # torch's "barebones" unsigned types lack some CUDA kernels; moving their bits through the

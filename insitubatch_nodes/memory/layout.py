@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UnknownNameError
 from ..sampling.geometry import VariableGeometry
 
 CHANNELS_KEY = "channels"
@@ -71,7 +72,7 @@ class BatchLayout:
         for k in self.keys:
             if k.name == name:
                 return k
-        raise KeyError(f"no batch key {name!r}; keys: {[k.name for k in self.keys]}")
+        raise UnknownNameError(f"no batch key {name!r}; keys: {[k.name for k in self.keys]}")
 
     @property
     def stacks_channels(self) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InternalError
 
 B = TypeVar("B")
 
@@ -106,7 +106,7 @@ class HostRing(Generic[B]):
         idx = self._next
         slot = self._slots[idx]
         if slot.leased:
-            raise RuntimeError(
+            raise InternalError(
                 f"ring slot {idx} is still leased: a batch was acquired but never recorded or "
                 f"cancelled, and the ring ({self.size} slots) wrapped around to it"
             )
@@ -177,6 +177,6 @@ class HostRing(Generic[B]):
     def _check(self, lease: Lease[B]) -> _Slot[B]:
         slot = self._slots[lease.slot]
         if not slot.leased or slot.generation != lease.generation:
-            raise RuntimeError(f"stale lease of ring slot {lease.slot}: it was already "
+            raise InternalError(f"stale lease of ring slot {lease.slot}: it was already "
                                "recorded or cancelled")
         return slot

@@ -18,7 +18,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from ..defaults import PREFETCH_WINDOWS, default_decode_threads
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError, StateError, UsageTypeError
 from ..fetch.batches import BatchCut
 from ..fetch.device_submit import DeviceSubmit, window_decoder_for
 from ..fetch.epoch_ahead import EpochAhead
@@ -158,13 +158,9 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         # In-place windows write into the arena's batches of this epoch: not ahead of it.
         self._ahead = EpochAhead(bool(prefetch_next_epoch) and arena is None)
         self._delivered: dict | None = None  # upstream state after the last window handed on
-        # In place: the batches cut from the windows handed on, the restore's draws of the
-        # head window to skip, batches yielded since the reset, and the position after the
-        # last one (state, offset).
+        # In place: the batches cut from the windows handed on, the restore's skip, and the
+        # position after the last batch yielded.
         self._cut = BatchCut()
-        self._skip = 0
-        self._served = 0
-        self._at: tuple[dict | None, int] = (None, 0)
 
     def _open_readers(self, dataset: Source,
                       cache: ChunkCache | None) -> tuple[StripeReader, ...]:
@@ -198,7 +194,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
 
     # -- lifecycle --------------------------------------------------------------------
     def __reduce__(self) -> NoReturn:
-        raise TypeError(
+        raise UsageTypeError(
             "an AsyncFetchNode (and so an insitubatch loader) cannot be pickled or sent to "
             "worker processes: it owns an event loop thread. Build the loader in the process "
             "that trains (one per rank) and iterate it there, without DataLoader workers."
@@ -268,8 +264,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         if self.arena is not None:
             self.arena.clear()
             self.arena.skip_next(skip)  # the restored head window's draws delivered before
-        self._cut.clear()
-        self._skip, self._served = skip, 0
         self._hold.reset()
         self._hold.draws = skip + (self.batch_size or 0)
         epoch.error = None
@@ -296,7 +290,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         epoch.asked = False
         self._delivered = copy_state(start if adopt and start is not None
                                      else self.source.state_dict())
-        self._at = (self._delivered, skip)
+        self._cut.reset(self._delivered, skip)
 
     # -- fetching ---------------------------------------------------------------------
     def _jobs(self, plan: ReadPlan, grouped: bool | None = None) -> list[tuple[int, list[int]]]:
@@ -386,31 +380,26 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
     def _next_batch(self) -> DecodedBatch:
         """In place: the next batch the plans made, once every window feeding it is
         submitted (its rows may still be decoding: the gather waits on its arrays)."""
-        if self._served == 1 and self._hold.resume():
+        cut = self._cut
+        if cut.served == 1 and self._hold.resume():
             # The first batch went out: the windows ahead held back for it go in now.
             self._top_up(self.prefetch_windows - self._hold.head_holds())
-        cut = self._cut
         while not cut.out:
             head = self._head()
             if head is None:
-                cut.check_done()
-                self._at = (self._delivered, 0)
+                cut.end(self._delivered)
                 raise StopIteration
             fut, snap, plan = head
             assert plan is not None, "an in-place fetch queues windows with batch slots"
-            BatchCut.check_skip(plan, self._skip, type(self).__name__)
+            BatchCut.check_skip(plan, cut.skip, type(self).__name__)
             self._hold.drawn(plan)
             self._before_delivery()
             self._epoch.queue.popleft()
             self._epoch.handed_on(fut)
             before, self._delivered = self._delivered, snap
             assert self.arena is not None and before is not None
-            skip, self._skip = self._skip, 0
-            cut.add(plan, before, snap, skip, self.arena)
-        item = cut.out.popleft()
-        self._at = (item.state, item.offset)
-        self._served += 1
-        return item.batch
+            cut.add(plan, before, snap, cut.take_skip(), self.arena)
+        return cut.take()
 
     def _next_window(self) -> DecodedWindow:
         head = self._head()
@@ -460,7 +449,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
 
     def get_state(self) -> dict[str, Any]:
         if self.arena is not None:
-            state, offset = self._at
+            state, offset = self._cut.at
             return {self.SOURCE_KEY: copy_state(state), self.OFFSET_KEY: offset}
         return {self.SOURCE_KEY: copy_state(self._delivered), self.OFFSET_KEY: 0}
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError, LoaderUsageError, StateError
 from ..metrics.counters import ShuffleStats
 from ..sampling.geometry import VariableGeometry
 from ..sampling.items import BatchDraw, DecodedBatch, DecodedWindow, GatherPart
@@ -135,7 +135,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                     "into a window the fetch counts: the state was saved by a loader built "
                     "differently")
             if not batch_ok:
-                raise RuntimeError("ShuffleBufferNode's upstream yielded a batch "
+                raise LoaderUsageError("ShuffleBufferNode's upstream yielded a batch "
                                    "(DecodedBatch) between windows (DecodedWindow): a fetch "
                                    "yields one or the other for a whole epoch")
             return win
