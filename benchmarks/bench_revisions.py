@@ -49,13 +49,17 @@ NAMES = ("baseline", "current")
 
 
 def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int,
-            cfg: CoreConfig) -> dict[str, Any]:
-    """One store: paired epochs, then paired first batches, of each version's loader."""
+            cfg: CoreConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One store: paired epochs, then paired first batches, of each version's loader;
+    ``extra`` options go to both (``workers``, ``channels``)."""
     srcs = {n: mods[n].open_source(store) for n in NAMES}
     mans = {n: bench_manifest(srcs[n], 1.0, cfg.seed, mods[n]) for n in NAMES}
     here = ib.open_source(store)
     block = loader_block_chunks(here, bench_manifest(here, 1.0, cfg.seed), cfg)
-    kw = {**cfg.loader_kwargs(), "block_chunks": block}
+    extra = dict(extra or {})
+    if extra.pop("stack", False):  # every variable stacked into "channels" (WB2: 83)
+        extra["channels"] = list(here.names)
+    kw = {**cfg.loader_kwargs(), "block_chunks": block, **extra}
     loaders: dict[str, Any] = {}
     try:  # a version that does not build still stops the other's threads
         for n in NAMES:
@@ -68,15 +72,18 @@ def compare(mods: dict[str, Any], store: str, rounds: int, first_batch: int,
             ld.close()
     first = alternating_first_batches(
         {n: partial(time_first_batch, srcs[n], mans[n], cfg, 1, build=mods[n].build_loader,
-                    block_chunks=block) for n in NAMES}, first_batch)
+                    block_chunks=block, **extra) for n in NAMES}, first_batch)
     ratio = np.asarray(times["baseline"]) / np.asarray(times["current"])
     q1, med, q3 = np.percentile(ratio, [25, 50, 75])
     out: dict[str, Any] = {"store": store, "block_chunks": block, "rounds": rounds,
+                           "options": {k: (len(v) if k == "channels" else v)
+                                       for k, v in extra.items()},
                            "batch_size": cfg.batch_size, "loader_modules": modules,
                            "epoch_s": {n: float(np.median(times[n])) for n in NAMES},
                            "baseline_over_current": {"median": float(med), "q1": float(q1),
                                                      "q3": float(q3)}}
-    line = (f"{store}: epoch median baseline {out['epoch_s']['baseline']:.3f} s, current "
+    line = (f"{store} {out['options']}: epoch median baseline "
+            f"{out['epoch_s']['baseline']:.3f} s, current "
             f"{out['epoch_s']['current']:.3f} s; paired baseline / current {med:.3f} "
             f"(IQR {q1:.3f}..{q3:.3f}) over {rounds} pairs")
     if first_batch:
@@ -107,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                         "measured before this option were)")
     p.add_argument("--resume-after", type=int, default=CoreConfig.resume_after,
                    help="batches taken before the state a resumed first batch starts from")
+    p.add_argument("--workers", type=int, default=None,
+                   help="decode worker processes of both loaders (default: theirs)")
+    p.add_argument("--stack", action="store_true",
+                   help="stack every variable into 'channels' (the WB2 store: 83 channels)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     if args.rounds < 3:
@@ -128,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         for store in args.store:
             cfg = CoreConfig(url=store, batch_size=args.batch_size,
                              resume_after=args.resume_after, block_chunks=block_chunks)
-            results.append(compare(mods, store, args.rounds, args.first_batch, cfg))
+            extra: dict[str, Any] = {"stack": args.stack}
+            if args.workers is not None:
+                extra["workers"] = args.workers
+            results.append(compare(mods, store, args.rounds, args.first_batch, cfg, extra))
     if args.json is not None:
         write_json(args.json, {"machine": machine, "baseline_rev": args.baseline_rev,
                                "current_rev": args.current_rev, "results": results})
