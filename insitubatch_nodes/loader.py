@@ -7,6 +7,7 @@ formats it writes and loads (versions, elastic resume) are ``state/checkpoint.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -44,9 +45,15 @@ from .store.splits import SplitManifest
 __all__ = ["InSituLoader", "build_loader"]
 
 
-class _ExactIterator(LoaderIterator):
-    """torchdata 0.11's iterator counts the item it pre-fetches after a restore twice
-    (upstream issue 1453); count each delivered item once.
+_AHEAD_NONE: Any = object()  # no item looked ahead to
+
+
+class _EpochIterator(BaseNode):
+    """One epoch of the loader's graph, as torchdata's ``LoaderIterator`` serves it (state
+    ``{"root": ..., "num_yielded": ...}``, a look-ahead by ``has_next()`` after a restore),
+    written here on ``BaseNode``'s public protocol, so no torchdata private attribute is
+    read or written. Unlike torchdata 0.11's, it counts the item it looked ahead to once
+    (upstream issue 1453) and forgets the state before the look-ahead on every ``reset``.
 
     An error escaping the graph (a failed read, a transform's error, an interrupt) may come
     after a stage took the failed batch's draws from upstream, so the graph's state already
@@ -54,29 +61,49 @@ class _ExactIterator(LoaderIterator):
     delivered (kept at each one: ~3 us), so asking again serves the failed batch, and a
     ``state_dict()`` taken after the error resumes at it; a lasting failure raises again."""
 
-    # LoaderIterator's own (torchdata ships no type information): the item has_next()
-    # looked ahead to, and the state before it
-    _cached_item: Any
-    _cached_state_dict: dict[str, Any] | None
+    ROOT_KEY = LoaderIterator.ROOT_KEY
+    NUM_YIELDED_KEY = LoaderIterator.NUM_YIELDED_KEY
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: InSituLoader) -> None:
+        super().__init__()
+        self.loader = loader
+        self.root = loader.root
+        self.num_yielded = 0  # batches delivered this epoch
+        self._ahead: Any = _AHEAD_NONE  # the item has_next() pulled, not yet delivered
+        self._ahead_state: dict[str, Any] | None = None  # the state before it
         self._busy = threading.Lock()
         self._delivered: dict[str, Any] | None = None  # set by reset()
         self._ended = False  # the epoch raised StopIteration (nothing left to go on with)
-        super().__init__(loader)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        # torchdata's has_next() keeps the state it saw before looking ahead; a restored
-        # epoch with nothing left rolls over to the next one by reset(None) without clearing
-        # it, and every later state_dict() answered with that old state (a resume replayed).
-        self._cached_state_dict = None
+        if initial_state is not None:
+            self.root.reset(initial_state[self.ROOT_KEY])
+            self.num_yielded = initial_state[self.NUM_YIELDED_KEY]
+        else:
+            self.root.reset(None)
+            self.num_yielded = 0
+        self._ahead, self._ahead_state = _AHEAD_NONE, None
         self._ended = False
         self._delivered = self.root.state_dict()
         ring = self.loader._recent_states
         if ring is not None:
             # States are keyed by batches delivered *this epoch*: never answer from another.
             ring.clear()
+
+    def has_next(self) -> bool:
+        """Whether the epoch has another batch: pulled now and kept for the next ``next()``
+        (the state stays the one before it until then)."""
+        if self._ahead is _AHEAD_NONE:
+            self._ahead_state = self.get_state()
+            with contextlib.suppress(StopIteration):
+                self._ahead = self.next()
+        return self._ahead is not _AHEAD_NONE
+
+    def get_state(self) -> dict[str, Any]:
+        if self._ahead_state is not None:
+            return self._ahead_state
+        return {self.ROOT_KEY: self.root.state_dict(), self.NUM_YIELDED_KEY: self.num_yielded}
 
     def rewind(self, restart: bool) -> None:
         """The graph as it was after the last batch delivered, its work in flight dropped
@@ -100,7 +127,7 @@ class _ExactIterator(LoaderIterator):
             self.root.reset(copy_state(self._delivered))  # kept whole for another error
         except BaseException as e:  # the error the caller sees stays the first one
             error.add_note(f"insitubatch: going back to the state after batch "
-                           f"{self._num_yielded} of this epoch failed too: {e!r}")
+                           f"{self.num_yielded} of this epoch failed too: {e!r}")
 
     def next(self) -> Any:  # noqa: D102
         # One consumer at a time: two threads drawing from one graph break exactly-once
@@ -119,10 +146,8 @@ class _ExactIterator(LoaderIterator):
                 self._busy.release()
 
     def _next_item(self) -> Any:
-        if self._cached_item is not None:
-            item = self._cached_item
-            self._cached_item = None
-            self._cached_state_dict = None
+        if self._ahead is not _AHEAD_NONE:
+            item, self._ahead, self._ahead_state = self._ahead, _AHEAD_NONE, None
         else:
             meter = self.loader._meter
             before = self._delivered
@@ -133,23 +158,23 @@ class _ExactIterator(LoaderIterator):
                 # Everything up to the return is undone on an error (an interrupt landing
                 # here included): the batch is not delivered until it is returned.
                 state = self.root.state_dict()
-                self._num_yielded += 1
+                self.num_yielded += 1
                 self._delivered = state
                 if meter.next_log is not None:
                     maybe_log(self.loader.nodes(), meter, self.loader.resident_bound, t1)
-                # Recorded when the item is pulled: a cached item (pulled by has_next) was
-                # recorded then, with the same count and state.
+                # Recorded when the item is pulled: an item looked ahead to (by has_next)
+                # was recorded then, with the same count and state.
                 ring = self.loader._recent_states
                 if ring is not None:
-                    ring.append((self._num_yielded,
-                                 self.loader.snapshot(state, self._num_yielded)))
+                    ring.append((self.num_yielded,
+                                 self.loader.snapshot(state, self.num_yielded)))
             except StopIteration:
                 t1 = meter.epoch_end = time.perf_counter()
                 self._ended = True
                 raise
             except BaseException as e:
                 if self._delivered is not before:  # counted, then failed before the return
-                    self._num_yielded -= 1
+                    self.num_yielded -= 1
                     self._delivered = before
                 self._go_back(e)
                 raise
@@ -159,12 +184,16 @@ class _ExactIterator(LoaderIterator):
 
 
 class InSituLoader(Loader):
-    """A ``Loader`` that fixes two torchdata 0.11 resume defects and can be shut down.
+    """A ``torchdata.nodes.Loader`` that resumes exactly and can be shut down.
 
-    A state loaded with ``load_state_dict`` always applies at the next ``iter()``, even when
-    ``state_dict()`` was called on the fresh loader first (upstream PR 1548); states are
-    copied in and out, so a caller mutating one cannot corrupt the loader. States carry a
-    format version; older formats are converted on load.
+    It keeps ``Loader``'s protocol (``iter()`` per epoch, ``state_dict``/``load_state_dict``,
+    ``restart_on_stop_iteration``) but serves it itself, with its own iterator
+    (``_EpochIterator``), so it reads and writes none of torchdata's private attributes and
+    fixes two torchdata 0.11 resume defects: the item looked ahead to after a restore is
+    counted once (upstream issue 1453), and a state loaded with ``load_state_dict`` always
+    applies at the next ``iter()``, even when ``state_dict()`` was called on the fresh loader
+    first (upstream PR 1548). States are copied in and out, so a caller mutating one cannot
+    corrupt the loader; they carry a format version, older formats converted on load.
 
     Built by ``build_loader``, it exposes what the build computed: ``config`` (the
     ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
@@ -175,17 +204,14 @@ class InSituLoader(Loader):
     ``load_state_dict`` checks). Wrapping a hand-built graph leaves them ``None``.
     """
 
-    # Loader's own (torchdata ships no type information): the iterator, and a loaded state
-    # that the next iter() applies
-    _it: LoaderIterator | None
-    _next_iter_state_dict: dict[str, Any] | None
-
     def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
                  keep_states: int = 0, log_every_s: float | None = None, *,
                  resolved: Resolved | None = None, ledger: MemoryLedger | None = None,
                  snapshot_id: str | None = None,
                  fingerprint: StateFingerprint | None = None) -> None:
         super().__init__(root, restart_on_stop_iteration)
+        self._epoch_it: _EpochIterator | None = None  # made by the first iter()/state_dict()
+        self._loaded: dict[str, Any] | None = None  # a loaded state the next iter() applies
         self.config: LoaderConfig | None = resolved.config if resolved is not None else None
         self.resident_bound: int | None = (resolved.resident_bound if resolved is not None
                                            else None)
@@ -227,7 +253,7 @@ class InSituLoader(Loader):
         """
         if self._recent_states is None:
             raise ConfigError("state_dict_at needs the loader built with keep_states >= 1")
-        if self._it is not None and self._it._num_yielded == num_yielded:
+        if self._epoch_it is not None and self._epoch_it.num_yielded == num_yielded:
             return self.state_dict()
         for n, state in reversed(self._recent_states):
             if n == num_yielded:
@@ -240,22 +266,27 @@ class InSituLoader(Loader):
         """One epoch's batches: each a ``dict`` of tensors by key (``"sample_index"``
         included), as every stage of the standard graph yields them."""
         self.check_not_shut_down()
-        if self._it is None:
-            self._it = _ExactIterator(self)
-        if not self._iter_for_state_dict:  # else iter() only hands back the pre-built one
-            gather = first_node(self.nodes(), GatherNode)
-            self._meter.start_epoch(time.perf_counter(), (gather.stats.batches,
-                                                          gather.stats.samples)
-                                    if gather is not None else (0, 0))
-        pending = self._next_iter_state_dict
+        if self._epoch_it is None:
+            self._epoch_it = _EpochIterator(self)
+        it = self._epoch_it
+        gather = first_node(self.nodes(), GatherNode)
+        self._meter.start_epoch(time.perf_counter(), (gather.stats.batches, gather.stats.samples)
+                                if gather is not None else (0, 0))
+        pending, self._loaded = self._loaded, None
         try:
-            it = super().__iter__()
+            if pending is None:
+                it.reset(None)
+            else:
+                it.reset(pending)
+                # A restored epoch with nothing left: the next one (unless the ranks must
+                # sit out the rest of theirs, restart_on_stop_iteration=False).
+                if self.restart_on_stop_iteration and not it.has_next():
+                    it.reset(None)
         except BaseException:
-            # torchdata looks one batch ahead after applying a loaded state and has
-            # forgotten the state by then: a read failing there would make the next iter()
-            # start a new epoch, skipping the rest of the resumed one. Keep it pending.
-            if pending is not None and self._next_iter_state_dict is None:
-                self._next_iter_state_dict = pending
+            # The look-ahead after a restore failed (a read): the next iter() must resume
+            # the loaded state again, not start a new epoch skipping the rest of this one.
+            if pending is not None and self._loaded is None:
+                self._loaded = pending
             raise
         self._meter.epoch_end = None  # a restored, finished epoch rolled on to the next one
         return it
@@ -282,17 +313,15 @@ class InSituLoader(Loader):
 
     # -- states -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        pending = self._next_iter_state_dict
-        if pending is not None:
-            # Loaded and not applied yet (no iter() since): that is where this loader
-            # stands, not wherever its graph was before the load.
-            return json.loads(json.dumps(self.snapshot(pending[LoaderIterator.ROOT_KEY],
-                                                       pending[LoaderIterator.NUM_YIELDED_KEY])))
-        if self._it is None:
-            self._it = _ExactIterator(self)
-        state = super().state_dict()
-        return json.loads(json.dumps(self.snapshot(state[self._it.ROOT_KEY],
-                                                   state[self._it.NUM_YIELDED_KEY])))
+        """Where this loader stands: the state after the last batch delivered (a fresh
+        loader's graph is reset to its start for it), or a loaded state not applied yet."""
+        state = self._loaded
+        if state is None:  # else loaded, no iter() since: that is where this loader stands
+            if self._epoch_it is None:
+                self._epoch_it = _EpochIterator(self)
+            state = self._epoch_it.state_dict()  # BaseNode: reset(None) first if never reset
+        return json.loads(json.dumps(self.snapshot(state[_EpochIterator.ROOT_KEY],
+                                                   state[_EpochIterator.NUM_YIELDED_KEY])))
 
     def snapshot(self, root_state: dict[str, Any], num_yielded: int) -> dict[str, Any]:
         """The loader state for the graph state ``root_state`` after ``num_yielded`` batches
@@ -336,10 +365,7 @@ class InSituLoader(Loader):
             epoch = resumed.epoch + 1
             draws = self.node(ChunkPermuteNode).draws_in(epoch)
             resumed = Resumed(epoch, draws, draws)
-        # Without this, a state_dict() taken on the fresh loader makes the next iter()
-        # reuse that pre-built iterator and silently ignore the loaded state.
-        self._iter_for_state_dict = False
-        super().load_state_dict(state_dict)
+        self._loaded = state_dict  # applied by the next iter()
         self._pending = resumed
 
     # -- graph ------------------------------------------------------------------------
@@ -405,7 +431,7 @@ class InSituLoader(Loader):
     def _pending_resume(self) -> Resumed | None:
         """Where a loaded state resumes (the next epoch when it had finished its own), until
         the ``iter()`` that applies it (``check_root_state`` computed it at the load)."""
-        if self._next_iter_state_dict is None:
+        if self._loaded is None:
             return None
         return self._pending
 
@@ -435,8 +461,8 @@ class InSituLoader(Loader):
         fetches = [n for n in self.nodes() if isinstance(n, AsyncFetchNode)]
         for node in fetches:
             node.close()
-        if fetches and isinstance(self._it, _ExactIterator):
-            self._it.rewind(restart=all(f.epoch_untouched for f in fetches))
+        if fetches and self._epoch_it is not None:
+            self._epoch_it.rewind(restart=all(f.epoch_untouched for f in fetches))
 
     def __enter__(self) -> InSituLoader:
         return self
@@ -450,23 +476,11 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
     PinOrCuda (``graph.py``) and wrap it in a loader; each ``iter(loader)`` is one epoch.
 
+    ``manifest`` is a ``SplitManifest`` and ``split`` the name of one of its splits.
     ``config`` (a ``LoaderConfig``) holds every option by concern; keywords override it and
-    are the same as ever (``config.py`` documents each group):
-
-    - sampling: ``batch_size``, ``block_chunks`` (chunks per shuffle window), ``seed``,
-      ``drop_last``, ``rank``/``world_size`` (default: the ``torch.distributed`` group),
-      ``uneven`` (equal steps per rank: ``"pad"``, ``"drop"`` or ``"none"``);
-    - fetch: ``max_inflight``, ``prefetch_windows`` (2), ``prefetch_next_epoch`` (True),
-      ``decode_threads``, ``memory_budget`` (refused with the largest ``block_chunks`` that
-      fits), ``retry``, ``decode`` (``"gpu"`` with ``device="cuda"``: nvCOMP per window);
-    - sample: ``steps=SampleWindow(history, lead, stride)`` (time steps: ``name`` inputs and
-      ``"target/name"`` targets), ``stats`` (standardise), ``dtype`` (cast),
-      ``channels=["t2m", ("z", 500)]`` (stacked into ``"channels"``), ``static`` (fields
-      without a sample axis, ``"static/name"``), ``patch_size``/``patch_stride``;
-    - device: ``device``, ``ring_size`` (pinned buffers on CUDA);
-    - checkpoint: ``keep_states`` (``state_dict_at``), ``allow_snapshot_change``,
-      ``allow_state_change`` (load states saved with another ``batch_size``/``drop_last``),
-      ``log_every_s`` (``stats().summary()`` logged at most that often).
+    land in their group (``config.py`` documents each group, README "Options" each option:
+    ``batch_size``, ``block_chunks``, ``seed``, ``steps=SampleWindow(...)``, ``stats``,
+    ``channels``, ``device``, ``keep_states``, ...).
     """
     check_split_args(manifest, split)
     cfg = (config if config is not None else LoaderConfig()).replace(**options)
