@@ -42,6 +42,10 @@ def _runs(samples: np.ndarray, steps: np.ndarray, sample_chunk: int,
     return out
 
 
+_MIXED = ("ShuffleBufferNode's upstream yielded both batches (DecodedBatch) and windows "
+          "(DecodedWindow) in one epoch: a fetch yields one or the other")
+
+
 @dataclass
 class _Resident:
     """A window being drawn from. ``evict[v]`` lists (last use, stripe) of variable ``v``'s
@@ -92,6 +96,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         self._resident: deque[_Resident] = deque()
         self._skip = 0
         self._exhausted = False
+        self._passing = False  # the upstream yields batches (in place): passed on
         self.stats = ShuffleStats()
 
     def resident_counts(self) -> tuple[int, int]:
@@ -106,6 +111,7 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         super().reset(initial_state)
         self._resident.clear()
         self._exhausted = False
+        self._passing = False
         self._skip = (0 if initial_state is None
                       else require_count(initial_state, self.OFFSET_KEY, self))
         self.source.reset(None if initial_state is None
@@ -114,7 +120,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
     def _pull(self, batch_ok: bool = False) -> _Resident | DecodedBatch | None:
         """The next window as a resident one (``None``: the epoch has no more); with
         ``batch_ok``, a batch the fetch cut already (decoded in place) as it is."""
-        snap = copy_state(self.source.state_dict())
+        # (passing batches on, nothing is resident: no snapshot of the upstream's state)
+        snap = None if self._passing else copy_state(self.source.state_dict())
         t0 = time.perf_counter()
         try:
             win = next(self.source)
@@ -135,10 +142,11 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
                     "into a window the fetch counts: the state was saved by a loader built "
                     "differently")
             if not batch_ok:
-                raise LoaderUsageError("ShuffleBufferNode's upstream yielded a batch "
-                                   "(DecodedBatch) between windows (DecodedWindow): a fetch "
-                                   "yields one or the other for a whole epoch")
+                raise LoaderUsageError(_MIXED)
+            self._passing = True
             return win
+        if snap is None:
+            raise LoaderUsageError(_MIXED)
         self.stats.windows += 1
         if self._skip > win.plan.n_samples:
             raise StateError(f"ShuffleBufferNode state field {self.OFFSET_KEY!r} is "
