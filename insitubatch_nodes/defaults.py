@@ -144,9 +144,9 @@ def default_workers(in_place: bool, cores: int | None = None) -> int:
     one), from ``WORKERS_FROM_CORES`` cores per rank, where decoding is in place; else 0,
     the decode threads. Threads share one GIL and stop scaling at about 4 cores (16-core
     node: 9.6k samples/s at 4 threads, 4.6k at 16), processes do not (a prototype: 58.6k
-    at 15); on 2 cores 2 workers are 1.06-1.14x the threads (DESIGN.md "Worker processes"), but
-    threads start at once, where workers take 0.3-0.5 s to a first batch. A free-threaded
-    CPython is not measured yet: it gets the threads."""
+    at 15); on 2 cores 2 workers were barely faster than the threads and 0.3 s slower to a
+    first batch (docs/benchmarks.md "Decode worker processes"). A free-threaded CPython is
+    not measured yet: it gets the threads."""
     if not in_place or not getattr(sys, "_is_gil_enabled", lambda: True)():
         return 0
     cores = cores_per_rank() if cores is None else cores

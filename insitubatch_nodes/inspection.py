@@ -300,7 +300,8 @@ def recommend(source: Source, quality: float, memory_budget: int | str | None = 
               in_place: bool | None = None, steps: SampleWindow | None = None,
               ) -> Recommendation:
     """``block_chunks`` for a target shuffle quality, capped by a memory budget (with the
-    loader's own default ``prefetch_windows`` for this store unless given). With time
+    loader's own default ``prefetch_windows``, 2, unless given: decode workers, which fetch
+    deeper, need it given). With time
     ``steps``, also the run length: runs long enough that halos add <= 25% to the reads,
     and as many runs per window as the quality asks for (scored over runs)."""
     if not 0 < quality <= 1:

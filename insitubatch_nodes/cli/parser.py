@@ -108,7 +108,8 @@ def inspect_parser(sub: Any) -> None:
                    help="memory budget for resident decoded data, e.g. 4GB (default: none)")
     i.add_argument("--batch-size", type=positive_int, default=32)
     i.add_argument("--prefetch-windows", type=nonneg_int, default=None,
-                   help="windows fetched ahead (default: the loader's, 2)")
+                   help="windows fetched ahead (default 2, the loader's with decode threads; "
+                        "decode workers fetch deeper)")
     i.add_argument("--sample-objects", type=positive_int, default=5,
                    help="stored chunks per variable whose compressed size is measured")
     i.add_argument("--history", type=positive_int, default=None,
