@@ -79,7 +79,7 @@ class InternalError(InsitubatchError, RuntimeError):
 
 class UsageTypeError(InsitubatchError, TypeError):
     """An object used in a way its type does not allow: a loader pickled or sent to
-    ``DataLoader`` worker processes."""
+    ``DataLoader`` worker processes, a stripe reader asked for a read path it lacks."""
 
 
 class MissingDependencyError(InsitubatchError, ImportError):

@@ -53,7 +53,7 @@ NEW_ERRORS = [("ConfigTypeError", TypeError), ("UnknownNameError", KeyError),
               ("StoreConnectionError", ConnectionError), ("StoreExistsError", FileExistsError),
               ("LocalFileError", OSError), ("SampleIndexError", IndexError),
               ("LoaderUsageError", RuntimeError), ("MissingDependencyError", ImportError),
-              ("InternalError", RuntimeError)]
+              ("InternalError", RuntimeError), ("UsageTypeError", TypeError)]
 
 
 @pytest.mark.parametrize(("name", "builtin"), NEW_ERRORS, ids=[n for n, _ in NEW_ERRORS])

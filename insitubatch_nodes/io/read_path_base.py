@@ -15,7 +15,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from ..errors import ConfigTypeError
+from ..errors import UsageTypeError
 from ..metrics.counters import PartialStats, ReadTimes
 from .partial.fetch import PartialFetch
 from .partial.ranges import ChunkPart, PartSpec
@@ -79,12 +79,12 @@ class ReadPath(ABC):
     async def read_many(self, stripes: Stripes, indices: list[int], outs: list[np.ndarray],
                         loop: Loop, pool: Executor, part: PartSpec | None = None) -> None:
         """``read`` of several stripes in one pool task (only where ``groups_reads``)."""
-        raise ConfigTypeError(f"the {self.name!r} read path cannot group reads")
+        raise UsageTypeError(f"the {self.name!r} read path cannot group reads")
 
     async def frames_many(self, stripes: Stripes, indices: list[int], check: FrameCheck,
                           loop: Loop, pool: Executor) -> list[Frames]:
         """``frames`` of several stripes in one pool task (only where ``groups_reads``)."""
-        raise ConfigTypeError(f"the {self.name!r} read path cannot group reads")
+        raise UsageTypeError(f"the {self.name!r} read path cannot group reads")
 
 
 def check_frames(check: FrameCheck, keys: list[str], datas: Frames) -> None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zarr
 
-from ..errors import ConfigTypeError
+from ..errors import UsageTypeError
 from ..metrics.counters import ReadTimes
 from ..sampling.geometry import VariableGeometry
 from ..store.storage import redact_urls
@@ -291,8 +291,8 @@ class StripeReader:
     # -- local stores: fetch and decode on the calling thread -------------------------
     def _local(self) -> LocalFiles:
         if not isinstance(self._path, LocalFiles):
-            raise ConfigTypeError(f"variable {self.geom.name!r} of {self.source_url} is read by "
-                                  f"the {self.mode!r} path, not from local files")
+            raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is read by "
+                                 f"the {self.mode!r} path, not from local files")
         return self._path
 
     def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,
