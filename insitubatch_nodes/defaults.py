@@ -100,9 +100,9 @@ def workers_prefetch(workers: int, batch_size: int, window_samples: int) -> int:
     return -(-want // max(1, window_samples))
 
 
-def resolve_prefetch(source: Source, f: FetchConfig, workers: int, batch_size: int,
+def resolve_prefetch(f: FetchConfig, workers: int, batch_size: int,
                      window_samples: int) -> int:
-    """``fetch.prefetch_windows``, or the default for the store, deepened so ``workers``
+    """``fetch.prefetch_windows``, or the default, deepened so ``workers``
     processes stay busy; a given value is kept as given (the budget check counts it)."""
     if f.prefetch_windows is not None:
         return f.prefetch_windows

@@ -238,7 +238,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     workers = resolve_workers(source, f, in_place_possible(f, decoder))
     in_place = in_place or workers > 0  # "auto" workers decode in place
     block_chunks, run_chunks = window_size(source, s, steps, in_place)
-    prefetch = resolve_prefetch(source, f, workers, s.batch_size,
+    prefetch = resolve_prefetch(f, workers, s.batch_size,
                                 block_chunks * grid.chunk_size)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
                           run_chunks)

@@ -8,8 +8,8 @@ import zarr
 from stores import BLOSC, Var
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.defaults import default_prefetch_windows
 from insitubatch_nodes.inspection import format_report, inspect_source, recommend
-from insitubatch_nodes.loader import default_prefetch_windows
 from insitubatch_nodes.memory.budget import resident_bound
 from insitubatch_nodes.sampling.quality import recommend_block_chunks, shuffle_quality
 
@@ -86,7 +86,7 @@ def test_recommendation_follows_the_quality_model(store, quality, batch, want):
     assert rec.block_chunks == rec.block_chunks_for_quality == want
     assert rec.quality == pytest.approx(shuffle_quality(15, 8, want, batch))
     assert rec.block_chunks_memory_cap is None
-    ahead = default_prefetch_windows(source)  # what recommend assumes when not told
+    ahead = default_prefetch_windows()  # what recommend assumes when not told
     assert rec.resident_bound_bytes == resident_bound(source.grid, source.variables, want,
                                                       ahead, batch)
 
@@ -97,7 +97,7 @@ def test_memory_budget_caps_and_the_result_builds(store):
     free = recommend(source, 1.0, None, batch_size=32)
     # room for 4 chunks, not 5
     budget = resident_bound(source.grid, source.variables, 4,
-                            default_prefetch_windows(source), 32) + 10
+                            default_prefetch_windows(), 32) + 10
     rec = recommend(source, 1.0, budget, batch_size=32)
     assert rec.block_chunks_memory_cap == 4 and rec.block_chunks == 4 < free.block_chunks
     assert rec.quality < 1.0 and "caps block_chunks at 4" in rec.note

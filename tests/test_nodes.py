@@ -326,7 +326,7 @@ def test_the_windows_of_the_first_batch_go_in_together(setup, batch, restore_aft
         assert plans.pending[:together] == list(range(together))
         assert len(plans.pending) > together  # windows ahead went in
         if not in_place:  # (in place, windows handed on may be decoded, uncounted, by now)
-            assert plans.pending[together] == 1  # in place a window is handed over as submitted, not made
+            assert plans.pending[together] == 1
             assert plans.made[together] == 1  # no window ahead before the last was made
             # the two ahead (restored on whole windows, the batch then asks for the next
             # window, and one more goes in behind it)

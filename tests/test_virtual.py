@@ -81,10 +81,14 @@ def on_files(paths: list[Path]) -> xr.Dataset:
 
 
 def messages(exc: BaseException | None) -> str:
-    """An error's text with the errors it was raised from, type names included."""
+    """An error's text with the errors it was raised from, type names included (a
+    PermissionError subclass, such as ``ib.StoreAccessError``, as "PermissionError" too)."""
     out = []
     while exc is not None:
-        out.append(f"{type(exc).__name__}: {exc}")
+        kind = type(exc).__name__
+        if isinstance(exc, PermissionError) and kind != "PermissionError":
+            kind += " (PermissionError)"
+        out.append(f"{kind}: {exc}")
         exc = exc.__cause__ or exc.__context__
     return "\n".join(out)
 
