@@ -168,9 +168,9 @@ def test_time_windows_equal_the_cpu_path(store_factory, which):
     m = ib.split_by_chunk(src, (1.0,))
     kw, _ = options(which)
     w = ib.SampleWindow(2, (1, 3))
-    loader = ib.build_loader(src, m, "train", batch_size=7, window=w, block_chunks=2, **kw)
+    loader = ib.build_loader(src, m, "train", batch_size=7, steps=w, block_chunks=2, **kw)
     same(epoch(loader),
-         epoch(ib.build_loader(src, m, "train", batch_size=7, window=w, block_chunks=2)))
+         epoch(ib.build_loader(src, m, "train", batch_size=7, steps=w, block_chunks=2)))
     assert ran_on_device(loader)
 
 

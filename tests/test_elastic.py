@@ -57,7 +57,7 @@ def test_resume_on_another_world_size_at_any_step(sources, shape, fractions, w_b
         reach = {a // cs for a in want
                  if any((a + o) // cs in val for o in range(-win.before, win.after + 1))}
         want = {a for a in want if a // cs not in reach}
-    kw = dict(batch_size=batch, block_chunks=block, uneven=uneven, seed=1, window=win)
+    kw = dict(batch_size=batch, block_chunks=block, uneven=uneven, seed=1, steps=win)
     try:
         ib.build_loader(src, m, "train", rank=0, world_size=max(w_before, w_after), **kw)
     except ValueError as e:  # more ranks than chunks (blocks): refused, tested elsewhere

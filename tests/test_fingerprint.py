@@ -462,9 +462,9 @@ def test_a_merged_history_past_a_window_is_refused(merged_base):
 def test_a_state_saved_with_another_time_window_is_refused(store):
     src, m = store
     w2 = ib.SampleWindow(history=2, lead=1)
-    state, _ = saved_after(src, m, k=1, window=w2)
+    state, _ = saved_after(src, m, k=1, steps=w2)
     assert state["fingerprint"]["contiguous"] is True
-    with ib.build_loader(src, m, "train", **KW, window=ib.SampleWindow(history=4, lead=1)) as ld, \
+    with ib.build_loader(src, m, "train", **KW, steps=ib.SampleWindow(history=4, lead=1)) as ld, \
             pytest.raises(ValueError, match=r"first: saved 1, this loader 3 \(.*steps="):
         ld.load_state_dict(state)
     with ib.build_loader(src, m, "train", **KW) as ld, \
@@ -498,7 +498,7 @@ def test_a_hand_built_graph_records_build_loaders_fingerprint(store, tmp_path):
         assert (ld.fingerprint.in_place, ld.fingerprint.contiguous) == (False, False)
     with ib.build_loader(src, m, "train", **KW) as ld:  # chunks of 4 scattered into batches
         assert ld.fingerprint.in_place
-    with ib.build_loader(src, m, "train", window=ib.SampleWindow(2, (1,)), **KW) as ld:
+    with ib.build_loader(src, m, "train", steps=ib.SampleWindow(2, (1,)), **KW) as ld:
         fp = ld.fingerprint
         assert fp.contiguous and (fp.first, fp.end) == (1, 119) and fp.run_chunks >= 1
     path = tmp_path / "c1.zarr"

@@ -185,7 +185,7 @@ def test_anchors_touching_a_missing_date_are_never_served(tmp_path, window):
     src = ib.open_source(path)
     assert src.missing == missing
     m = ib.split_by_chunk(src, (1.0,))
-    loader = ib.build_loader(src, m, "train", batch_size=4, window=window)
+    loader = ib.build_loader(src, m, "train", batch_size=4, steps=window)
     seen = []
     for b in _epoch(loader):
         seen += b["sample_index"].tolist()
@@ -278,7 +278,7 @@ def test_channels_last_without_the_ensemble_axis(tmp_path):
     src = ib.open_source(path)
     w = ib.SampleWindow(history=2, lead=(1,))
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=3,
-                             window=w, channels_last=True, drop_ensemble=True)
+                             steps=w, channels_last=True, drop_ensemble=True)
     b = next(iter(loader))
     idx = b["sample_index"].numpy()
     assert b["data"].shape == (3, 2, 40, 9) and b["target/data"].shape == (3, 1, 40, 9)

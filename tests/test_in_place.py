@@ -121,15 +121,15 @@ def float_epochs(loader, n=2):
     dict(static="static"),
     dict(rank=1, world_size=3, uneven="pad"),
     dict(rank=2, world_size=3, uneven="drop"),
-    dict(window=ib.SampleWindow(2, (1,))),
-    dict(window=ib.SampleWindow(3, (1, 2), stride=2), channels=["z", "t2m"], stats="stats"),
-    dict(window=ib.SampleWindow(1, (2,)), rank=0, world_size=2, drop_last=True),
+    dict(steps=ib.SampleWindow(2, (1,))),
+    dict(steps=ib.SampleWindow(3, (1, 2), stride=2), channels=["z", "t2m"], stats="stats"),
+    dict(steps=ib.SampleWindow(1, (2,)), rank=0, world_size=2, drop_last=True),
     # levels split across channels: decoded into scratch, each part copied to its slot
     dict(channels=[("z", 850), "t2m"]),
     dict(channels=[("z", 1000), "t2m", ("z", 500)], stats="stats", dtype=torch.bfloat16),
-    dict(channels=[("z", 850), ("z", 500), "t2m"], window=ib.SampleWindow(2, (1,))),
+    dict(channels=[("z", 850), ("z", 500), "t2m"], steps=ib.SampleWindow(2, (1,))),
     dict(channels=[("z", 850), "t2m"], workers=2),
-    dict(channels=[("z", 1000), "t2m"], window=ib.SampleWindow(2, (1, 2)), workers=2),
+    dict(channels=[("z", 1000), "t2m"], steps=ib.SampleWindow(2, (1, 2)), workers=2),
 ])
 def test_equal_with_sample_options(weather, options):
     src, m = weather
@@ -286,7 +286,7 @@ def test_the_bound_counts_the_stripes_held_for_a_first_batch(tmp_path, monkeypat
 def test_time_steps_in_place_resume_exactly_and_cover_every_anchor_once(weather):
     src, m = weather
     win = ib.SampleWindow(2, (1, 3))
-    kw = dict(batch_size=6, block_chunks=4, seed=9, window=win, channels=["z", "t2m"])
+    kw = dict(batch_size=6, block_chunks=4, seed=9, steps=win, channels=["z", "t2m"])
     with ib.build_loader(src, m, "train", **kw) as ref:
         assert is_in_place(ref)
         full = [[b["sample_index"].tolist() for b in ref] for _ in range(2)]

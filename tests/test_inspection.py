@@ -167,7 +167,7 @@ def test_recommendation_for_time_windows_gives_runs_and_windows(tmp_path):
     assert rec.block_chunks % 8 == 0 and rec.quality >= 0.9
     # what the loader built with it scores the same
     loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8,
-                             window=w, block_chunks=rec.block_chunks, run_chunks=rec.run_chunks)
+                             steps=w, block_chunks=rec.block_chunks, run_chunks=rec.run_chunks)
     assert loader.shuffle_quality == pytest.approx(rec.quality, abs=0.05)
     capped = recommend(src, 0.9, batch_size=8, steps=w, memory_budget="200kB")
     # the budget caps the window below what quality asks, in whole runs, within the budget
@@ -176,7 +176,7 @@ def test_recommendation_for_time_windows_gives_runs_and_windows(tmp_path):
     assert capped.resident_bound_bytes <= 200_000
     # and it builds under that budget, with the bound the recommendation gave (the loader
     # decodes one-sample chunks in place with time steps too: the bound is that path's)
-    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8, window=w,
+    with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=8, steps=w,
                          block_chunks=capped.block_chunks, run_chunks=capped.run_chunks,
                          memory_budget="200kB") as ld:
         assert ld.resident_bound == capped.resident_bound_bytes

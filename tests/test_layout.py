@@ -85,7 +85,7 @@ def test_channels_in_place_equal_gather_then_stack(weather, picks, window, norma
         picks = [p for p in picks if not isinstance(p, tuple)]
     stats = ib.compute_stats(src, m, "train") if normalize else None
     cfg = ib.LoaderConfig.of(batch_size=batch, block_chunks=3, seed=2, channels=picks,
-                             window=ib.SampleWindow(2, (1,)) if window else None, stats=stats,
+                             steps=ib.SampleWindow(2, (1,)) if window else None, stats=stats,
                              dtype=torch.bfloat16 if normalize == "bf16" else None)
     with ib.build_loader(src, m, "train", cfg) as new, _reference(src, m, cfg) as old:
         got = [{k: v.float().numpy() for k, v in b.items()} for b in new]
