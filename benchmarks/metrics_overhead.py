@@ -36,15 +36,18 @@ from insitubatch_nodes.bench.common import one_epoch_at_a_time, rotated
 
 
 def extract_package(repo: Path, rev: str | None, dest: Path, name: str) -> None:
-    """The package as of ``rev`` (``None``: the working tree) as ``dest/name``."""
+    """The package as of ``rev`` (``None``: the working tree) as ``dest/name``, and under its
+    own name beside it: a decode worker process of that revision (``python -m
+    insitubatch_nodes.workers.child``, with ``dest`` first on its path) then runs that
+    revision's code, not the installed package's (whose job protocol may differ)."""
     dest.mkdir(parents=True)
     if rev is None:
-        shutil.copytree(repo / "insitubatch_nodes", dest / name)
-        return
-    archive = subprocess.run(["git", "archive", rev, "insitubatch_nodes"], cwd=repo,
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    (dest / "insitubatch_nodes").rename(dest / name)
+        shutil.copytree(repo / "insitubatch_nodes", dest / "insitubatch_nodes")
+    else:
+        archive = subprocess.run(["git", "archive", rev, "insitubatch_nodes"], cwd=repo,
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    shutil.copytree(dest / "insitubatch_nodes", dest / name)
 
 
 def _cpu() -> float:
