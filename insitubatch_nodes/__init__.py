@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
         StoreError,
         StoreExistsError,
         StoreNotFoundError,
+        TestServerError,
         UnknownNameError,
         UsageTypeError,
     )
@@ -88,6 +89,7 @@ _EXPORTS = {
     "StoreNotFoundError": ".errors",
     "UnknownNameError": ".errors",
     "UsageTypeError": ".errors",
+    "TestServerError": ".errors",
     "WorkerError": ".workers.engine",
     "DeviceConfig": ".config",
     "FetchConfig": ".config",
@@ -172,5 +174,5 @@ __all__ = [
     "WorkerError", "ConfigTypeError", "LoaderUsageError", "LocalFileError",
     "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",
     "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "UsageTypeError",
-    "InternalError",
+    "InternalError", "TestServerError",
 ]

@@ -82,6 +82,11 @@ class UsageTypeError(InsitubatchError, TypeError):
     ``DataLoader`` worker processes, a stripe reader asked for a read path it lacks."""
 
 
+class TestServerError(InsitubatchError, RuntimeError):
+    """A loopback server of ``insitubatch_nodes.testing`` (moto S3, the fault proxy) did not
+    start: the message says where its log is."""
+
+
 class MissingDependencyError(InsitubatchError, ImportError):
     """An optional dependency a feature needs is not installed: the message names the
     extra that installs it."""

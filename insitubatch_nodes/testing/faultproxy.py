@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..errors import TestServerError
+
 _CHUNK = re.compile(r"/c[/.]\d")
 # a Zarr v2 chunk key's last part: "0.0.0" (or "0/0/0" with dimension_separator "/")
 _V2_CHUNK = re.compile(r"/\d+(\.\d+)*(\?|$)")
@@ -70,7 +72,7 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
         self._thread.start()
         if not self._ready.wait(10):
-            raise RuntimeError("fault proxy did not start")
+            raise TestServerError("fault proxy did not start within 10 s")
 
     @property
     def endpoint(self) -> str:

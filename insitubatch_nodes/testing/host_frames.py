@@ -14,6 +14,8 @@ from typing import Any
 import numcodecs
 import torch
 
+from ..errors import ConfigError
+
 
 class HostFrameDecoder:
     """A ``FrameDecoder`` on ``torch.device("cpu")``; counts its calls and frames."""
@@ -37,4 +39,4 @@ class HostFrameDecoder:
             elif algorithm == "gzip":
                 numcodecs.GZip().decode(frame, out=out)
             else:
-                raise ValueError(f"unknown algorithm {algorithm!r}")
+                raise ConfigError(f"unknown algorithm {algorithm!r}; known: 'lz4', 'zstd', 'gzip'")

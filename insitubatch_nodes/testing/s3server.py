@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import TestServerError
+
 REGION = "us-east-1"
 # The server enforces signatures (moto's IAM auth); these only bootstrap the IAM user whose
 # generated key the tests then use (``S3Server.key_id``/``secret``).
@@ -92,14 +94,14 @@ def start_moto(log_dir: Path) -> S3Server:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited with {proc.returncode}; see {log.name}")
+            raise TestServerError(f"moto server exited with {proc.returncode}; see {log.name}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return _bootstrap(S3Server(f"http://127.0.0.1:{port}", proc))
         except OSError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("moto server did not start within 30 s")
+    raise TestServerError(f"moto server did not start within 30 s; see {log.name}")
 
 
 @contextmanager
