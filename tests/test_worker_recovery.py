@@ -13,7 +13,6 @@ import sys
 import textwrap
 import threading
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.workers import engine as engine_module
+from insitubatch_nodes.workers import wire
 from insitubatch_nodes.workers.engine import WorkerError
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="workers need Unix sockets")
@@ -73,15 +73,14 @@ class Hold:
         self.runs: list = []  # every window seen, in the order of its first job
         self.sent_stale: list = []
         monkeypatch.setattr(engine_module, "BEFORE_SEND", self)
-        real = Connection.send
+        real = wire.encode_job
 
-        def spy(conn, obj):
-            if (isinstance(obj, tuple) and obj and obj[0] == "job"
-                    and any(obj[2] is job.targets for job in self.held)):
-                self.sent_stale.append(obj[1])
-            return real(conn, obj)
+        def spy(ident, places, targets, *rest):
+            if any(targets is job.targets for job in self.held):
+                self.sent_stale.append(ident)
+            return real(ident, places, targets, *rest)
 
-        monkeypatch.setattr(Connection, "send", spy)
+        monkeypatch.setattr(wire, "encode_job", spy)
 
     def __call__(self, run, job):
         if not any(r is run for r in self.runs):

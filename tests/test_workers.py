@@ -36,7 +36,7 @@ from test_in_place import (
 )
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.workers.engine import WorkerError
+from insitubatch_nodes.workers.engine import CREDIT, WorkerError
 from insitubatch_nodes.workers.shared_memory import SharedMemoryArena, array_at, map_segment
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="workers need Unix sockets")
@@ -364,7 +364,7 @@ def test_enough_windows_ahead_to_keep_every_worker_busy(weather):
     many = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4, workers=6))
     window = 4 * src.grid.chunk_size  # samples per window
     for r, workers in ((few, 1), (many, 6)):
-        assert r.prefetch_windows == max(2, -(-2 * workers * 8 // window))
+        assert r.prefetch_windows == max(2, -(-CREDIT * workers * 8 // window))
     assert many.prefetch_windows > few.prefetch_windows
     assert many.resident_bound > few.resident_bound
     given_ = resolve(src, m, "train", ib.LoaderConfig.of(batch_size=8, block_chunks=4,
@@ -407,3 +407,39 @@ def test_a_worker_that_cannot_start_fails_the_batches_with_why(weather, monkeypa
             next(iter(ld))
         engine = engine_of(ld)
         assert engine.broken and len(engine.pids) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 4), st.integers(1, 3),
+       st.integers(0, 2**31))
+def test_one_slot_a_stripe_cuts_as_the_general_path(n, batch_size, n_vars, workers, seed):
+    """The common case's direct cut (one sample per chunk, no time steps, distinct samples)
+    makes the same targets and jobs as the general one: slots in (batch, row) order, a
+    slot's variables together, a job per batch with the first one split."""
+    from insitubatch_nodes.sampling.plan import KeptSlots
+    from insitubatch_nodes.workers import jobs as J
+
+    rng = np.random.default_rng(seed)
+    first = int(rng.integers(0, batch_size))  # the window starts inside a batch
+    draws = np.arange(first, first + n)
+    batch, row = draws // batch_size, draws % batch_size
+    for b in np.unique(batch):  # rows within a batch in sample order, draws shuffled
+        at = batch == b
+        row[at] = rng.permutation(row[at])
+    order = rng.permutation(n)
+    kept = KeptSlots(sample=rng.choice(10 * n, n, replace=False)[order], batch=batch[order],
+                     row=row[order], step=np.zeros(n, dtype=np.int64), n_steps=1)
+    fast = J._one_slot_each(kept, n_vars)
+    slow, starts = J._in_slot_order(J._targets(kept, [1] * n_vars))
+    np.testing.assert_array_equal(fast, slow)
+    np.testing.assert_array_equal(starts, np.arange(len(fast)))
+    row_bytes = rng.integers(1, 1 << 22, n_vars)
+    nbytes = row_bytes[fast[:, J.VAR]]
+    cuts = np.asarray(J._cut_by_batch(fast[:, J.BATCH], nbytes, workers))
+    sizes = [int(x) for x in rng.choice([1000, 2000], n_vars)]
+    one = J._jobs(fast, starts, cuts, fast[:, J.VAR], sizes, True, workers)
+    many = J._jobs(fast, starts, cuts, fast[:, J.VAR], sizes, False, workers)
+    assert [j.writes for j in one] == [j.writes for j in many]
+    assert [sorted(j.reads) for j in one] == [sorted(j.reads) for j in many]
+    assert sum(c for j in one for c, _ in j.reads) == len(fast)
+    assert [j.urgent for j in one] == [k < workers for k in range(len(one))]

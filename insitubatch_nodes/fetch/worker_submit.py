@@ -34,6 +34,7 @@ class WorkerSubmit(SubmitPath):
         self.job_timeout_s = job_timeout_s
         self.shared, self.cache, self.fallback = shared, cache, fallback
         self._engine: WorkerEngine | None = None
+        self._stripe_nbytes = [r.geom.stripe_nbytes for r in ctx.readers]
         self.finalizer: weakref.finalize | None = None
 
     @property
@@ -52,7 +53,6 @@ class WorkerSubmit(SubmitPath):
         setup = WorkerSetup.of(self.dataset, ctx.arena, ctx.retry, self.cache,
                                ctx.max_inflight)
         return WorkerEngine(self.workers, setup, ctx.arena, self.shared, ctx.stats,
-                            [r.geom.stripe_nbytes for r in ctx.readers],
                             job_timeout_s=self.job_timeout_s)
 
     def stop(self) -> None:
@@ -67,7 +67,7 @@ class WorkerSubmit(SubmitPath):
         ctx = self.ctx
         if plan.slots is not None and ctx.arena is not None and self._engine is not None:
             window = prepare_window(plan, ctx.arena, self.workers, ctx.sample_chunks,
-                                    ctx.row_bytes)
+                                    ctx.row_bytes, self._stripe_nbytes)
             return self._engine.submit(window)
         return self.fallback.submit(plan, lt)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import sys
 import time
@@ -33,8 +34,10 @@ from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.slots import Slot, SlotWhere, slot_of, write_slot
 from ..sampling.geometry import VariableGeometry
+from . import wire
 from .jobs import OFFSET, STRIPE, VAR, Target, read_starts
-from .shared_memory import Place, Segment, array_at, map_segment
+from .shared_memory import Segment, array_at, map_segment
+from .wire import GROUP, PICKLE, Table, decode_job
 
 if TYPE_CHECKING:  # the worker itself imports neither (the source layer pulls in xarray)
     from ..memory.arena import BatchArena
@@ -70,12 +73,14 @@ class WorkerSetup:
 
 # (variable, stripe, its slots): one stripe read once and written into every slot
 Read = tuple[int, int, tuple[Target, ...]]
+# per batch a job writes: (batch, rows, its keys, [segment, offset] per key)
+Places = list[tuple[int, int, Table, list[int]]]
 
-# Messages, training process -> worker: the setup, then ("segment", index, nbytes) followed
-# by its descriptor (SCM_RIGHTS) and ("job", id, targets (``jobs.ReadJob``), places: {batch:
-# {key: Place}}); the
-# socket closing is the stop. Worker -> training process: ("ready",); ("done", id, read
-# times or None); ("error", id, exception); ("fatal", text) when it cannot start.
+# Messages (``wire``), training process -> worker: the setup, then ("segment", index, nbytes)
+# followed by its descriptor (SCM_RIGHTS), ("table", number, keys) and jobs as integers (their
+# places and ``targets``, ``jobs.ReadJob``); the socket closing is the stop. Worker ->
+# training process: ("ready",); a job done as integers, or ("done", id, read times) when
+# the read counters go along; ("error", id, exception); ("fatal", text) when it cannot start.
 
 _SCRATCH = ThreadBuffer()
 # How often a worker's read counters (store/decode seconds, retries, cache hits) reach the
@@ -104,10 +109,12 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
 
-    def run(self, targets: np.ndarray, places: dict[int, dict[str, Place]]) -> None:
+    def run(self, targets: np.ndarray, places: Places) -> None:
         reads = _reads(targets)
-        arrays = {b: {k: array_at(self.segments, p) for k, p in keys.items()}
-                  for b, keys in places.items()}
+        arrays = {b: {k: array_at(self.segments, (where[2 * i], where[2 * i + 1],
+                                                  (rows, *tail), dtype))
+                      for i, (k, tail, dtype) in enumerate(keys)}
+                  for b, rows, keys, where in places}
         if self.local:
             for read in reads:
                 self._read_local(read, arrays)
@@ -202,13 +209,6 @@ class _Gone(Exception):
     """The training process closed this worker's socket, or exited: stop quietly."""
 
 
-def _recv(conn: Connection) -> Any:
-    try:
-        return conn.recv()
-    except (EOFError, OSError):
-        raise _Gone from None
-
-
 def _send(conn: Connection, msg: tuple) -> None:
     try:
         conn.send(msg)
@@ -257,18 +257,37 @@ def serve(conn: Connection) -> None:
 
 
 def _jobs(conn: Connection, worker: Worker) -> None:
-    """The job loop: segments to map, jobs to run and answer, until the socket ends."""
+    """The job loop: segments to map, key tables, jobs to run and answer, until the socket
+    ends. Answers go back in groups (``wire``: one wake-up of the training process for
+    ``GROUP`` jobs): a job's answer waits while another job waits in the socket, up to
+    ``GROUP`` answers, unless it is urgent or an error."""
+    import pickle
+
     kill = _kill_stripe()
+    tables: dict[int, Table] = {}
+    waiting = select.poll()  # is a message in the socket? (Connection.poll builds a selector)
+    waiting.register(conn.fileno(), select.POLLIN)
+    pending: list[bytes] = []  # answers not sent yet
     sent = time.perf_counter()  # read counters go back every TIMES_EVERY_S, not every job
     while True:
-        msg = _recv(conn)
-        if msg[0] == "job":
-            _, ident, targets, places = msg
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            raise _Gone from None
+        if data[0] != PICKLE:
+            ident, urgent, places, targets = decode_job(data, tables)
             if kill is not None and any(
                     (v, s) == kill for v, s in targets[:, [VAR, STRIPE]].tolist()):
                 os.kill(os.getpid(), signal.SIGKILL)
-            answer, sent = _run(worker, ident, targets, places, sent)
-            _send(conn, answer)
+            answer, sent, failed = _run(worker, ident, targets, places, sent)
+            pending.append(answer)
+            if urgent or failed or len(pending) >= GROUP or not waiting.poll(0):
+                _write(conn, b"".join(pending))
+                pending.clear()
+            continue
+        msg = pickle.loads(data)
+        if msg[0] == "table":
+            tables[msg[1]] = msg[2]
         elif msg[0] == "segment":
             _, index, nbytes = msg
             try:
@@ -279,17 +298,30 @@ def _jobs(conn: Connection, worker: Worker) -> None:
             os.close(fd)  # the mapping stays
 
 
-def _run(worker: Worker, ident: int, targets: np.ndarray,
-         places: dict[int, dict[str, Place]], sent: float) -> tuple[tuple, float]:
-    """One job's answer ("done" or "error") and when read counters last went back."""
+def _write(conn: Connection, data: bytes) -> None:
+    """``data`` (whole frames) into the socket."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(conn.fileno(), view):]
+    except OSError:  # BrokenPipeError, ConnectionResetError: nobody listens any more
+        raise _Gone from None
+
+
+def _run(worker: Worker, ident: int, targets: np.ndarray, places: Places,
+         sent: float) -> tuple[bytes, float, bool]:
+    """One job's answer as a frame (done, as integers or with read counters, or an error),
+    when read counters last went back, and whether it failed."""
+    import pickle
+
     try:
         worker.run(targets, places)
     except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
-        return ("error", ident, _sendable(e)), sent
+        return wire.framed(pickle.dumps(("error", ident, _sendable(e)))), sent, True
     now = time.perf_counter()
     if now - sent < TIMES_EVERY_S:
-        return ("done", ident, None), sent
-    return ("done", ident, worker.times.take()), now
+        return wire.done(ident), sent, False
+    return wire.framed(pickle.dumps(("done", ident, worker.times.take()))), now, False
 
 
 def main(argv: list[str]) -> int:

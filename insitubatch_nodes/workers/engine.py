@@ -2,11 +2,13 @@
 what lands, and turn a worker's failure into an error a training loop can act on.
 
 One thread (``insitubatch-workers``) does all of it: it waits on the workers' sockets
-and a wake-up pipe, gives each worker up to ``CREDIT`` jobs at a time (its next job is in
-its socket when it finishes one), takes a batch's memory from the arena only when the
-first job writing it goes out (so batch buffers come back warm from the pool, as on the
-thread path), and tells the arena each job's row writes when it is done. The training
-thread only queues a prepared window (``submit``): a few microseconds per window.
+and a wake-up pipe (one epoll set), gives each worker up to ``CREDIT`` jobs at a time (its
+next job is in its socket when it finishes one), takes a batch's memory from the arena
+only when the first job writing it goes out (so batch buffers come back warm from the
+pool, as on the thread path), and tells the arena each job's row writes when it is done.
+The training thread only queues a prepared window (``submit``): a few microseconds per
+window. What crosses a socket per job is integers (``wire``): no pickle, one read for
+every answer a worker's socket holds, one write per job.
 
 Nothing stale, ever: a job counts as out (``WindowRun.out``, what ``settle`` waits for)
 under the lock ``cancel`` takes, before its batches are allocated, and is checked again
@@ -19,27 +21,31 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import selectors
+import pickle
+import select
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler, send_handle
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError, InsitubatchError
 from ..memory.arena import BatchArena, StaleBatch
 from ..metrics.counters import FetchStats
+from . import wire
 from .child import WorkerSetup
 from .jobs import ReadJob, WorkerWindow
 from .procs import WorkerProc, ended, start_worker, stop_all
-from .shared_memory import Place, SharedMemoryArena
+from .shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
 
-CREDIT = 2  # jobs given to one worker at a time
+CREDIT = wire.CREDIT  # jobs given to one worker at a time (answered in pairs: ``wire``)
 JOB_TIMEOUT_S = 300.0  # fetch.worker_timeout_s's default: a job unanswered this long is hung
+READ_BYTES = 1 << 16  # a worker's socket is read this much at a time (every answer it holds)
+_FRAME, _DONE = wire.FRAME, wire.DONE
 
 # Tests only: called on the engine thread as ``BEFORE_SEND(run, job)`` between a job's
 # batches being allocated and the job being sent, where a cancel must not let it through.
@@ -63,15 +69,17 @@ class WorkerError(InsitubatchError, RuntimeError):
 @dataclass(eq=False)
 class WindowRun:
     """A window on the workers: the future-like object the fetch node keeps (``cancel``,
-    ``settle``, ``done``), as ``fetch.jobs.DirectWindow`` is for the decode threads."""
+    ``settle``, ``done``), as ``fetch.jobs.DirectWindow`` is for the decode threads.
+    ``settled`` is a condition on the engine's lock: every count below changes under it."""
 
     window: WorkerWindow
     engine: WorkerEngine
     left: int  # jobs not yet done
+    settled: threading.Condition
     out: int = 0  # jobs held by a worker (or being sent to one) and not yet answered
     cancelled: bool = False
     failed: BaseException | None = None
-    settled: threading.Condition = field(default_factory=threading.Condition)
+    waiting: int = 0  # threads in ``settle``: only then is an answer notified
 
     def cancel(self) -> bool:
         """Drop the jobs not yet given to a worker; ``settle`` waits for the others."""
@@ -82,7 +90,11 @@ class WindowRun:
         """After ``cancel``: wait until no worker writes for this window any more, so its
         batches' memory can be given to the window that replaces it."""
         with self.settled:
-            self.settled.wait_for(lambda: self.out == 0 or self.engine.reaped)
+            self.waiting += 1
+            try:
+                self.settled.wait_for(lambda: self.out == 0 or self.engine.reaped)
+            finally:
+                self.waiting -= 1
 
     def done(self) -> bool:
         return self.left == 0 or ((self.cancelled or self.failed is not None) and self.out == 0)
@@ -101,8 +113,7 @@ class WorkerEngine:
     """
 
     def __init__(self, workers: int, setup: WorkerSetup, arena: BatchArena,
-                 shared: SharedMemoryArena, stats: FetchStats, stripe_nbytes: list[int],
-                 name: str = "insitubatch-workers",
+                 shared: SharedMemoryArena, stats: FetchStats, name: str = "insitubatch-workers",
                  job_timeout_s: float = JOB_TIMEOUT_S) -> None:
         if workers < 1:
             raise ConfigError(f"workers must be >= 1 for a WorkerEngine, got {workers}")
@@ -110,28 +121,35 @@ class WorkerEngine:
             raise ConfigError(f"job_timeout_s must be > 0 seconds, got {job_timeout_s!r}")
         self.arena, self.shared, self.stats = arena, shared, stats
         self.job_timeout_s = float(job_timeout_s)
+        # how often held jobs are checked for the timeout (a hung worker is killed within
+        # job_timeout_s + this); an idle engine wakes no more often
+        self._tick_s = min(1.0, self.job_timeout_s / 4)
         # pickled once, sent to every worker (and to one started again)
         self._setup = ForkingPickler.dumps(setup)
-        self.stripe_nbytes = stripe_nbytes
         self._lock = threading.Lock()
         self._queue: deque[Task] = deque()
-        self._places: dict[int, dict[str, Place]] = {}  # batch -> where its arrays live
+        # batch -> its place: (batch, rows, key table, segment, offset, ...) (``wire``)
+        self._places: dict[int, tuple[int, ...]] = {}
         self._places_generation = -1
+        self._tables: dict[wire.Table, int] = {}  # key tables, numbered as workers get them
+        self._table: tuple[wire.Table, int] = ((), -1)  # the last batch's, and its number
         self._next_id = 0
         self.stopped = False
         self.reaped = False  # every process is gone: nothing writes for any window now
         self.broken: str | None = None  # a worker could not start: why
         self._wake_r, self._wake_w = os.pipe()
         # one epoll set for the thread's life (multiprocessing's wait() builds one per call)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._epoll = select.epoll()
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._by_fd: dict[int, WorkerProc[Task]] = {}
         self.procs = [self._start(i) for i in range(workers)]
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _start(self, number: int) -> WorkerProc[Task]:
         proc: WorkerProc[Task] = start_worker(number, self._setup)
-        self._selector.register(proc.conn.fileno(), selectors.EVENT_READ, proc)
+        self._by_fd[proc.fd] = proc
+        self._epoll.register(proc.fd, select.EPOLLIN)
         return proc
 
     @property
@@ -143,7 +161,7 @@ class WorkerEngine:
         if self.stopped:
             raise RuntimeError("these decode workers were stopped (the fetch node was closed): "
                                "a bug if reached, the node starts new ones")
-        run = WindowRun(window, self, left=len(window.jobs))
+        run = WindowRun(window, self, len(window.jobs), threading.Condition(self._lock))
         if self.broken is not None:
             run.failed = WorkerError(self.broken)
             self.arena.fail(window.batches, run.failed, window.generation)
@@ -151,7 +169,7 @@ class WorkerEngine:
         if run.left == 0:
             return run
         with self._lock:
-            self._queue.extend(Task(run, job) for job in window.jobs)
+            self._queue.extend([Task(run, job) for job in window.jobs])
         os.write(self._wake_w, b"x")
         return run
 
@@ -177,12 +195,22 @@ class WorkerEngine:
 
     # -- the engine thread ------------------------------------------------------------
     def _serve(self) -> None:
+        poll, by_fd, wake, tick = self._epoll.poll, self._by_fd, self._wake_r, self._tick_s
         try:
+            check = time.monotonic() + tick
             while not self.stopped:
-                self._dispatch()
-                for key, _ in self._selector.select(self._select_timeout()):
-                    self._readable(key.data)
-                self._kill_hung()
+                if self._queue:
+                    self._dispatch()
+                for fd, _ in poll(tick):
+                    proc = by_fd.get(fd)
+                    if proc is not None:
+                        self._readable(proc)
+                    elif fd == wake:
+                        os.read(wake, 4096)
+                now = time.monotonic()
+                if now >= check:
+                    self._kill_hung(now)
+                    check = now + tick
         except BaseException as e:  # a bug here must not hang the training loop
             log.exception("insitubatch: the decode workers' thread failed")
             self.broken = f"the decode workers' thread failed: {e!r}"
@@ -190,43 +218,58 @@ class WorkerEngine:
         finally:
             self._shut()
 
-    def _readable(self, proc: WorkerProc[Task] | None) -> None:
-        if proc is None:
-            os.read(self._wake_r, 4096)
-            return
-        if proc.conn.closed:  # died earlier in this round
+    def _readable(self, proc: WorkerProc[Task]) -> None:
+        """Every answer ``proc``'s socket holds (one read), then its end if it closed."""
+        if proc.fd not in self._by_fd:  # died earlier in this round
             return
         try:
-            msg = proc.conn.recv()
-        except (EOFError, OSError):
+            data = os.read(proc.fd, READ_BYTES)
+        except OSError:
+            data = b""
+        if not data:
             self._died(proc)
             return
-        self._answer(proc, msg)
+        if proc.inbox:  # the rest of a frame read before
+            proc.inbox += data
+            data, proc.inbox = bytes(proc.inbox), bytearray()
+        at, n = 0, len(data)
+        while n - at >= 4:
+            size = _FRAME.unpack_from(data, at)[0]
+            if n - at - 4 < size:
+                break
+            if data[at + 4] == wire.PICKLE:
+                self._answer(proc, pickle.loads(data[at + 4:at + 4 + size]))
+            else:  # a job done, as integers: the usual
+                self._done(proc, _DONE.unpack_from(data, at + 4)[1], None)
+            at += 4 + size
+        if at < n:
+            proc.inbox += data[at:]
 
     def _dispatch(self) -> None:
         """Give every worker with credit left the next jobs of the queue. A job counts as
         out under the lock ``cancel`` takes: a cancel either drops it here or is settled
         only once it was answered (or dropped before it was sent, ``_send``)."""
+        procs, live = self.procs, self._by_fd
         while True:
             with self._lock:
                 if not self._queue:
                     return
-                live = [p for p in self.procs if not p.conn.closed]
-                if not live:
-                    return
-                proc = min(live, key=lambda p: len(p.jobs))
-                if len(proc.jobs) >= CREDIT:
+                proc, least = None, CREDIT
+                for p in procs:
+                    if len(p.jobs) < least and p.fd in live:
+                        proc, least = p, len(p.jobs)
+                if proc is None:
                     return
                 task = self._queue.popleft()
-                if task.run.cancelled or task.run.failed is not None:
+                run = task.run
+                if run.cancelled or run.failed is not None:
                     continue
                 ident = self._next_id
                 self._next_id += 1
                 if not proc.jobs:
                     proc.since = time.monotonic()
                 proc.jobs[ident] = task
-                with task.run.settled:
-                    task.run.out += 1
+                run.out += 1
             self._send(proc, ident, task)
 
     def _send(self, proc: WorkerProc[Task], ident: int, task: Task) -> None:
@@ -234,7 +277,7 @@ class WorkerEngine:
         or belongs to a cleared arena meanwhile: then it is dropped, never sent."""
         run, job = task.run, task.job
         try:
-            places: dict[int, dict[str, Place]] | None = self._places_of(run, job)
+            places: list[tuple[int, ...]] | None = self._places_of(run, job)
         except StaleBatch:  # the arena was cleared since: a read of the old epoch
             places = None
         if places is not None and BEFORE_SEND is not None:
@@ -246,37 +289,87 @@ class WorkerEngine:
             proc.jobs.pop(ident, None)
             self._answered(run, finished=False)
             return
+        assert places is not None
         try:
-            self._send_segments(proc)
-            proc.conn.send(("job", ident, job.targets, places))
+            self._send_setup(proc, places)
+            _write(proc, wire.encode_job(ident, places, job.targets, job.urgent))
         except OSError:
             self._died(proc)
 
-    def _places_of(self, run: WindowRun, job: ReadJob) -> dict[int, dict[str, Place]]:
+    def _places_of(self, run: WindowRun, job: ReadJob) -> list[tuple[int, ...]]:
         """Where the arrays of the batches ``job`` writes live, allocating each batch at
         the first job that writes it."""
         gen = run.window.generation
         if gen != self._places_generation:
             self._places, self._places_generation = {}, gen
-        out = {}
+        places = self._places
+        out = []
         for b in job.writes:
-            got = self._places.get(b)
+            got = places.get(b)
             if got is None:
-                arrays = self.arena.arrays_of(b, gen)
-                got = self._places[b] = {k: self.shared.place(a) for k, a in arrays.items()}
-            out[b] = got
+                got = places[b] = self._place(b, self.arena.arrays_of(b, gen))
+            out.append(got)
         return out
 
-    def _send_segments(self, proc: WorkerProc[Task]) -> None:
+    def _place(self, b: int, arrays: dict[str, Any]) -> tuple[int, ...]:
+        """Batch ``b``'s place: (b, rows, key table, then segment and offset per key). The
+        arena's keys, their shapes past the rows and dtypes are the same for every batch:
+        the table is made once (again only if they differ)."""
+        table, number = self._table
+        if len(arrays) != len(table) or any(a.shape[1:] != t[1] or k != t[0] for (k, a), t
+                                            in zip(arrays.items(), table, strict=True)):
+            table = tuple((k, tuple(a.shape[1:]), a.dtype.str) for k, a in arrays.items())
+            number = self._tables.setdefault(table, len(self._tables))
+            self._table = table, number
+        rows = next(iter(arrays.values())).shape[0] if arrays else 0
+        where = self.shared.where
+        return (b, rows, number, *[x for a in arrays.values() for x in where(a)])
+
+    def _send_setup(self, proc: WorkerProc[Task], places: list[tuple[int, ...]]) -> None:
+        """What ``proc`` needs before a job on ``places``: the segments' descriptors and the
+        key tables it was not sent yet."""
         segments = self.shared.segments
         while proc.segments < len(segments):
             seg = segments[proc.segments]
             proc.conn.send(("segment", seg.index, seg.nbytes))
             send_handle(proc.conn, seg.fd, proc.pid)
             proc.segments += 1
+        if len(proc.tables) < len(self._tables):
+            for table, number in self._tables.items():
+                if number not in proc.tables:
+                    proc.conn.send(("table", number, table))
+                    proc.tables.add(number)
+
+    def _done(self, proc: WorkerProc[Task], ident: int, times: Any) -> None:
+        """Job ``ident`` of ``proc`` is done: its row writes counted, its window told."""
+        proc.since = time.monotonic()
+        if times is not None:
+            self.stats.read.merge(times)
+        task = proc.jobs.pop(ident, None)
+        if task is None:  # not held any more: dropped, never counted twice
+            return
+        run, job = task.run, task.job
+        gen = run.window.generation
+        if gen == self.arena.generation and not run.cancelled:
+            done = self.arena.done
+            for b, n in job.writes.items():
+                done(b, n, gen)
+            for n, nbytes in job.reads:
+                self.stats.stripes_read(n, nbytes)
+        with self._lock:
+            run.out -= 1
+            run.left -= 1
+            if run.left == 0 and run.failed is None and not run.cancelled:
+                self.stats.window_fetched(len(run.window.plan.chunk_ids))
+            if run.waiting:
+                run.settled.notify_all()
 
     def _answer(self, proc: WorkerProc[Task], msg: tuple) -> None:
+        """A pickled answer: ready, fatal, a job done with read counters, a job's error."""
         kind = msg[0]
+        if kind == "done":
+            self._done(proc, msg[1], msg[2])
+            return
         proc.since = time.monotonic()
         if kind == "ready":
             proc.ready = True
@@ -288,32 +381,22 @@ class WorkerEngine:
             self._fail_all()
             return
         task = proc.jobs.pop(msg[1], None)
-        if task is None:  # not held any more: dropped, never counted twice
+        if task is None:  # not held any more: dropped
             return
-        run, job = task.run, task.job
-        if kind == "done":
-            if msg[2] is not None:
-                self.stats.read.merge(msg[2])
-            if run.window.generation == self.arena.generation and not run.cancelled:
-                for b, n in job.writes.items():
-                    self.arena.done(b, n, run.window.generation)
-                for v, n in job.per_variable.items():
-                    self.stats.stripes_read(n, self.stripe_nbytes[v])
-            self._answered(run, finished=True)
-        else:
-            err = msg[2]
-            err.add_note(f"insitubatch: in decode worker {proc.number} (pid {proc.pid})")
-            self._fail(run, err)
-            self._answered(run, finished=False)
+        err = msg[2]
+        err.add_note(f"insitubatch: in decode worker {proc.number} (pid {proc.pid})")
+        self._fail(task.run, err)
+        self._answered(task.run, finished=False)
 
     def _answered(self, run: WindowRun, finished: bool) -> None:
-        with run.settled:
+        with self._lock:
             run.out -= 1
             if finished:
                 run.left -= 1
                 if run.left == 0 and run.failed is None and not run.cancelled:
                     self.stats.window_fetched(len(run.window.plan.chunk_ids))
-            run.settled.notify_all()
+            if run.waiting:
+                run.settled.notify_all()
 
     def _fail(self, run: WindowRun, err: BaseException) -> None:
         """``run`` failed with ``err``: every batch it feeds fails (named in a note)."""
@@ -346,12 +429,13 @@ class WorkerEngine:
         codec, or killed here for not answering). It is started again and its jobs run
         again on the live workers; one that dies before it said it was ready (an import or
         setup that fails every time) is not started again: every later window fails."""
-        if proc.conn.closed:  # seen dead already
+        if self._by_fd.get(proc.fd) is not proc:  # seen dead already
             return
         how = ended(proc)
         held = list(proc.jobs.values())
         proc.jobs.clear()
-        self._selector.unregister(proc.conn.fileno())
+        self._epoll.unregister(proc.fd)
+        del self._by_fd[proc.fd]
         proc.conn.close()
         if not proc.ready:
             self._dead_at_start(proc, how, held)
@@ -391,15 +475,7 @@ class WorkerEngine:
             self._fail(task.run, WorkerError(self.broken))
             self._answered(task.run, finished=False)
 
-    def _select_timeout(self) -> float | None:
-        """Seconds until the next worker holding a job is overdue (``None``: none holds)."""
-        now = time.monotonic()
-        due = [p.since + self.job_timeout_s - now for p in self.procs
-               if p.ready and p.jobs and p.hung_s is None]
-        return max(0.0, min(due)) + 0.01 if due else None
-
-    def _kill_hung(self) -> None:
-        now = time.monotonic()
+    def _kill_hung(self, now: float) -> None:
         for proc in self.procs:
             if proc.overdue(now, self.job_timeout_s):
                 proc.kill_hung(now)  # its socket's end comes next round: ``_died``
@@ -413,10 +489,19 @@ class WorkerEngine:
             for task in proc.jobs.values():
                 with task.run.settled:
                     task.run.settled.notify_all()
-        self._selector.close()
+        self._epoll.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _write(proc: WorkerProc[Task], data: bytes) -> None:
+    """All of ``data`` into ``proc``'s socket (a blocking one: one write, but for a signal)."""
+    sent = os.write(proc.fd, data)
+    if sent < len(data):
+        view = memoryview(data)[sent:]
+        while view:
+            view = view[os.write(proc.fd, view):]
 
 
 def _few(items: list) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..memory.arena import BatchArena
-from ..sampling.plan import ReadPlan, kept_slots
+from ..sampling.plan import KeptSlots, ReadPlan, kept_slots
 
 # the columns of a job's ``targets``: one row per slot a stripe fills
 VAR, STRIPE, OFFSET, BATCH, ROW, STEP = range(6)
@@ -24,18 +24,20 @@ VAR, STRIPE, OFFSET, BATCH, ROW, STEP = range(6)
 Target = tuple[int, int, int, int]
 
 JOB_BYTES = 16 << 20  # decoded bytes a job writes, at most (about)
-JOB_READS = 64  # stripes a job reads, at most
+JOB_READS = 256  # stripes a job reads, at most
 
 
 @dataclass(frozen=True, eq=False, slots=True)
 class ReadJob:
     """One worker's task: the slots its stripes fill (``targets``, a stripe's rows together,
-    the first where it decodes), and the row writes they make per batch (what the arena is
-    told once the job is done) and stripes read per variable (the fetch's counters)."""
+    the first where it decodes), the row writes they make per batch (what the arena is told
+    once the job is done) and its stripes as (count, decoded bytes of one) pairs (the
+    fetch's counters: one pair per stripe size, not one per variable)."""
 
     targets: np.ndarray  # (slots, 6) int64, columns VAR .. STEP
     writes: dict[int, int]
-    per_variable: dict[int, int]
+    reads: tuple[tuple[int, int], ...]
+    urgent: bool = False  # of its window's first batch: answered at once (``wire``)
 
     def stripes(self) -> list[tuple[int, int]]:
         """The (variable, stripe) pairs it reads, sorted: what an error names."""
@@ -64,16 +66,19 @@ def read_starts(targets: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(change) + 1))
 
 
-def _targets(plan: ReadPlan, arena: BatchArena,
-             sample_chunks: Sequence[int]) -> tuple[np.ndarray, list[int]]:
-    """Every (stripe, slot) pair of the window, sorted by variable, stripe and slot; and the
-    batches it feeds (expected in the arena here)."""
+def _expect(plan: ReadPlan, arena: BatchArena) -> tuple[KeptSlots, list[int]]:
+    """The window's kept slots, and the batches they feed (expected in the arena here)."""
     slots = plan.slots
     assert slots is not None, "an in-place window has batch slots"
     kept = kept_slots(plan, arena.take_skip())
-    batches = np.unique(kept.batch).tolist()
+    batches = sorted(set(kept.batch.tolist()))
     for b in batches:
         arena.expect(b, slots.rows_in(b))
+    return kept, batches
+
+
+def _targets(kept: KeptSlots, sample_chunks: Sequence[int]) -> np.ndarray:
+    """Every (stripe, slot) pair of the window, sorted by variable, stripe and slot."""
     n_vars, n = len(sample_chunks), kept.sample.size
     per = np.repeat(np.asarray(sample_chunks, dtype=np.int64), n)
     samples = np.tile(kept.sample, n_vars)
@@ -84,11 +89,37 @@ def _targets(plan: ReadPlan, arena: BatchArena,
     for col, a in ((BATCH, kept.batch), (ROW, kept.row), (STEP, kept.step)):
         t[:, col] = np.tile(a, n_vars)
     order = np.lexsort((t[:, STEP], t[:, ROW], t[:, BATCH], t[:, STRIPE], t[:, VAR]))
-    return t[order], batches
+    return t[order]
+
+
+def _in_slot_order(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``t`` (sorted by variable, stripe and slot) with its stripes in the order of the first
+    slot each fills (a sample's variables together), and where each stripe starts."""
+    starts = read_starts(t)
+    counts = np.diff(np.append(starts, len(t)))
+    ro = np.lexsort((t[starts, VAR], t[starts, ROW], t[starts, BATCH]))
+    lengths = counts[ro]
+    new_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return t[np.repeat(starts[ro] - new_starts, lengths) + np.arange(len(t))], new_starts
+
+
+def _one_slot_each(kept: KeptSlots, n_vars: int) -> np.ndarray:
+    """What ``_in_slot_order`` makes where every stripe fills one slot (one sample per
+    chunk, no time steps: the common case), made directly: slots in (batch, row) order, a
+    slot's variables together."""
+    order = np.argsort(kept.batch * (int(kept.row.max()) + 1) + kept.row, kind="stable")
+    n = order.size
+    t = np.zeros((n, n_vars, 6), dtype=np.int64)
+    t[:, :, VAR] = np.arange(n_vars, dtype=np.int64)
+    t[:, :, STRIPE] = kept.sample[order][:, None]
+    t[:, :, BATCH] = kept.batch[order][:, None]
+    t[:, :, ROW] = kept.row[order][:, None]
+    return t.reshape(n * n_vars, 6)
 
 
 def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
-                   sample_chunks: Sequence[int], row_bytes: Sequence[int]) -> WorkerWindow:
+                   sample_chunks: Sequence[int], row_bytes: Sequence[int],
+                   stripe_nbytes: Sequence[int]) -> WorkerWindow:
     """Where every stripe of an in-place window goes, cut into jobs. Each (sample, step) a
     kept draw reads is a slot (batch, row, step), as ``schedule.batch_slots`` placed it;
     every variable's stripe holding that sample fills its part of the slot. A stripe is read
@@ -98,45 +129,65 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
     sample's variables together), so the window's first batches complete first.
 
     ``sample_chunks[v]``: samples per stripe of variable ``v``; ``row_bytes[v]``: the bytes
-    it writes into one slot."""
-    t, batches = _targets(plan, arena, sample_chunks)
-    if not len(t):  # every draw dropped (drop_last) or delivered before a restore
+    it writes into one slot; ``stripe_nbytes[v]``: the decoded bytes of one of its stripes."""
+    kept, batches = _expect(plan, arena)
+    if not kept.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return WorkerWindow(plan, [], batches, arena.generation)
-    starts = read_starts(t)
-    counts = np.diff(np.append(starts, len(t)))
-    ro = np.lexsort((t[starts, VAR], t[starts, ROW], t[starts, BATCH]))
-    # the rows of every stripe, stripes in the order ``ro``
-    lengths = counts[ro]
-    new_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    t = t[np.repeat(starts[ro] - new_starts, lengths) + np.arange(len(t))]
-    nbytes = np.asarray(row_bytes, dtype=np.int64)[t[new_starts, VAR]] * lengths
+    n_vars = len(sample_chunks)
+    one_each = (kept.n_steps == 1 and all(c == 1 for c in sample_chunks)
+                and len(set(kept.sample.tolist())) == kept.sample.size)  # not padded twice
+    if one_each:  # a stripe per slot and variable
+        t = _one_slot_each(kept, n_vars)
+        starts = np.arange(len(t), dtype=np.int64)
+        var = t[:, VAR]
+    else:
+        t, starts = _in_slot_order(_targets(kept, sample_chunks))
+        var = t[starts, VAR]
+    nbytes = np.asarray(row_bytes, dtype=np.int64)[var] * np.diff(np.append(starts, len(t)))
     if all(n == 1 for n in sample_chunks):
-        cuts = _cut_by_batch(t[new_starts, BATCH], nbytes, workers)
+        cuts = _cut_by_batch(t[starts, BATCH], nbytes, workers)
     else:
         cuts = _cut_even(nbytes, workers)
-    return WorkerWindow(plan, _jobs(t, new_starts, np.asarray(cuts), len(sample_chunks)),
-                        batches, arena.generation)
+    jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, one_each, workers)
+    return WorkerWindow(plan, jobs, batches, arena.generation)
 
 
-def _jobs(t: np.ndarray, starts: np.ndarray, cuts: np.ndarray, n_vars: int) -> list[ReadJob]:
+def _jobs(t: np.ndarray, starts: np.ndarray, cuts: np.ndarray, var: np.ndarray,
+          stripe_nbytes: Sequence[int], one_batch: bool, urgent: int) -> list[ReadJob]:
     """The jobs of stripes ``cuts[i]:cuts[i + 1]`` (``starts``: each stripe's first row of
-    ``t``), with their row writes per batch and stripes per variable counted for the whole
-    window at once (two ``np.unique``, not two per job: they were most of the window's cost
-    on the training thread)."""
+    ``t``; ``var``: each stripe's variable), with their row writes per batch and stripes per
+    size counted for the whole window at once (a few numpy calls, not a few per job).
+    ``one_batch``: every job's rows are of one batch (cut at batch edges, a slot a stripe);
+    the first ``urgent`` jobs (the window's first batch) are answered at once."""
     n_jobs = len(cuts) - 1
     bounds = np.append(starts, len(t))[cuts]
-    job_of_row = np.repeat(np.arange(n_jobs), np.diff(bounds))
-    job_of_read = np.repeat(np.arange(n_jobs), np.diff(cuts))
-    writes: list[dict[int, int]] = [{} for _ in range(n_jobs)]
-    per_var: list[dict[int, int]] = [{} for _ in range(n_jobs)]
-    for out, key, n in ((writes, t[:, BATCH], int(t[:, BATCH].max()) + 1),
-                        (per_var, t[starts, VAR], n_vars)):
-        keys, counts = np.unique((job_of_row if out is writes else job_of_read) * n + key,
-                                 return_counts=True)
-        for k, c in zip(keys.tolist(), counts.tolist(), strict=True):
-            out[k // n][k % n] = c
     lo = bounds.tolist()
-    return [ReadJob(t[lo[j]:lo[j + 1]], writes[j], per_var[j]) for j in range(n_jobs)]
+    if one_batch:
+        firsts = t[bounds[:-1], BATCH].tolist()
+        writes = [{firsts[j]: lo[j + 1] - lo[j]} for j in range(n_jobs)]
+    else:
+        writes = _counted(np.repeat(np.arange(n_jobs), np.diff(bounds)), t[:, BATCH], n_jobs)
+    sizes = np.asarray(stripe_nbytes, dtype=np.int64)
+    reads: list[tuple[tuple[int, int], ...]]
+    if (sizes == sizes[0]).all():  # one stripe size: the stripes a job reads
+        n = np.diff(cuts).tolist()
+        reads = [((n[j], int(sizes[0])),) for j in range(n_jobs)]
+    else:
+        per = _counted(np.repeat(np.arange(n_jobs), np.diff(cuts)), sizes[var], n_jobs)
+        reads = [tuple((n, size) for size, n in p.items()) for p in per]
+    return [ReadJob(t[lo[j]:lo[j + 1]], writes[j], reads[j], j < urgent)
+            for j in range(n_jobs)]
+
+
+def _counted(job: np.ndarray, key: np.ndarray, n_jobs: int) -> list[dict[int, int]]:
+    """Per job, how many times each value of ``key`` occurs in its rows (``job[i]``: the job
+    of row ``i``): one ``np.unique`` for the window."""
+    span = int(key.max()) + 1
+    keys, counts = np.unique(job * span + key, return_counts=True)
+    out: list[dict[int, int]] = [{} for _ in range(n_jobs)]
+    for k, c in zip(keys.tolist(), counts.tolist(), strict=True):
+        out[k // span][k % span] = c
+    return out
 
 
 def _cut_by_batch(first_batch: np.ndarray, nbytes: np.ndarray, workers: int) -> list[int]:

@@ -27,18 +27,24 @@ T = TypeVar("T")  # what the engine holds per job (``engine.Task``)
 
 @dataclass(eq=False)
 class WorkerProc(Generic[T]):
-    """One worker process as the engine sees it: its socket, the segments it was sent,
-    the jobs it holds (by id), and when it last showed progress (``since``: ready, an
+    """One worker process as the engine sees it: its socket, the segments and key tables
+    it was sent, the jobs it holds (by id), and when it last showed progress (``since``: ready, an
     answer, a job given while it held none), which the job timeout counts from."""
 
     number: int
     popen: subprocess.Popen
     conn: Connection
     segments: int = 0  # segments whose descriptors it was sent
+    tables: set[int] = field(default_factory=set)  # key tables it was sent (``wire``)
+    inbox: bytearray = field(default_factory=bytearray)  # answers read, not yet whole
+    fd: int = -1  # its socket's descriptor (``conn.fileno()`` costs a call)
     jobs: dict[int, T] = field(default_factory=dict)
     ready: bool = False
     since: float = field(default_factory=time.monotonic)
     hung_s: float | None = None  # killed after holding a job this long without answering
+
+    def __post_init__(self) -> None:
+        self.fd = self.conn.fileno()
 
     @property
     def pid(self) -> int:

@@ -155,6 +155,18 @@ class SharedMemoryArena:
                              "segment of this shared-memory arena")
         return seg.index, offset, tuple(arr.shape), arr.dtype.str
 
+    def where(self, arr: np.ndarray) -> tuple[int, int]:
+        """(segment, byte offset) of ``arr`` (an array of this arena's, C-contiguous): what a
+        job names per array, its shape and dtype being the batch's (``wire``)."""
+        address = arr.__array_interface__["data"][0]
+        at = bisect.bisect(self._starts, address) - 1
+        seg = self.segments[self._by_start[at]] if at >= 0 else None
+        if (seg is None or not arr.flags.c_contiguous
+                or address + arr.nbytes > seg.address + seg.nbytes):
+            raise ValueError(f"array of shape {arr.shape} at {address:#x} is not a "
+                             "contiguous block of this shared-memory arena")
+        return seg.index, address - seg.address
+
     def close(self) -> None:
         """Close the segments' descriptors (the mappings stay while arrays use them; the
         kernel frees the memory with the last one). Later ``allocate`` calls fail."""

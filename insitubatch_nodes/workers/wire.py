@@ -1,0 +1,80 @@
+"""The bytes between the engine and its decode workers.
+
+Both ends frame messages as ``multiprocessing.connection`` does (a 4-byte big-endian
+length, then the payload), so a worker reads them with ``Connection.recv_bytes``. The
+messages that come and go once per job are plain integers, not pickles: pickling a job's
+index array and its places cost the engine thread more than everything else it does per
+job. A payload whose first byte is 0x80 is a pickle (every pickle of protocol 2 or more
+starts so): the setup, a segment, a table of batch keys, a read error, read counters.
+
+Engine -> worker, per job: ``JOB`` (tag, id, urgent, batches, target rows), then per batch
+the integers (batch, rows, table, then a segment and an offset per key of that table), then
+the job's ``targets`` (``jobs.ReadJob``) as int64 rows. Worker -> engine, per job done:
+``DONE`` (tag, id); a job's error, read counters and the start-up messages are pickles.
+
+**Answers in pairs.** Every wake-up of the training process costs it tens of microseconds
+on a machine whose cores the workers keep busy (its caches are cold when it runs): one per
+job was most of its CPU per sample. So a worker holds up to ``CREDIT`` jobs and answers
+them ``GROUP`` at a time, in one write: it sends what it has done when it starts its last
+job in hand (the engine then refills it while it runs that one), when no job waits in its
+socket, or at once for an ``urgent`` job (the first batch of a window, an error). Batches
+then also complete in pairs, so the training thread waits for every second one only.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+FRAME = struct.Struct("!i")  # multiprocessing.connection's length prefix
+JOB = struct.Struct("<qqqqq")  # TAG_JOB, job id, urgent, batches placed, target rows
+DONE = struct.Struct("<qq")  # TAG_DONE, job id
+TAG_JOB = 1
+TAG_DONE = 2
+PICKLE = 0x80  # the first byte of a pickle (protocol >= 2)
+CREDIT = 3  # jobs a worker holds at a time
+GROUP = CREDIT - 1  # answers a worker sends together (see above)
+COLUMNS = 6  # of a job's targets (``jobs.VAR`` .. ``jobs.STEP``)
+
+# A table of batch keys: (key, shape after the rows, dtype string) per array of a batch,
+# in the order of the (segment, offset) pairs of a batch's place.
+Table = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def encode_job(ident: int, places: list[tuple[int, ...]], targets: np.ndarray,
+               urgent: bool = False) -> bytes:
+    """A job's frame: its places (one tuple of integers per batch it writes) and targets;
+    ``urgent``: answered as soon as it is done, not with the next."""
+    flat = [x for p in places for x in p]
+    return b"".join((FRAME.pack(JOB.size + 8 * len(flat) + targets.nbytes),
+                     JOB.pack(TAG_JOB, ident, urgent, len(places), len(targets)),
+                     struct.pack(f"<{len(flat)}q", *flat), targets.tobytes()))
+
+
+def decode_job(payload: bytes, tables: dict[int, Table],
+               ) -> tuple[int, bool, list[tuple[int, int, Table, list[int]]], np.ndarray]:
+    """A job's id, urgency, places (batch, rows, key table, [segment, offset, ...]) and
+    targets."""
+    _, ident, urgent, n_places, n_rows = JOB.unpack_from(payload)
+    at = JOB.size
+    places = []
+    for _ in range(n_places):
+        b, rows, table = struct.unpack_from("<3q", payload, at)
+        keys = tables[table]
+        at += 24
+        where = list(struct.unpack_from(f"<{2 * len(keys)}q", payload, at))
+        at += 16 * len(keys)
+        places.append((b, rows, keys, where))
+    targets = np.frombuffer(payload, dtype=np.int64, count=n_rows * COLUMNS, offset=at)
+    return ident, bool(urgent), places, targets.reshape(n_rows, COLUMNS)
+
+
+def done(ident: int) -> bytes:
+    """The frame a worker answers for a job done without read counters to report."""
+    return FRAME.pack(DONE.size) + DONE.pack(TAG_DONE, ident)
+
+
+def framed(payload: bytes) -> bytes:
+    """``payload`` with its length before it, as ``Connection.send_bytes`` writes it."""
+    return FRAME.pack(len(payload)) + payload
