@@ -169,8 +169,10 @@ class WorkerEngine:
         if run.left == 0:
             return run
         with self._lock:
+            idle = not self._queue  # else the engine dispatches at its next answer anyway
             self._queue.extend([Task(run, job) for job in window.jobs])
-        os.write(self._wake_w, b"x")
+        if idle:
+            os.write(self._wake_w, b"x")
         return run
 
     def cancel(self, run: WindowRun) -> None:
@@ -250,6 +252,20 @@ class WorkerEngine:
         out under the lock ``cancel`` takes: a cancel either drops it here or is settled
         only once it was answered (or dropped before it was sent, ``_send``)."""
         procs, live = self.procs, self._by_fd
+        try:
+            self._give_out(procs, live)
+        finally:
+            for proc in procs:
+                if proc.outbox and live.get(proc.fd) is proc:
+                    data, proc.outbox = b"".join(proc.outbox), []
+                    try:
+                        _write(proc, data)
+                    except OSError:
+                        self._died(proc)
+
+    def _give_out(self, procs: list[WorkerProc[Task]],
+                  live: dict[int, WorkerProc[Task]]) -> None:
+        """``_dispatch``'s loop: the jobs' frames go to each worker's outbox."""
         while True:
             with self._lock:
                 if not self._queue:
@@ -292,9 +308,10 @@ class WorkerEngine:
         assert places is not None
         try:
             self._send_setup(proc, places)
-            _write(proc, wire.encode_job(ident, places, job.targets, job.urgent))
         except OSError:
             self._died(proc)
+            return
+        proc.outbox.append(wire.encode_job(ident, places, job.targets, job.urgent))
 
     def _places_of(self, run: WindowRun, job: ReadJob) -> list[tuple[int, ...]]:
         """Where the arrays of the batches ``job`` writes live, allocating each batch at
@@ -327,7 +344,7 @@ class WorkerEngine:
 
     def _send_setup(self, proc: WorkerProc[Task], places: list[tuple[int, ...]]) -> None:
         """What ``proc`` needs before a job on ``places``: the segments' descriptors and the
-        key tables it was not sent yet."""
+        key tables it was not sent yet (written now: the jobs in its outbox come after)."""
         segments = self.shared.segments
         while proc.segments < len(segments):
             seg = segments[proc.segments]
@@ -434,6 +451,7 @@ class WorkerEngine:
         how = ended(proc)
         held = list(proc.jobs.values())
         proc.jobs.clear()
+        proc.outbox.clear()  # never written: its descriptor's number may be reused
         self._epoll.unregister(proc.fd)
         del self._by_fd[proc.fd]
         proc.conn.close()

@@ -37,6 +37,7 @@ class WorkerProc(Generic[T]):
     segments: int = 0  # segments whose descriptors it was sent
     tables: set[int] = field(default_factory=set)  # key tables it was sent (``wire``)
     inbox: bytearray = field(default_factory=bytearray)  # answers read, not yet whole
+    outbox: list[bytes] = field(default_factory=list)  # jobs to write at the round's end
     fd: int = -1  # its socket's descriptor (``conn.fileno()`` costs a call)
     jobs: dict[int, T] = field(default_factory=dict)
     ready: bool = False
