@@ -429,17 +429,19 @@ def test_one_slot_a_stripe_cuts_as_the_general_path(n, batch_size, n_vars, worke
     order = rng.permutation(n)
     kept = KeptSlots(sample=rng.choice(10 * n, n, replace=False)[order], batch=batch[order],
                      row=row[order], step=np.zeros(n, dtype=np.int64), n_steps=1)
-    fast = J._one_slot_each(kept, n_vars)
+    fast = J._one_slot_each(kept, n_vars, batch_size)
     slow, starts = J._in_slot_order(J._targets(kept, [1] * n_vars))
     np.testing.assert_array_equal(fast, slow)
     np.testing.assert_array_equal(starts, np.arange(len(fast)))
     row_bytes = rng.integers(1, 1 << 22, n_vars)
     nbytes = row_bytes[fast[:, J.VAR]]
-    cuts = np.asarray(J._cut_by_batch(fast[:, J.BATCH], nbytes, workers))
-    sizes = [int(x) for x in rng.choice([1000, 2000], n_vars)]
-    one = J._jobs(fast, starts, cuts, fast[:, J.VAR], sizes, True, workers)
-    many = J._jobs(fast, starts, cuts, fast[:, J.VAR], sizes, False, workers)
-    assert [j.writes for j in one] == [j.writes for j in many]
-    assert [sorted(j.reads) for j in one] == [sorted(j.reads) for j in many]
-    assert sum(c for j in one for c, _ in j.reads) == len(fast)
+    cuts = J._cut_by_batch(fast[:, J.BATCH], nbytes, workers)
+    assert cuts == J._cut_by_batch(fast[:, J.BATCH], np.tile(row_bytes, n), workers)
+    for sizes in ([1000] * n_vars, [int(x) for x in rng.choice([1000, 2000], n_vars)]):
+        one = J._one_each_jobs(fast, cuts, sizes, workers)
+        many = J._jobs(fast, starts, np.asarray(cuts), fast[:, J.VAR], sizes, workers)
+        assert [j.writes for j in one] == [j.writes for j in many]
+        assert [sorted(j.reads) for j in one] == [sorted(j.reads) for j in many]
+        assert sum(c for j in one for c, _ in j.reads) == len(fast)
+        assert [j.targets.tolist() for j in one] == [j.targets.tolist() for j in many]
     assert [j.urgent for j in one] == [k < workers for k in range(len(one))]

@@ -103,18 +103,20 @@ def _in_slot_order(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t[np.repeat(starts[ro] - new_starts, lengths) + np.arange(len(t))], new_starts
 
 
-def _one_slot_each(kept: KeptSlots, n_vars: int) -> np.ndarray:
+def _one_slot_each(kept: KeptSlots, n_vars: int, batch_size: int) -> np.ndarray:
     """What ``_in_slot_order`` makes where every stripe fills one slot (one sample per
     chunk, no time steps: the common case), made directly: slots in (batch, row) order, a
-    slot's variables together."""
-    order = np.argsort(kept.batch * (int(kept.row.max()) + 1) + kept.row, kind="stable")
-    n = order.size
-    t = np.zeros((n, n_vars, 6), dtype=np.int64)
-    t[:, :, VAR] = np.arange(n_vars, dtype=np.int64)
-    t[:, :, STRIPE] = kept.sample[order][:, None]
-    t[:, :, BATCH] = kept.batch[order][:, None]
-    t[:, :, ROW] = kept.row[order][:, None]
-    return t.reshape(n * n_vars, 6)
+    slot's variables together (a few numpy calls: each costs microseconds)."""
+    order = (kept.batch * batch_size + kept.row).argsort(kind="stable")
+    slots = np.stack((kept.sample, kept.batch, kept.row), axis=1)[order]
+    t = np.zeros((order.size, n_vars, 6), dtype=np.int64)
+    t[:, :, _SLOT_COLUMNS] = slots[:, None, :]
+    if n_vars > 1:
+        t[:, :, VAR] = np.arange(n_vars, dtype=np.int64)
+    return t.reshape(order.size * n_vars, 6)
+
+
+_SLOT_COLUMNS = [STRIPE, BATCH, ROW]
 
 
 def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
@@ -134,39 +136,52 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
     if not kept.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return WorkerWindow(plan, [], batches, arena.generation)
     n_vars = len(sample_chunks)
-    one_each = (kept.n_steps == 1 and all(c == 1 for c in sample_chunks)
-                and len(set(kept.sample.tolist())) == kept.sample.size)  # not padded twice
-    if one_each:  # a stripe per slot and variable
-        t = _one_slot_each(kept, n_vars)
-        starts = np.arange(len(t), dtype=np.int64)
-        var = t[:, VAR]
-    else:
-        t, starts = _in_slot_order(_targets(kept, sample_chunks))
-        var = t[starts, VAR]
+    if (kept.n_steps == 1 and all(c == 1 for c in sample_chunks)
+            and len(set(kept.sample.tolist())) == kept.sample.size):  # (not padded twice)
+        # a stripe per slot and variable: the common case, cut with the fewest numpy calls
+        assert plan.slots is not None
+        t = _one_slot_each(kept, n_vars, plan.slots.batch_size)
+        nbytes = np.tile(np.asarray(row_bytes, dtype=np.int64), kept.sample.size)
+        cuts = _cut_by_batch(t[:, BATCH], nbytes, workers)
+        return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
+                            arena.generation)
+    t, starts = _in_slot_order(_targets(kept, sample_chunks))
+    var = t[starts, VAR]
     nbytes = np.asarray(row_bytes, dtype=np.int64)[var] * np.diff(np.append(starts, len(t)))
     if all(n == 1 for n in sample_chunks):
         cuts = _cut_by_batch(t[starts, BATCH], nbytes, workers)
     else:
         cuts = _cut_even(nbytes, workers)
-    jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, one_each, workers)
+    jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, workers)
     return WorkerWindow(plan, jobs, batches, arena.generation)
 
 
+def _one_each_jobs(t: np.ndarray, cuts: list[int], stripe_nbytes: Sequence[int],
+                   urgent: int) -> list[ReadJob]:
+    """``_jobs`` where a row of ``t`` is a stripe and a job's rows are of one batch."""
+    firsts = t[cuts[:-1], BATCH].tolist()
+    n_jobs = len(cuts) - 1
+    reads: list[tuple[tuple[int, int], ...]]
+    if len(set(stripe_nbytes)) == 1:
+        reads = [((cuts[j + 1] - cuts[j], stripe_nbytes[0]),) for j in range(n_jobs)]
+    else:
+        job = np.repeat(np.arange(n_jobs), np.diff(cuts))
+        per = _counted(job, np.asarray(stripe_nbytes, dtype=np.int64)[t[:, VAR]], n_jobs)
+        reads = [tuple((n, size) for size, n in p.items()) for p in per]
+    return [ReadJob(t[cuts[j]:cuts[j + 1]], {firsts[j]: cuts[j + 1] - cuts[j]}, reads[j],
+                    j < urgent) for j in range(n_jobs)]
+
+
 def _jobs(t: np.ndarray, starts: np.ndarray, cuts: np.ndarray, var: np.ndarray,
-          stripe_nbytes: Sequence[int], one_batch: bool, urgent: int) -> list[ReadJob]:
+          stripe_nbytes: Sequence[int], urgent: int) -> list[ReadJob]:
     """The jobs of stripes ``cuts[i]:cuts[i + 1]`` (``starts``: each stripe's first row of
     ``t``; ``var``: each stripe's variable), with their row writes per batch and stripes per
-    size counted for the whole window at once (a few numpy calls, not a few per job).
-    ``one_batch``: every job's rows are of one batch (cut at batch edges, a slot a stripe);
-    the first ``urgent`` jobs (the window's first batch) are answered at once."""
+    size counted for the whole window at once (a few numpy calls, not a few per job); the
+    first ``urgent`` jobs (the window's first batch) are answered at once."""
     n_jobs = len(cuts) - 1
     bounds = np.append(starts, len(t))[cuts]
     lo = bounds.tolist()
-    if one_batch:
-        firsts = t[bounds[:-1], BATCH].tolist()
-        writes = [{firsts[j]: lo[j + 1] - lo[j]} for j in range(n_jobs)]
-    else:
-        writes = _counted(np.repeat(np.arange(n_jobs), np.diff(bounds)), t[:, BATCH], n_jobs)
+    writes = _counted(np.repeat(np.arange(n_jobs), np.diff(bounds)), t[:, BATCH], n_jobs)
     sizes = np.asarray(stripe_nbytes, dtype=np.int64)
     reads: list[tuple[tuple[int, int], ...]]
     if (sizes == sizes[0]).all():  # one stripe size: the stripes a job reads
@@ -195,14 +210,18 @@ def _cut_by_batch(first_batch: np.ndarray, nbytes: np.ndarray, workers: int) -> 
     out as soon as its job is done), the window's first batch split across the workers so
     it is complete as early as it can be; at most ``JOB_READS`` / ``JOB_BYTES`` a job.
     Returns the stripe indices where jobs start, and the end."""
-    edges = [0, *(np.flatnonzero(np.diff(first_batch)) + 1).tolist(), len(first_batch)]
-    total = np.concatenate(([0], np.cumsum(nbytes))).tolist()
+    n = len(first_batch)
+    bounds = [0, *(np.flatnonzero(first_batch[1:] != first_batch[:-1]) + 1).tolist(), n]
+    total = [0, *np.cumsum(nbytes).tolist()]
     cuts = [0]
-    for n, (a, z) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-        parts = max(workers if n == 0 else 1, -(-(total[z] - total[a]) // JOB_BYTES),
+    for i in range(len(bounds) - 1):
+        a, z = bounds[i], bounds[i + 1]
+        parts = max(workers if i == 0 else 1, -(-(total[z] - total[a]) // JOB_BYTES),
                     -(-(z - a) // JOB_READS))
-        size = -(-(z - a) // min(z - a, parts))
-        cuts += [min(k + size, z) for k in range(a, z, size)]
+        if parts > 1:
+            size = -(-(z - a) // min(z - a, parts))
+            cuts += range(a + size, z, size)
+        cuts.append(z)
     return cuts
 
 
