@@ -23,7 +23,10 @@ VAR, STRIPE, OFFSET, BATCH, ROW, STEP = range(6)
 # (row of the stripe, batch, row of the batch, time step): one slot a stripe fills
 Target = tuple[int, int, int, int]
 
-JOB_BYTES = 16 << 20  # decoded bytes a job writes, at most (about)
+# decoded bytes a job writes, at most (about): every job costs the training process a few
+# tens of microseconds (a WB2 sample of 9.6 MB: 16 MB jobs, 61-81 us a sample on the engine
+# thread; 64 MB, 30-37 us), and a window's first batch is split across the workers anyway
+JOB_BYTES = 64 << 20
 JOB_READS = 256  # stripes a job reads, at most
 
 
@@ -161,13 +164,20 @@ def _one_each_jobs(t: np.ndarray, cuts: list[int], stripe_nbytes: Sequence[int],
     """``_jobs`` where a row of ``t`` is a stripe and a job's rows are of one batch."""
     firsts = t[cuts[:-1], BATCH].tolist()
     n_jobs = len(cuts) - 1
-    reads: list[tuple[tuple[int, int], ...]]
-    if len(set(stripe_nbytes)) == 1:
-        reads = [((cuts[j + 1] - cuts[j], stripe_nbytes[0]),) for j in range(n_jobs)]
-    else:
-        job = np.repeat(np.arange(n_jobs), np.diff(cuts))
-        per = _counted(job, np.asarray(stripe_nbytes, dtype=np.int64)[t[:, VAR]], n_jobs)
-        reads = [tuple((n, size) for size, n in p.items()) for p in per]
+    # rows are (slot, variable) in order: row i reads variable i % n_vars, so the stripes
+    # of each size in rows [a, z) are counted from one cycle's running counts
+    n_vars = len(stripe_nbytes)
+    running = {size: [0] * (n_vars + 1) for size in stripe_nbytes}
+    for size, counts in running.items():
+        for v in range(n_vars):
+            counts[v + 1] = counts[v] + (stripe_nbytes[v] == size)
+
+    def upto(i: int, counts: list[int]) -> int:  # rows before row i of that size
+        return i // n_vars * counts[n_vars] + counts[i % n_vars]
+
+    reads = [tuple((n, size) for size, counts in running.items()
+                   if (n := upto(cuts[j + 1], counts) - upto(cuts[j], counts)))
+             for j in range(n_jobs)]
     return [ReadJob(t[cuts[j]:cuts[j + 1]], {firsts[j]: cuts[j + 1] - cuts[j]}, reads[j],
                     j < urgent) for j in range(n_jobs)]
 
