@@ -14,7 +14,7 @@ all go through here, so they cannot drift apart.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,61 +291,92 @@ class Graph:
     ledger: MemoryLedger
 
 
-def connect_staging(gather: GatherNode, between: Sequence[BaseNode]) -> StagingSeam | None:
-    """A staging seam for ``gather`` and the ``PinOrCudaNode`` after ``between``, if every
+@dataclass(frozen=True)
+class Stage:
+    """A per-batch stage after the gather, before it is built: ``build`` makes it over its
+    upstream; ``keeps_batch_memory`` says whether it hands the batch's tensors on in place
+    (``TransformNode``), which decides before anything is built whether the gather may
+    write into ``PinOrCudaNode``'s pinned slots."""
+
+    build: Callable[[BaseNode], BaseNode]
+    keeps_batch_memory: bool
+
+
+def staging_through(gather: GatherNode, between: Sequence[BaseNode]) -> StagingSeam | None:
+    """``gather``'s staging seam for the ``PinOrCudaNode`` after ``between``, if every
     stage between keeps the batch's tensors (else the gather would fill pinned buffers
-    that a cast or stacking then leaves unused). Sets ``gather.staging``."""
+    that a cast or stacking then leaves unused: the seam stays unattached, and the gather
+    allocates its own)."""
     if not all(isinstance(n, TransformNode) and n.keeps_batch_memory for n in between):
         return None
-    seam = StagingSeam()
-    gather.staging = seam
-    return seam
+    return gather.staging
 
 
-def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
-                     device: torch.device | None = None) -> tuple[BaseNode, list[BaseNode]]:
+def transform_plan(source: Source, resolved: Resolved,
+                   device: torch.device | None = None) -> list[Stage]:
     """The per-batch stages after the gather (normalise and cast, static fields, channels
-    stacked after a device gather, patches, channels last) over ``node``, as ``resolved``
-    asks: (the last stage, the stages added). ``SampleDataset`` runs the same stages over
-    batches of one sample, so a sample read by index is the loader's row."""
+    stacked after a device gather, patches, channels last) as ``resolved`` asks, checked
+    against the source before anything is built."""
     sm = resolved.config.sample
     layout, channels = resolved.layout, resolved.channels
-    between: list[BaseNode] = []
+    plan: list[Stage] = []
     if (sm.stats is not None or sm.dtype is not None or sm.fill_nan is not None
             or sm.mask):
-        node = NormalizeNode(node, sm.stats if sm.stats is not None else Stats("", ()),
-                             source.variables, dtype=sm.dtype, layout=layout,
-                             schemes=sm.normalize, selection=source.selection,
-                             fill_nan=sm.fill_nan, mask=sm.mask)
-        between.append(node)
+        stats = sm.stats if sm.stats is not None else Stats("", ())
+        plan.append(Stage(lambda n: NormalizeNode(
+            n, stats, source.variables, dtype=sm.dtype, layout=layout, schemes=sm.normalize,
+            selection=source.selection, fill_nan=sm.fill_nan, mask=sm.mask),
+            NormalizeNode.keeps_memory(sm.dtype)))
     if sm.static:
         check_static(sm.static, {v.name: v.sample_shape for v in source.variables},
                      len(sm.patch_size) if sm.patch_size is not None else 0)
-        node = StaticFieldsNode(node, sm.static, device=device, dtype=sm.dtype)
-        between.append(node)
+        static = sm.static
+        plan.append(Stage(lambda n: StaticFieldsNode(n, static, device=device, dtype=sm.dtype),
+                          StaticFieldsNode.keeps_batch_memory))
     if channels and layout is None:
-        node = StackChannelsNode(node, channels, key=resolved.channels_key)
-        between.append(node)
+        stacked = channels
+        plan.append(Stage(lambda n: StackChannelsNode(n, stacked, key=resolved.channels_key),
+                          StackChannelsNode.keeps_batch_memory))
     if sm.patch_size is not None:
-        k = len(sm.patch_size)
-        short = {v.name: v.sample_shape for v in source.variables if len(v.sample_shape) < k}
-        if short:
-            raise ConfigError(f"patch_size={tuple(sm.patch_size)} cuts the last {k} dims of "
-                             f"each sample, but these samples have fewer: {short}")
-        shapes = {v.name: tuple(v.sample_shape[-k:]) for v in source.variables}
-        if len(set(shapes.values())) > 1:  # one grid of patches cuts one grid of points
-            raise ConfigError(f"patch_size={tuple(sm.patch_size)} cuts every variable on one "
-                             f"grid, but their last {k} dims differ: {shapes}; open the "
-                             "variables of one grid (open_source(variables=...))")
-        spatial = next(iter(shapes.values()))
-        # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
-        # patch corners once
-        node = PatchNode(node, sm.patch_size, sm.patch_stride, spatial_shape=spatial)
-        between.append(node)
+        plan.append(_patch_stage(source, sm))
     if sm.channels_last or sm.drop_ensemble:
-        node = ChannelsLastNode(node, (resolved.channels_key,),
-                                -3 if sm.channels_last else None,
-                                (-2,) if sm.drop_ensemble else ())
+        plan.append(Stage(lambda n: ChannelsLastNode(n, (resolved.channels_key,),
+                                                     -3 if sm.channels_last else None,
+                                                     (-2,) if sm.drop_ensemble else ()),
+                          ChannelsLastNode.keeps_batch_memory))
+    return plan
+
+
+def _patch_stage(source: Source, sm: SampleConfig) -> Stage:
+    """``PatchNode`` for ``sample.patch_size``, its size checked against the samples."""
+    assert sm.patch_size is not None
+    size = sm.patch_size
+    k = len(size)
+    short = {v.name: v.sample_shape for v in source.variables if len(v.sample_shape) < k}
+    if short:
+        raise ConfigError(f"patch_size={tuple(size)} cuts the last {k} dims of "
+                         f"each sample, but these samples have fewer: {short}")
+    shapes = {v.name: tuple(v.sample_shape[-k:]) for v in source.variables}
+    if len(set(shapes.values())) > 1:  # one grid of patches cuts one grid of points
+        raise ConfigError(f"patch_size={tuple(size)} cuts every variable on one "
+                         f"grid, but their last {k} dims differ: {shapes}; open the "
+                         "variables of one grid (open_source(variables=...))")
+    spatial = next(iter(shapes.values()))
+    # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
+    # patch corners once
+    return Stage(lambda n: PatchNode(n, size, sm.patch_stride, spatial_shape=spatial),
+                 PatchNode.keeps_batch_memory)
+
+
+def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
+                     device: torch.device | None = None,
+                     plan: Sequence[Stage] | None = None) -> tuple[BaseNode, list[BaseNode]]:
+    """The stages of ``transform_plan`` (or ``plan``) built over ``node``: (the last stage,
+    the stages added). ``SampleDataset`` runs the same stages over batches of one sample,
+    so a sample read by index is the loader's row."""
+    between: list[BaseNode] = []
+    for stage in plan if plan is not None else transform_plan(source, resolved, device):
+        node = stage.build(node)
         between.append(node)
     return node, between
 
@@ -382,10 +413,27 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     if done("plan", node):
         return Graph(node, stages, ledger)
     layout = resolved.layout
-    # Decode workers write into batches in memory shared with them (workers/).
-    shared = SharedMemoryArena() if resolved.workers else None
+    # Decided before any stage is built (no stage is changed after): the per-batch stages,
+    # and on CUDA whether the gather (or the in-place decode) writes batches straight into
+    # memory PinOrCudaNode copies from, which every stage between must keep.
+    device = resolve_device(d.device)
+    plan = transform_plan(source, resolved, device)
+    dev = ops.device if ops is not None else device
+    cuda = dev if dev is not None and dev.type == "cuda" else None
+    staged = cuda is not None and all(st.keeps_batch_memory for st in plan)
+    if staged and ops is None:
+        assert cuda is not None
+        ops = CudaOps(cuda)
+    # Decode workers write into batches in memory shared with them (workers/); staged, each
+    # segment is page-locked as it is made.
+    shared = (SharedMemoryArena(on_segment=ops.register_host if staged else None)
+              if resolved.workers else None)
     pool = BufferPool(ledger, allocate=shared.allocate if shared is not None else None)
-    arena = (BatchArena(layout, pool, steps) if resolved.in_place and layout is not None
+    # Decoded in place and staged: into pinned memory, which the stager copies to the GPU
+    # from where it was decoded.
+    batch_pool = (BufferPool(ledger, allocate=PinnedArrays(ops))
+                  if staged and shared is None else pool)
+    arena = (BatchArena(layout, batch_pool, steps) if resolved.in_place and layout is not None
              else None)
     fetch = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                            prefetch_windows=resolved.prefetch_windows,
@@ -404,23 +452,12 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     node = ShuffleBufferNode(node, source.variables, s.batch_size, drop_last=s.drop_last)
     if done("shuffle", node):
         return Graph(node, stages, ledger)
+    seam = StagingSeam() if staged else None  # attached by PinOrCudaNode's first batch
     gather = GatherNode(node, source.variables, steps=steps, coords=source.batch_coords(),
-                        layout=layout)
+                        layout=layout, staging=seam)
     if done("gather", gather):
         return Graph(gather, stages, ledger)
-    node, between = transform_stages(gather, source, resolved, resolve_device(d.device))
-    dev = ops.device if ops is not None else resolve_device(d.device)
-    cuda = dev if dev is not None and dev.type == "cuda" else None
-    seam = connect_staging(gather, between) if cuda is not None else None
-    if seam is not None and cuda is not None:  # a seam only on CUDA
-        ops = ops if ops is not None else CudaOps(cuda)
-        if shared is not None:
-            # Decode workers' shared batch memory, page-locked a segment at a time.
-            shared.on_segment = ops.register_host
-        elif arena is not None:
-            # Decoded in place into pinned memory: the stager copies those batches to the
-            # GPU from where they were decoded. Set before the first batch is allocated.
-            arena.pool = BufferPool(ledger, allocate=PinnedArrays(ops))
+    node, _ = transform_stages(gather, source, resolved, device, plan)
     node = PinOrCudaNode(node, device=d.device, ring_size=d.ring_size, ops=ops, staging=seam)
     stages["pin"] = node
     return Graph(node, stages, ledger)

@@ -570,3 +570,14 @@ def test_copy_state_is_deep_and_keeps_foreign_values():
     got["a"].append(3)
     got["f"][0] = 7
     assert state["a"] == [1, {"b": 2.5, "c": None}] and marker[0] == 0
+
+
+def test_a_misconfigured_transform_is_refused_before_the_fetch_starts(setup, monkeypatch):
+    """The per-batch stages are planned (and checked) before any stage is built: a bad
+    patch size starts no decode worker only to be refused."""
+    src, m = setup[0], setup[1]
+    started = []
+    monkeypatch.setattr(ib.AsyncFetchNode, "start", lambda self: started.append(self))
+    with pytest.raises(ib.ConfigError, match=r"patch_size=\(2, 2\) cuts the last 2 dims"):
+        ib.build_loader(src, m, "train", batch_size=4, patch_size=(2, 2), workers=1)
+    assert not started

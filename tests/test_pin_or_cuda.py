@@ -544,7 +544,7 @@ def test_gather_into_slot_fails_loudly_if_the_ring_lied(store):
 def test_gather_into_slot_only_through_stages_that_keep_the_batch(store):
     """A cast makes new tensors: the gather must not fill pinned buffers nobody copies. A
     stage that only adds keys (static fields) keeps the in-place gather."""
-    from insitubatch_nodes.graph import connect_staging
+    from insitubatch_nodes.graph import staging_through
     from insitubatch_nodes.nodes.static import StaticFieldsNode
 
     src, m, _ = store
@@ -555,7 +555,7 @@ def test_gather_into_slot_only_through_stages_that_keep_the_batch(store):
     gather = plain.source
     fields = StaticFieldsNode(gather, {"lsm": np.ones((3,), np.float32)})
     static = PinOrCudaNode(fields, ops=FakeOps(eager=True), ring_size=2,
-                           staging=connect_staging(gather, [fields]))
+                           staging=staging_through(gather, [fields]))
     got = run_graph(static, epochs=1)
     assert static.staging is gather.staging is not None
     assert static._stager.bytes_in_place > 0
@@ -576,12 +576,12 @@ class _TransposeX(TransformNode):
 
 def test_a_view_of_the_slot_in_another_layout_is_copied_safely(store):
     src, m, _ = store
-    from insitubatch_nodes.graph import connect_staging
+    from insitubatch_nodes.graph import staging_through
 
     gpu = fake_cuda_graph(src, m, FakeOps(eager=False), 2)
     transposed = _TransposeX(gpu.source)
     gpu = PinOrCudaNode(transposed, ops=gpu._ops, ring_size=2,
-                        staging=connect_staging(gpu.source, [transposed]))
+                        staging=staging_through(gpu.source, [transposed]))
     cpu = _cpu_graph(src, m, None, None)
     cpu = PinOrCudaNode(_TransposeX(cpu.source), device=None)
     got, want = run_graph(gpu), run_graph(cpu)

@@ -95,8 +95,7 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
                     if pl.key != var.name or not pl.whole:
                         self._stacked.setdefault(pl.key, []).append((var.name, pl))
         self.dtype = dtype
-        # float32 is standardised (and filled) in place; masks are new tensors beside it
-        self.keeps_batch_memory = dtype is None
+        self.keeps_batch_memory = self.keeps_memory(dtype)
         self._names = {var.name for var in variables}
         self.schemes = check_schemes(schemes, variables, selection)
         # float64 parameters; the per-(device, dtype) copies batches use are made once.
@@ -145,6 +144,13 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
             scale = np.where(np.abs(scale) < eps, eps, scale)
             self._exact[var.name] = (torch.as_tensor(offset).reshape(shape),
                                      torch.as_tensor(scale).reshape(shape))
+
+    @staticmethod
+    def keeps_memory(dtype: torch.dtype | None) -> bool:
+        """Whether a NormalizeNode casting to ``dtype`` hands the batch's tensors on in
+        place: float32 is standardised (and filled) in place, masks are new tensors beside
+        it; a cast makes new tensors."""
+        return dtype is None
 
     def _raw(self, var: VariableGeometry) -> bool:
         """Whether ``var`` is asked to be served raw: scheme ``none`` for it, for every one
