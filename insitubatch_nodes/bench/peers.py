@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import ConfigError
 from . import PEER_NAMES, PEERS_HINT
 from .common import Run, fmt, usage
 
@@ -147,7 +148,7 @@ def open_peers(root: Path | None, source: Any, peers: Sequence[str],
     missing: list[Unavailable] = []
     for peer in peers:
         if peer not in _MODULES:
-            raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEER_NAMES)}")
+            raise ConfigError(f"unknown peer {peer!r}; known: {', '.join(PEER_NAMES)}")
         if importlib.util.find_spec(_MODULES[peer]) is None:
             missing.append(Unavailable(peer, f"not installed ({PEERS_HINT})"))
             continue

@@ -12,9 +12,10 @@ def _plt() -> Any:  # matplotlib.pyplot
     try:
         import matplotlib
     except ImportError as e:
+        from ..errors import MissingDependencyError
         from . import MISSING_HINT
 
-        raise ImportError(MISSING_HINT) from e
+        raise MissingDependencyError(MISSING_HINT) from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -25,7 +25,9 @@ def _peak_rss() -> int:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    from ..errors import LocalFileError  # here: the probe measures its imports
+
+    raise LocalFileError("no VmHWM in /proc/self/status")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import InsitubatchError
 from ..io.chunk_cache import ChunkCache
 from ..io.partial.ranges import PartSpec
 from ..io.reader import StripeReader
@@ -202,7 +203,11 @@ def _sendable(e: BaseException) -> BaseException:
         return e
     except Exception:
         text = "".join(traceback.format_exception(e))
-        return RuntimeError(f"{type(e).__name__}: {e}\n{text}")
+        return UnsentError(f"{type(e).__name__}: {e}\n{text}")
+
+
+class UnsentError(InsitubatchError, RuntimeError):
+    """A worker's error that does not pickle, sent as its type, message and traceback."""
 
 
 class _Gone(Exception):

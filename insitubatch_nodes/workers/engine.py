@@ -27,17 +27,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler, send_handle
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..errors import ConfigError, InsitubatchError
+from ..errors import ConfigError, InternalError
 from ..memory.arena import BatchArena, StaleBatch
 from ..metrics.counters import FetchStats
 from . import wire
 from .child import WorkerSetup
 from .jobs import ReadJob, WorkerWindow
 from .procs import WorkerProc, ended, start_worker, stop_all
+from .runs import Task, WindowRun, WorkerError, died_twice, few
 from .shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
@@ -50,54 +50,6 @@ _FRAME, _DONE = wire.FRAME, wire.DONE
 # Tests only: called on the engine thread as ``BEFORE_SEND(run, job)`` between a job's
 # batches being allocated and the job being sent, where a cancel must not let it through.
 BEFORE_SEND: Callable[[WindowRun, ReadJob], None] | None = None
-
-
-class Task(NamedTuple):
-    """A job of a window as the engine queues and hands it out; ``died`` says how the
-    worker that ran it first died (a job is run again once, never a third time)."""
-
-    run: WindowRun
-    job: ReadJob
-    died: str | None = None
-
-
-class WorkerError(InsitubatchError, RuntimeError):
-    """A decode worker process could not start, or died twice running the same job: the
-    message names them (number, pid, exit status) and the window and batches affected."""
-
-
-@dataclass(eq=False)
-class WindowRun:
-    """A window on the workers: the future-like object the fetch node keeps (``cancel``,
-    ``settle``, ``done``), as ``fetch.jobs.DirectWindow`` is for the decode threads.
-    ``settled`` is a condition on the engine's lock: every count below changes under it."""
-
-    window: WorkerWindow
-    engine: WorkerEngine
-    left: int  # jobs not yet done
-    settled: threading.Condition
-    out: int = 0  # jobs held by a worker (or being sent to one) and not yet answered
-    cancelled: bool = False
-    failed: BaseException | None = None
-    waiting: int = 0  # threads in ``settle``: only then is an answer notified
-
-    def cancel(self) -> bool:
-        """Drop the jobs not yet given to a worker; ``settle`` waits for the others."""
-        self.engine.cancel(self)
-        return True
-
-    def settle(self) -> None:
-        """After ``cancel``: wait until no worker writes for this window any more, so its
-        batches' memory can be given to the window that replaces it."""
-        with self.settled:
-            self.waiting += 1
-            try:
-                self.settled.wait_for(lambda: self.out == 0 or self.engine.reaped)
-            finally:
-                self.waiting -= 1
-
-    def done(self) -> bool:
-        return self.left == 0 or ((self.cancelled or self.failed is not None) and self.out == 0)
 
 
 class WorkerEngine:
@@ -159,7 +111,7 @@ class WorkerEngine:
     # -- the training thread's side ---------------------------------------------------
     def submit(self, window: WorkerWindow) -> WindowRun:
         if self.stopped:
-            raise RuntimeError("these decode workers were stopped (the fetch node was closed): "
+            raise InternalError("these decode workers were stopped (the fetch node was closed): "
                                "a bug if reached, the node starts new ones")
         run = WindowRun(window, self, len(window.jobs), threading.Condition(self._lock))
         if self.broken is not None:
@@ -466,14 +418,14 @@ class WorkerEngine:
             self._queue.extendleft(reversed(again))
         for task in rerun:
             if task.died is not None:
-                self._fail(task.run, _died_twice(task, first))
+                self._fail(task.run, died_twice(task, first))
         for task in held:
             self._answered(task.run, finished=False)
         if new is not None:
             stripes = sorted({vs for t in again for vs in t.job.stripes()})
             log.warning("insitubatch: %s holding %d jobs; started it again (pid %d); %d jobs "
                         "run again on the live workers: stripes %s (variable, sample-axis "
-                        "chunk)", first, len(held), new.pid, len(again), _few(stripes))
+                        "chunk)", first, len(held), new.pid, len(again), few(stripes))
 
     def _replace(self, proc: WorkerProc[Task]) -> WorkerProc[Task] | None:
         """A new worker in dead ``proc``'s place, counted (none while stopping or broken)."""
@@ -520,19 +472,3 @@ def _write(proc: WorkerProc[Task], data: bytes) -> None:
         view = memoryview(data)[sent:]
         while view:
             view = view[os.write(proc.fd, view):]
-
-
-def _few(items: list) -> str:
-    return str(items[:16]) + (f" and {len(items) - 16} more" if len(items) > 16 else "")
-
-
-def _died_twice(task: Task, second: str) -> WorkerError:
-    """The error of a job whose worker died, and whose second worker died too."""
-    w = task.run.window
-    stripes = task.job.stripes()
-    return WorkerError(
-        f"insitubatch: two decode workers died running the same job: {task.died}, then "
-        f"{second}, both while reading stripes {_few(stripes)} (variable, sample-axis "
-        f"chunk) of the window of chunks {list(w.plan.chunk_ids)[:8]} into batches "
-        f"{sorted(task.job.writes)[:8]}; it is not run a third time (a chunk that kills its "
-        "decoder? workers=0 reads it in this process and shows its error)")

@@ -22,6 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import InsitubatchError, LoaderUsageError
+
+
+class NotInArena(InsitubatchError, ValueError):
+    """An array asked about is not a contiguous block of this arena (a bug if reached)."""
+
+
 # Where an array lives: (segment, byte offset, shape, dtype string); what a job names.
 Place = tuple[int, int, tuple[int, ...], str]
 
@@ -104,7 +111,7 @@ class SharedMemoryArena:
         size = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
         with self._lock:
             if self.closed:
-                raise RuntimeError("this SharedMemoryArena was closed (loader.shutdown()): "
+                raise LoaderUsageError("this SharedMemoryArena was closed (loader.shutdown()): "
                                    "build a new loader")
             free = self._free.get(size)
             if free:
@@ -146,12 +153,12 @@ class SharedMemoryArena:
         address = int(arr.ctypes.data)
         at = bisect.bisect(self._starts, address) - 1
         if at < 0 or not arr.flags.c_contiguous:
-            raise ValueError(f"array of shape {arr.shape} at {address:#x} is not a "
+            raise NotInArena(f"array of shape {arr.shape} at {address:#x} is not a "
                              "contiguous block of this shared-memory arena")
         seg = self.segments[self._by_start[at]]
         offset = address - seg.address
         if offset + arr.nbytes > seg.nbytes:
-            raise ValueError(f"array of shape {arr.shape} at {address:#x} is not in a "
+            raise NotInArena(f"array of shape {arr.shape} at {address:#x} is not in a "
                              "segment of this shared-memory arena")
         return seg.index, offset, tuple(arr.shape), arr.dtype.str
 
@@ -163,7 +170,7 @@ class SharedMemoryArena:
         seg = self.segments[self._by_start[at]] if at >= 0 else None
         if (seg is None or not arr.flags.c_contiguous
                 or address + arr.nbytes > seg.address + seg.nbytes):
-            raise ValueError(f"array of shape {arr.shape} at {address:#x} is not a "
+            raise NotInArena(f"array of shape {arr.shape} at {address:#x} is not a "
                              "contiguous block of this shared-memory arena")
         return seg.index, address - seg.address
 
