@@ -1,7 +1,9 @@
-"""Shared fixtures: real zarr stores on disk, filled with data we can check rows against."""
+"""Shared fixtures: real zarr stores on disk, filled with data we can check rows against;
+and how the suite runs on several processes (``scripts/test``: ``pytest -n``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +11,58 @@ import pytest
 from stores import BLOSC, Var, write_store, write_weather
 
 import insitubatch_nodes as ib
+
+# -- running in parallel (pytest-xdist) ----------------------------------------------------
+# Tests in files whose owners mark them themselves: here until they carry
+# ``@pytest.mark.serial`` (module file name::test function, every parametrization).
+SERIAL = {
+    "test_workers.py::test_close_shutdown_and_gc_leave_no_process": "compares /dev/shm",
+    "test_workers.py::test_a_crash_or_ctrl_c_of_the_training_process_leaves_no_worker":
+        "compares /dev/shm; Ctrl-C timing",
+    "test_in_place.py::test_batches_go_out_before_their_whole_window_is_decoded":
+        "a batch must beat a window of 4 ms reads (failed under -n 2)",
+    "test_metrics.py::test_starvation_and_stage_times": "starvation and stage-time bounds",
+    "test_metrics.py::test_fast_consumer_starves_more_than_slow": "compares starvation",
+    "test_nodes.py::test_close_stops_threads": "a thread gone 50 ms after close",
+    "test_structure.py::test_a_torchdata_prefetcher_over_the_graph_is_shut_down_through_it":
+        "a thread gone 50 ms after shutdown",
+    "test_structure.py::test_loader_shutdown_stops_the_fetch_thread_through_a_prefetcher":
+        "a thread gone 50 ms after shutdown",
+    "test_structure.py::"
+    "test_close_stops_the_thread_and_a_later_epoch_restarts_it_but_shutdown_is_final":
+        "a thread gone 50 ms after close",
+}
+
+# Modules whose tests start processes (recipes, torchrun, README blocks, decode workers):
+# collected first, so that a parallel run starts its long tests early and ends on short
+# ones, not with one process still running a long test while the other waits. Whole
+# modules move, so module-scoped fixtures are still built once per process.
+LONG_FIRST = ("test_distributed.py", "test_workers.py", "test_recipes.py", "test_readme.py",
+              "test_in_place.py", "test_loader.py", "test_worker_recovery.py",
+              "test_dataset.py", "test_cache.py", "test_cli.py", "test_split_layouts.py",
+              "test_storage.py", "test_virtual.py")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several test processes share the cores: one intra-op thread each (and in the
+    # processes they start), or torch's OpenMP threads spin against each other (a recipe's
+    # epoch went from 0.6 to 5.6 s on 2 cores). Hypothesis' 200 ms deadline would time the
+    # neighbour's load, not the example.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    from hypothesis import settings
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    settings.register_profile("parallel", deadline=None)
+    settings.load_profile("parallel")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if f"{item.path.name}::{item.originalname}" in SERIAL:
+            item.add_marker(pytest.mark.serial)
+    rank = {name: k for k, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order
 
 
 @pytest.fixture(autouse=True, scope="session")
