@@ -197,17 +197,43 @@ def _torchrun(nproc, *args, cwd):
     return res.stdout
 
 
+def _uninterrupted(demo_store, world: int, *, epochs: int | None = None,
+                   steps: int | None = None, **kw) -> list[list[dict]]:
+    """Each rank's records of an uninterrupted run of the recipes (their loader, their loop:
+    ``epochs`` as ddp_torchrun.py counts them, or the first ``steps`` as Lightning takes
+    them), computed here instead of by a third run of the recipe."""
+    source = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
+    manifest = ib.split_by_chunk(source, fractions=(0.9, 0.1, 0.0), seed=0)
+    ranks = []
+    for rank in range(world):
+        records: list[dict] = []
+        with ib.build_loader(source, manifest, "train", batch_size=16, block_chunks=8, seed=0,
+                             rank=rank, world_size=world, **kw) as loader:
+            while steps is None or len(records) < steps:
+                batches = iter(loader)
+                if epochs is not None and loader.epoch >= epochs:
+                    break
+                for batch in batches:
+                    records.append({"step": len(records) + 1}
+                                   | ({"epoch": loader.epoch} if epochs is not None else {})
+                                   | {"samples": batch["sample_index"].tolist()})
+                    if len(records) == steps:
+                        break
+        ranks.append(records)
+    return ranks
+
+
 @pytest.mark.torchrun
 def test_torchrun_recipe_resume_is_exact(demo_store, tmp_path):
+    """Stopped after step 4 and resumed on as many ranks: every rank records the steps,
+    epochs and samples of an uninterrupted run."""
     common = ["--store", str(demo_store), "--every", "1", "--epochs", "2"]
     _torchrun(2, *common, "--checkpoint", str(tmp_path / "a.pt"), "--stop-after", "4",
               "--record", str(tmp_path / "a"), cwd=tmp_path)
     out = _torchrun(2, *common, "--checkpoint", str(tmp_path / "a.pt"), "--resume",
                     "--record", str(tmp_path / "a"), cwd=tmp_path)
-    assert "resumed at step 4 from 2 ranks onto 2" in out
-    _torchrun(2, *common, "--checkpoint", str(tmp_path / "b.pt"), "--record",
-              str(tmp_path / "b"), cwd=tmp_path)
-    assert _records(tmp_path / "a", 2) == _records(tmp_path / "b", 2)
+    assert "resumed at step 4 from 2 ranks onto 2" in out and "done: 12 steps" in out
+    assert _records(tmp_path / "a", 2) == _uninterrupted(demo_store, 2, epochs=2)
 
 
 @pytest.mark.torchrun
@@ -253,27 +279,31 @@ def _lightning(demo_store, tmp_path, *args: str, devices: int = 1) -> None:
 
 def _stop_resume_and_compare(demo_store, tmp_path, stops: list[int], end: int,
                              devices: int = 1) -> None:
-    """Stopped at each of ``stops`` and resumed to ``end``: the steps an uninterrupted run
-    (one, shared) takes."""
+    """Stopped at each of ``stops`` in turn, every run after the first resuming from the
+    checkpoint the one before saved at its stop, and on to ``end``: every rank records the
+    steps an uninterrupted run takes (``_uninterrupted``: the recipe's loader). One chain,
+    not a run from step 0 to each stop: the steps before a stop are taken once."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    runs = [("b", end, False)]
-    for k, stop in enumerate(stops):
-        runs += [(f"a{k}", stop, False), (f"a{k}", end, True)]
-    for name, steps, resume in runs:
-        _lightning(demo_store, tmp_path, "--checkpoint", str(tmp_path / f"{name}.ckpt"),
-                   "--max-steps", str(steps), "--record", str(tmp_path / name),
-                   *(["--resume"] if resume else []), devices=devices)
-    want = _records(tmp_path / "b", devices)
-    for k, stop in enumerate(stops):
-        assert _records(tmp_path / f"a{k}", devices) == want, f"stopped at step {stop}"
+    for k, steps in enumerate([*stops, end]):
+        _lightning(demo_store, tmp_path, "--checkpoint", str(tmp_path / "a.ckpt"),
+                   "--max-steps", str(steps), "--record", str(tmp_path / "a"),
+                   *(["--resume"] if k else []), devices=devices)
+    want = _uninterrupted(demo_store, devices, steps=end, keep_states=4)
+    assert [len(r) for r in want] == [end] * devices
+    for rank, (got, ref) in enumerate(zip(_records(tmp_path / "a", devices), want,
+                                          strict=True)):
+        first = next((k for k, (g, r) in enumerate(zip(got, ref, strict=False)) if g != r),
+                     min(len(got), len(ref)))
+        assert got == ref, (f"rank {rank}, step {first + 1} (stopped at steps {stops}): "
+                            f"{got[first:first + 1]} != {ref[first:first + 1]}")
 
 
 @pytest.mark.skipif(shutil.which("true") is None, reason="posix only")
 def test_lightning_recipe_resume_is_exact(demo_store, tmp_path):
     pytest.importorskip("lightning")
-    # Stopped mid-epoch, and exactly at an epoch's end: Lightning's own counters go on
-    # counting the old epoch while the loader starts the next; the recipe counts itself
-    # (it crashed there).
+    # Stopped mid-epoch, and (resumed from there) exactly at an epoch's end: Lightning's own
+    # counters go on counting the old epoch while the loader starts the next; the recipe
+    # counts itself (it crashed there).
     source = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
     manifest = ib.split_by_chunk(source, fractions=(0.9, 0.1, 0.0), seed=0)
     with ib.build_loader(source, manifest, "train", batch_size=16, block_chunks=8) as ld:
