@@ -1,5 +1,6 @@
 """Recipes are code users copy: they must run as their docstrings say."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -42,28 +43,35 @@ def test_forecast_recipe(tmp_path):
     assert losses[1] < losses[0]  # it learns
 
 
-def test_forecast_recipe_periods_from_the_command_line(tmp_path):
+def _recipe(name: str):
+    """recipes/<name>.py as a module: its ``main(argv)`` runs in this process."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_forecast_recipe_periods_from_the_command_line(tmp_path, capsys):
     """--train without --val was ignored (the default split used silently); 'None' for an
-    open end was a raw datetime traceback."""
+    open end was a raw datetime traceback. The recipe's ``main`` with these command lines,
+    in this process (test_forecast_recipe runs it as a script)."""
     store = make_demo_store(tmp_path / "f.zarr", DemoSpec(n_times=300, n_lat=8, n_lon=16,
                                                           time_chunk=12), progress=False)
-    script = [sys.executable, str(ROOT / "recipes" / "forecast.py"), "--store", str(store),
-              "--epochs", "1"]
-    alone = subprocess.run(script + ["--train", "2000-01-01", "2000-02-01"],
-                           capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 2 and "give both --train and --val" in alone.stderr
-    opened = subprocess.run(script + ["--train", "None", "2000-02-15", "--val", "2000-02-25",
-                                      "None"], capture_output=True, text=True, timeout=300)
-    assert opened.returncode == 0, opened.stderr
-    assert "'train': ['None', '2000-02-15']" in opened.stdout
+    forecast = _recipe("forecast")
+    args = ["--store", str(store), "--epochs", "1"]
+    with pytest.raises(SystemExit) as alone:
+        forecast.main(args + ["--train", "2000-01-01", "2000-02-01"])
+    assert alone.value.code == 2 and "give both --train and --val" in capsys.readouterr().err
+    forecast.main(args + ["--train", "None", "2000-02-15", "--val", "2000-02-25", "None"])
+    opened = capsys.readouterr().out
+    assert "'train': ['None', '2000-02-15']" in opened
     # an open start is the axis' first step (the store starts on 2000-01-01): the same
     # samples as that date given
-    dated = subprocess.run(script + ["--train", "2000-01-01", "2000-02-15", "--val",
-                                     "2000-02-25", "None"], capture_output=True, text=True,
-                           timeout=300)
-    assert dated.returncode == 0, dated.stderr
-    served = [re.search(r"served (\d+) train / (\d+) val", r.stdout).groups()
-              for r in (opened, dated)]
+    forecast.main(args + ["--train", "2000-01-01", "2000-02-15", "--val", "2000-02-25",
+                          "None"])
+    dated = capsys.readouterr().out
+    served = [re.search(r"served (\d+) train / (\d+) val", out).groups()
+              for out in (opened, dated)]
     assert served[0] == served[1] and int(served[0][1]) > 0
 
 
