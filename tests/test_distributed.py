@@ -198,7 +198,7 @@ def _torchrun(nproc, *args, cwd):
 
 
 def _uninterrupted(demo_store, world: int, *, epochs: int | None = None,
-                   steps: int | None = None, **kw) -> list[list[dict]]:
+                   steps: int | None = None, batch_size: int = 16, **kw) -> list[list[dict]]:
     """Each rank's records of an uninterrupted run of the recipes (their loader, their loop:
     ``epochs`` as ddp_torchrun.py counts them, or the first ``steps`` as Lightning takes
     them), computed here instead of by a third run of the recipe."""
@@ -207,8 +207,8 @@ def _uninterrupted(demo_store, world: int, *, epochs: int | None = None,
     ranks = []
     for rank in range(world):
         records: list[dict] = []
-        with ib.build_loader(source, manifest, "train", batch_size=16, block_chunks=8, seed=0,
-                             rank=rank, world_size=world, **kw) as loader:
+        with ib.build_loader(source, manifest, "train", batch_size=batch_size, block_chunks=8,
+                             seed=0, rank=rank, world_size=world, **kw) as loader:
             while steps is None or len(records) < steps:
                 batches = iter(loader)
                 if epochs is not None and loader.epoch >= epochs:
@@ -223,32 +223,56 @@ def _uninterrupted(demo_store, world: int, *, epochs: int | None = None,
     return ranks
 
 
+def _late(demo_store, folder, uneven: str) -> list[str]:
+    """ddp_torchrun.py's arguments for the runs that stop late in the epoch."""
+    return ["--store", str(demo_store), "--every", "1", "--epochs", "2", "--batch-size", "8",
+            "--checkpoint", str(folder / "c.pt"), "--uneven", uneven]
+
+
+@pytest.fixture(scope="module")
+def stopped_late(demo_store, tmp_path_factory):
+    """``stopped_late(uneven, tmp_path)``: 2 ranks stopped after step 11 of 12 (checkpoint
+    ``c.pt``, records in ``before/``), copied into ``tmp_path`` to resume from. The stopped
+    job runs once per ``uneven`` in a process: an exact and an elastic resume share it."""
+    done: dict[str, Path] = {}
+
+    def stopped(uneven: str, tmp_path: Path) -> Path:
+        if uneven not in done:
+            folder = tmp_path_factory.mktemp(f"stopped-{uneven}")
+            _torchrun(2, *_late(demo_store, folder, uneven), "--stop-after", "11",
+                      "--record", str(folder / "before"), cwd=folder)
+            done[uneven] = folder
+        shutil.copy(done[uneven] / "c.pt", tmp_path / "c.pt")
+        shutil.copytree(done[uneven] / "before", tmp_path / "before")
+        return tmp_path
+
+    return stopped
+
+
 @pytest.mark.torchrun
-def test_torchrun_recipe_resume_is_exact(demo_store, tmp_path):
-    """Stopped after step 4 and resumed on as many ranks: every rank records the steps,
+def test_torchrun_recipe_resume_is_exact(demo_store, stopped_late, tmp_path):
+    """Stopped after step 11 and resumed on as many ranks: every rank records the steps,
     epochs and samples of an uninterrupted run."""
-    common = ["--store", str(demo_store), "--every", "1", "--epochs", "2"]
-    _torchrun(2, *common, "--checkpoint", str(tmp_path / "a.pt"), "--stop-after", "4",
-              "--record", str(tmp_path / "a"), cwd=tmp_path)
-    out = _torchrun(2, *common, "--checkpoint", str(tmp_path / "a.pt"), "--resume",
-                    "--record", str(tmp_path / "a"), cwd=tmp_path)
-    assert "resumed at step 4 from 2 ranks onto 2" in out and "done: 12 steps" in out
-    assert _records(tmp_path / "a", 2) == _uninterrupted(demo_store, 2, epochs=2)
+    stopped_late("pad", tmp_path)
+    out = _torchrun(2, *_late(demo_store, tmp_path, "pad"), "--resume", "--record",
+                    str(tmp_path / "before"), cwd=tmp_path)
+    assert "resumed at step 11 from 2 ranks onto 2" in out and "done: 24 steps" in out
+    assert _records(tmp_path / "before", 2) == _uninterrupted(demo_store, 2, epochs=2,
+                                                              batch_size=8)
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("uneven", ["pad", "none"])
-def test_torchrun_recipe_elastic_resume_late_in_the_epoch(demo_store, tmp_path, uneven):
+def test_torchrun_recipe_elastic_resume_late_in_the_epoch(demo_store, stopped_late, tmp_path,
+                                                          uneven):
     """2 ranks stop after step 11 of 12: what is left is one rank's last batch, fewer
     windows than the 3 new ranks (a rank used to get nothing and crash). 3 ranks finish
     the epoch and run the next: every sample once (``pad``: plus at most one padded sample
     per rank), the same steps on every rank; with ``none`` the 3 ranks' next epoch has
     shares of 8, 8 and 7 batches, so one rank takes a zero-weight step."""
-    common = ["--store", str(demo_store), "--every", "1", "--epochs", "2", "--batch-size",
-              "8", "--checkpoint", str(tmp_path / "c.pt"), "--uneven", uneven]
-    _torchrun(2, *common, "--stop-after", "11", "--record", str(tmp_path / "before"),
-              cwd=tmp_path)
-    out = _torchrun(3, *common, "--resume", "--record", str(tmp_path / "after"), cwd=tmp_path)
+    stopped_late(uneven, tmp_path)
+    out = _torchrun(3, *_late(demo_store, tmp_path, uneven), "--resume", "--record",
+                    str(tmp_path / "after"), cwd=tmp_path)
     assert "resumed at step 11 from 2 ranks onto 3" in out and "done: 20 steps" in out
     src = ib.open_source(demo_store, variables=["t2m", "u10", "v10", "msl"])
     m = ib.split_by_chunk(src, fractions=(0.9, 0.1, 0.0))
