@@ -8,6 +8,7 @@ it; a forked child makes its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -71,5 +72,20 @@ class LoopThread:
 
     @staticmethod
     def stop_soon(lt: LoopThread) -> None:
-        """The finalizer: ``stop(wait=False)``."""
-        lt.stop(wait=False)
+        """The finalizer: asks the loop thread to shut its pools down and stop, taking no
+        lock itself. GC runs it on whatever thread allocates, even inside a pool's
+        ``submit`` holding that pool's lock and the executors' global one (seen: a loop
+        thread collected its own node while submitting to its own pool, and
+        ``pool.shutdown`` waited for the lock it held: the whole process hung). The loop
+        thread shuts the pools down between its callbacks instead; a loop already ended
+        leaves its idle pools to be collected with it."""
+        if os.getpid() != lt.pid or not lt.thread.is_alive():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            lt.loop.call_soon_threadsafe(lt._stop_from_loop)
+
+    def _stop_from_loop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.device_pool is not None:
+            self.device_pool.shutdown(wait=False, cancel_futures=True)
+        self.loop.stop()
