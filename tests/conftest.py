@@ -14,7 +14,9 @@ import insitubatch_nodes as ib
 
 # -- running in parallel (pytest-xdist) ----------------------------------------------------
 # Tests in files whose owners mark them themselves: here until they carry
-# ``@pytest.mark.serial`` (module file name::test function, every parametrization).
+# ``@pytest.mark.serial`` (module file name::test function, every parametrization). /dev/shm
+# is the machine's: beside other tests it holds their entries too (a forkserver DataLoader's
+# sem.mp-* for seconds, torch_* segments).
 SERIAL = {
     "test_workers.py::test_close_shutdown_and_gc_leave_no_process": "compares /dev/shm",
     "test_workers.py::test_a_crash_or_ctrl_c_of_the_training_process_leaves_no_worker":
