@@ -35,10 +35,10 @@ SERIAL = {
         "a thread gone 50 ms after close",
 }
 
-# Modules whose tests start processes (recipes, torchrun, README blocks, decode workers):
-# collected first, so that a parallel run starts its long tests early and ends on short
-# ones, not with one process still running a long test while the other waits. Whole
-# modules move, so module-scoped fixtures are still built once per process.
+# Modules whose tests start processes (recipes, torchrun, README blocks, decode workers): in
+# a parallel run collected first, so that it starts its long tests early and ends on short
+# ones, not with one process still running a long test while the others wait. Whole modules
+# move, so module-scoped fixtures are still built once per process.
 LONG_FIRST = ("test_distributed.py", "test_workers.py", "test_recipes.py", "test_readme.py",
               "test_in_place.py", "test_loader.py", "test_worker_recovery.py",
               "test_dataset.py", "test_cache.py", "test_cli.py", "test_split_layouts.py",
@@ -63,8 +63,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if f"{item.path.name}::{item.originalname}" in SERIAL:
             item.add_marker(pytest.mark.serial)
-    rank = {name: k for k, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: k for k, name in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order
 
 
 @pytest.fixture(autouse=True, scope="session")
