@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -46,13 +45,14 @@ class ReadPlanNode(BaseNode[ReadPlan]):
 
     def next(self) -> ReadPlan:
         item = next(self.source)
-        plan = plan_window(item.spec, self.variables, item.index, self.offsets,
-                           draws=item.schedule.draws_of(item.index))
-        if self.batch_size is None:
-            return plan
-        batch, row = batch_slots(item.schedule, item.index, self.batch_size, self.drop_last)
-        total = int(item.schedule.draw_starts[-1])
-        return replace(plan, slots=BatchSlots(batch, row, self.batch_size, total))
+        slots = None
+        if self.batch_size is not None:
+            batch, row = batch_slots(item.schedule, item.index, self.batch_size, self.drop_last)
+            total = int(item.schedule.draw_starts[-1])
+            slots = BatchSlots(batch, row, self.batch_size, total)
+        # the plan made once, slots included (no dataclasses.replace a window)
+        return plan_window(item.spec, self.variables, item.index, self.offsets,
+                           draws=item.schedule.draws_of(item.index), slots=slots)
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}

@@ -97,16 +97,32 @@ class KeptSlots:
 
 def kept_slots(plan: ReadPlan, skip: int) -> KeptSlots:
     """``plan``'s slots (it has ``slots``) without its first ``skip`` draws (delivered
-    before a restore) and the draws of a short last batch that ``drop_last`` drops (-1)."""
+    before a restore) and the draws of a short last batch that ``drop_last`` drops (-1).
+
+    Kept draws are one run, ``[skip, kept_end)``: batches number the epoch's draws in
+    order, so a dropped (last) batch is the window's tail. Without time steps the slots
+    are views of the plan's arrays (read only, as the plan is): a window's index math runs
+    on the training thread, a few numpy calls."""
     slots = plan.slots
     assert slots is not None, "an in-place window has batch slots"
-    keep = slots.batch >= 0
-    keep[:skip] = False
+    end = kept_end(slots.batch)
+    lo = min(skip, end)
     steps = np.asarray(plan.offsets, dtype=np.int64)
     n_steps = int(steps.size)
-    draws = np.asarray(plan.draw_order, dtype=np.int64)[keep]
+    draws = np.asarray(plan.draw_order, dtype=np.int64)[lo:end]
+    batch, row = slots.batch[lo:end], slots.row[lo:end]
+    if n_steps == 1:
+        return KeptSlots(sample=draws + steps[0] if steps[0] else draws, batch=batch, row=row,
+                         step=np.zeros(draws.size, dtype=np.int64), n_steps=1)
     return KeptSlots(sample=(draws[:, None] + steps[None, :]).ravel(),
-                     batch=np.repeat(slots.batch[keep], n_steps),
-                     row=np.repeat(slots.row[keep], n_steps),
+                     batch=np.repeat(batch, n_steps), row=np.repeat(row, n_steps),
                      step=np.tile(np.arange(n_steps, dtype=np.int64), draws.size),
                      n_steps=n_steps)
+
+
+def kept_end(batch: np.ndarray) -> int:
+    """Where the draws of a dropped short last batch (-1: always a window's tail) begin in
+    a window's ``BatchSlots.batch``; its size when none is dropped."""
+    if not batch.size or batch[-1] >= 0:
+        return int(batch.size)
+    return int(np.count_nonzero(batch >= 0))

@@ -24,8 +24,8 @@ import numpy as np
 
 from ..errors import ConfigError, StateError
 from .geometry import SampleGrid, VariableGeometry
-from .permute import DRAW_STREAM, epoch_chunk_order, rank_share
-from .plan import ReadPlan
+from .permute import DRAW_STREAM, epoch_chunk_order, rank_share, seeded_rng
+from .plan import BatchSlots, ReadPlan
 
 UNEVEN_POLICIES: tuple[str, ...] = ("pad", "drop", "none")
 _PAD_STREAM = 0x9A
@@ -109,9 +109,9 @@ class WindowSpec:
         if self.draws is not None:
             return self.draws
         samples = self.ctx.grid.samples_of(self.chunk_ids)
-        rng = np.random.default_rng(
-            np.random.SeedSequence([DRAW_STREAM, self.ctx.seed, self.epoch, *self.key]))
-        return samples[rng.permutation(samples.size)]
+        rng = seeded_rng(DRAW_STREAM, self.ctx.seed, self.epoch, *self.key)
+        # shuffling a copy makes the swaps permutation(size) would: the same order
+        return rng.permutation(samples)
 
     @property
     def n_base(self) -> int:
@@ -190,10 +190,9 @@ def batch_slots(schedule: RankSchedule, window: int, batch_size: int, drop_last:
     if inner1 > inner0:
         lo, hi = inner0 * batch_size - g0, inner1 * batch_size - g0
         order = np.argsort(own[lo:hi].reshape(-1, batch_size), axis=1, kind="stable")
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(batch_size, dtype=np.int64)[None, :], axis=1)
-        batch[lo:hi] = np.repeat(np.arange(inner0, inner1, dtype=np.int64), batch_size)
-        row[lo:hi] = rank.ravel()
+        # each row of ``order`` is a permutation: sorting it again inverts it (the ranks)
+        row[lo:hi].reshape(-1, batch_size)[...] = np.argsort(order, axis=1)
+        batch[lo:hi].reshape(-1, batch_size)[...] = np.arange(inner0, inner1)[:, None]
     # the batches at the window's edges (partly in it, or short at the epoch's end)
     for b in [*range(b_first, min(inner0, b_last + 1)), *range(inner1, b_last + 1)]:
         lo, hi = b * batch_size, min((b + 1) * batch_size, total)
@@ -323,7 +322,7 @@ def _unit_window(ctx: ScheduleContext, epoch: int, key: tuple[int, ...], unit: n
         return WindowSpec(ctx, epoch, key, unit)
     samples = ctx.grid.samples_of(unit)[lo:hi]
     chunks = unit if ctx.contiguous else np.unique(samples // ctx.grid.chunk_size)
-    rng = np.random.default_rng(np.random.SeedSequence([DRAW_STREAM, ctx.seed, epoch, *key]))
+    rng = seeded_rng(DRAW_STREAM, ctx.seed, epoch, *key)
     return WindowSpec(ctx, epoch, key, chunks, draws=samples[rng.permutation(samples.size)])
 
 
@@ -426,8 +425,7 @@ def _adjusted(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
         # left in the epoch than ranks) pads from what the other ranks still draw.
         pool = (last.base_draws() if nonempty else
                 np.concatenate([w.base_draws() for ws in all_windows for w in ws]))
-        rng = np.random.default_rng(np.random.SeedSequence(
-            [_PAD_STREAM, ctx.seed, epoch, len(history), rank, world_size]))
+        rng = seeded_rng(_PAD_STREAM, ctx.seed, epoch, len(history), rank, world_size)
         # Cycle through a shuffled copy: each sample repeats as few times as possible.
         extra = np.resize(rng.permutation(pool), target - own).astype(np.int64)
         if not nonempty and last.draws is not None:  # an empty window of a re-deal
@@ -437,26 +435,47 @@ def _adjusted(ctx: ScheduleContext, epoch: int, rank: int, world_size: int,
 
 
 def plan_window(spec: WindowSpec, variables: Sequence[VariableGeometry], window: int,
-                offsets: np.ndarray | None = None, draws: np.ndarray | None = None) -> ReadPlan:
+                offsets: np.ndarray | None = None, draws: np.ndarray | None = None,
+                slots: BatchSlots | None = None) -> ReadPlan:
     """The read plan of one window: its final draw order (``draws`` when already drawn)
     and the stripes those draws need (every time step of each sample, when
-    ``offsets`` are given)."""
+    ``offsets`` are given); ``slots``, where its draws land in batches, go in as given.
+    Runs once a window on the training thread: one sort per distinct sample chunking."""
     draws = spec.final_draws() if draws is None else draws
     steps = np.zeros(1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
-    plan = ReadPlan(epoch=spec.epoch, window=window,
-                    chunk_ids=tuple(np.asarray(spec.chunk_ids).tolist()), draw_order=draws,
-                    reads=(), nbytes=0, offsets=steps)
-    rows = plan.rows(draws)  # draw-major: the steps of draw k are rows[k * n_steps:]
+    single = steps.size == 1 and steps[0] == 0
+    rows = draws if single else (draws[:, None] + steps[None, :]).ravel()  # ReadPlan.rows
     reads, last_use = [], []
     per_chunking: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    nbytes = 0
     for v in variables:
         got = per_chunking.get(v.sample_chunk)
         if got is None:
-            # The first index of each stripe in the reversed rows is its last use.
-            idx, first = np.unique((rows // v.sample_chunk)[::-1], return_index=True)
-            last = (rows.size - 1 - first) // steps.size
-            got = per_chunking[v.sample_chunk] = (tuple(idx.tolist()), tuple(last.tolist()))
+            got = per_chunking[v.sample_chunk] = _last_uses(
+                rows if v.sample_chunk == 1 else rows // v.sample_chunk, steps.size)
         reads.append(got[0])
         last_use.append(got[1])
-    nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
-    return replace(plan, reads=tuple(reads), last_use=tuple(last_use), nbytes=nbytes)
+        nbytes += len(got[0]) * v.stripe_nbytes
+    return ReadPlan(epoch=spec.epoch, window=window,
+                    chunk_ids=tuple(np.asarray(spec.chunk_ids).tolist()), draw_order=draws,
+                    reads=tuple(reads), nbytes=nbytes, last_use=tuple(last_use),
+                    offsets=steps,
+                    slots=slots)
+
+
+def _last_uses(stripes: np.ndarray, n_steps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The distinct ``stripes`` (ascending) and, for each, the draw of its last row
+    (rows are draw-major, ``n_steps`` a draw). One stable sort: the last of each run of
+    equal stripes is the last use (what ``np.unique`` of the reversed rows gave, less its
+    reversal and its Python overhead)."""
+    if not stripes.size:
+        return (), ()
+    order = np.argsort(stripes, kind="stable")
+    ordered = stripes[order]
+    last = np.empty(ordered.size, dtype=bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+    last[-1] = True
+    uses = order[last]
+    if n_steps > 1:
+        uses //= n_steps
+    return tuple(ordered[last].tolist()), tuple(uses.tolist())

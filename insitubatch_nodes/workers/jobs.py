@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -70,14 +71,26 @@ def read_starts(targets: np.ndarray) -> np.ndarray:
 
 
 def _expect(plan: ReadPlan, arena: BatchArena) -> tuple[KeptSlots, list[int]]:
-    """The window's kept slots, and the batches they feed (expected in the arena here)."""
+    """The window's kept slots, and the batches they feed (expected in the arena here).
+    Kept draws are in draw order, so their batches are one ascending run (each batch
+    between the first and the last has a draw here): a range, not a set of them."""
     slots = plan.slots
     assert slots is not None, "an in-place window has batch slots"
     kept = kept_slots(plan, arena.take_skip())
-    batches = sorted(set(kept.batch.tolist()))
-    for b in batches:
-        arena.expect(b, slots.rows_in(b))
+    b = kept.batch
+    batches = list(range(int(b[0]), int(b[-1]) + 1)) if b.size else []
+    for k in batches:
+        arena.expect(k, slots.rows_in(k))
     return kept, batches
+
+
+def _distinct(plan: ReadPlan, kept: KeptSlots) -> bool:
+    """Whether no kept sample repeats (only padding for equal steps repeats one). Called
+    with one sample per chunk and no time steps, where the plan's first read list holds
+    the window's distinct samples: as many as its draws, none repeats (no set needed)."""
+    if plan.reads and len(plan.reads[0]) == plan.n_samples:
+        return True
+    return len(set(kept.sample.tolist())) == kept.sample.size
 
 
 def _targets(kept: KeptSlots, sample_chunks: Sequence[int]) -> np.ndarray:
@@ -111,15 +124,14 @@ def _one_slot_each(kept: KeptSlots, n_vars: int, batch_size: int) -> np.ndarray:
     chunk, no time steps: the common case), made directly: slots in (batch, row) order, a
     slot's variables together (a few numpy calls: each costs microseconds)."""
     order = (kept.batch * batch_size + kept.row).argsort(kind="stable")
-    slots = np.stack((kept.sample, kept.batch, kept.row), axis=1)[order]
-    t = np.zeros((order.size, n_vars, 6), dtype=np.int64)
-    t[:, :, _SLOT_COLUMNS] = slots[:, None, :]
+    n = order.size
+    t = np.zeros((n, n_vars, 6), dtype=np.int64)
+    # column by column (a stack of the three, then one fancy copy, cost more calls)
+    for col, a in ((STRIPE, kept.sample), (BATCH, kept.batch), (ROW, kept.row)):
+        t[:, :, col] = a[order][:, None]
     if n_vars > 1:
         t[:, :, VAR] = np.arange(n_vars, dtype=np.int64)
-    return t.reshape(order.size * n_vars, 6)
-
-
-_SLOT_COLUMNS = [STRIPE, BATCH, ROW]
+    return t.reshape(n * n_vars, 6)
 
 
 def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
@@ -140,12 +152,11 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
         return WorkerWindow(plan, [], batches, arena.generation)
     n_vars = len(sample_chunks)
     if (kept.n_steps == 1 and all(c == 1 for c in sample_chunks)
-            and len(set(kept.sample.tolist())) == kept.sample.size):  # (not padded twice)
+            and _distinct(plan, kept)):  # (not padded twice)
         # a stripe per slot and variable: the common case, cut with the fewest numpy calls
         assert plan.slots is not None
         t = _one_slot_each(kept, n_vars, plan.slots.batch_size)
-        nbytes = np.tile(np.asarray(row_bytes, dtype=np.int64), kept.sample.size)
-        cuts = _cut_by_batch(t[:, BATCH], nbytes, workers)
+        cuts = _cut_slots(t[::n_vars, BATCH], n_vars, sum(row_bytes), workers)
         return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
                             arena.generation)
     t, starts = _in_slot_order(_targets(kept, sample_chunks))
@@ -164,6 +175,10 @@ def _one_each_jobs(t: np.ndarray, cuts: list[int], stripe_nbytes: Sequence[int],
     """``_jobs`` where a row of ``t`` is a stripe and a job's rows are of one batch."""
     firsts = t[cuts[:-1], BATCH].tolist()
     n_jobs = len(cuts) - 1
+    if len(set(stripe_nbytes)) == 1:  # one stripe size (one variable): a job's rows
+        size = stripe_nbytes[0]
+        return [ReadJob(t[cuts[j]:cuts[j + 1]], {firsts[j]: cuts[j + 1] - cuts[j]},
+                        ((cuts[j + 1] - cuts[j], size),), j < urgent) for j in range(n_jobs)]
     # rows are (slot, variable) in order: row i reads variable i % n_vars, so the stripes
     # of each size in rows [a, z) are counted from one cycle's running counts
     n_vars = len(stripe_nbytes)
@@ -223,10 +238,28 @@ def _cut_by_batch(first_batch: np.ndarray, nbytes: np.ndarray, workers: int) -> 
     n = len(first_batch)
     bounds = [0, *(np.flatnonzero(first_batch[1:] != first_batch[:-1]) + 1).tolist(), n]
     total = [0, *np.cumsum(nbytes).tolist()]
+    return _cut_runs(bounds, [total[z] - total[a] for a, z in pairwise(bounds)],
+                     workers)
+
+
+def _cut_slots(batch: np.ndarray, n_vars: int, slot_bytes: int, workers: int) -> list[int]:
+    """``_cut_by_batch`` of a window of one stripe per slot and variable (rows: slot-major,
+    ``batch`` the slots' batches, ascending): the batches' bounds found on the slots, not
+    on every row, and their bytes counted (each slot's variables write ``slot_bytes``)."""
+    edges = np.flatnonzero(batch[1:] != batch[:-1]) + 1
+    bounds = [0, *(edges * n_vars).tolist(), batch.size * n_vars]
+    return _cut_runs(bounds, [(z - a) // n_vars * slot_bytes
+                              for a, z in pairwise(bounds)], workers)
+
+
+def _cut_runs(bounds: list[int], run_bytes: list[int], workers: int) -> list[int]:
+    """The job cuts of rows in batch runs ``[bounds[i], bounds[i + 1])`` of ``run_bytes[i]``
+    decoded bytes: a job a run, the first split across the workers, none over
+    ``JOB_READS`` stripes or ``JOB_BYTES``."""
     cuts = [0]
     for i in range(len(bounds) - 1):
         a, z = bounds[i], bounds[i + 1]
-        parts = max(workers if i == 0 else 1, -(-(total[z] - total[a]) // JOB_BYTES),
+        parts = max(workers if i == 0 else 1, -(-run_bytes[i] // JOB_BYTES),
                     -(-(z - a) // JOB_READS))
         if parts > 1:
             size = -(-(z - a) // min(z - a, parts))
