@@ -160,12 +160,11 @@ def test_an_error_rewind_with_jobs_in_flight_serves_every_batch_once(store, monk
     hold = Hold(monkeypatch, slow_from=4)
 
     def after_the_failure(run, job):
-        """A later window's job, once the damaged window failed and every window before
-        this one (but that) is done: the batches before the damaged window are whole."""
+        """A later window's job, once the damaged window failed (windows between may still
+        have jobs out: workers answer in groups, so a window is done late)."""
         failed = [k for k, r in enumerate(hold.runs) if r.failed is not None]
         k = next(i for i, r in enumerate(hold.runs) if r is run)
-        return bool(failed) and k > failed[0] and all(
-            r.done() for i, r in enumerate(hold.runs[:k]) if i != failed[0])
+        return bool(failed) and k > failed[0]
 
     chunk.write_bytes(b"garbage, not blosc")
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from _thread import allocate_lock
 
 import numpy as np
 
@@ -28,17 +29,34 @@ class StaleBatch(InsitubatchError, RuntimeError):
 
 class _Filling:
     """One batch being filled: its arrays (``None`` until its first write asks for them),
-    its rows, the row writes still to come, and whether it is complete (or failed)."""
+    its rows, the row writes still to come, and whether it is complete (or failed).
 
-    __slots__ = ("arrays", "n_rows", "remaining", "ready", "error")
+    ``latch`` is a lock held until the batch is complete: the consumer blocks on it. A
+    ``threading.Event`` per batch (a condition, a lock and a waiter list, each made and
+    notified per batch) cost both threads several microseconds a batch."""
+
+    __slots__ = ("arrays", "n_rows", "remaining", "complete", "latch", "error")
 
     def __init__(self, arrays: dict[str, np.ndarray] | None, n_rows: int,
                  remaining: int) -> None:
         self.arrays = arrays
         self.n_rows = n_rows
         self.remaining = remaining
-        self.ready = threading.Event()
+        self.complete = False
+        self.latch = allocate_lock()
+        self.latch.acquire()
         self.error: BaseException | None = None
+
+    def finish(self) -> None:
+        """Complete (or failed): let the consumer through, once (under the arena's lock)."""
+        if not self.complete:
+            self.complete = True
+            self.latch.release()
+
+    def wait(self) -> None:
+        """Until complete; the latch is left open for whoever asks again."""
+        self.latch.acquire()
+        self.latch.release()
 
 
 class BatchFuture:
@@ -176,7 +194,7 @@ class BatchArena:
                 return  # cleared meanwhile (a new epoch or a restore)
             got.remaining -= writes
             if got.remaining <= 0:
-                got.ready.set()
+                got.finish()
 
     def fail(self, batches: list[int], error: BaseException, generation: int) -> None:
         """The reads for ``batches`` failed: ``take`` raises ``error`` for each."""
@@ -187,7 +205,7 @@ class BatchArena:
                 got = self._batches.get(b)
                 if got is not None and got.error is None:
                     got.error = error
-                    got.ready.set()
+                    got.finish()
 
     def future(self, b: int) -> BatchFuture:
         """Batch ``b`` (announced by ``expect``) as a future the fetch yields downstream."""
@@ -201,9 +219,9 @@ class BatchArena:
             raise StaleBatch(f"batch {b} of generation {self.generation} is not being "
                              "decoded: it was taken already, or the fetch was reset (a new "
                              "epoch, a restore) since it was yielded")
-        if not got.ready.is_set():
+        if not got.complete:
             t0 = time.perf_counter()
-            got.ready.wait()
+            got.wait()
             self.wait_s += time.perf_counter() - t0
         if got.error is not None:
             raise got.error  # kept: asking again raises again

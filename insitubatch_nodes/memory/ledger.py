@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 
@@ -66,32 +65,46 @@ class BufferPool:
         # collection started by an allocation on a thread that holds the lock.
         self._lock = threading.RLock()
         self._free: dict[tuple, list[np.ndarray]] = {}
-        # id(view) -> (its weakref, pool key, base, ledger bytes): the give-back to run
-        self._owned: dict[int, tuple[weakref.ref, tuple, np.ndarray, int]] = {}
+        # id(view) -> (its weak reference, pool key, base, ledger bytes): the give-back to
+        # run (the reference, which carries that id, lives as long as the entry)
+        self._owned: dict[int, tuple[_Ref, tuple, np.ndarray, int]] = {}
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        return self.take_many(shape, dtype, 1)[0]
+        """One buffer (a batch's array: the engine thread takes one per key and batch, so
+        this path makes no lists and takes the pool's lock twice)."""
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            free = self._free.get(key)
+            base = free.pop() if free else None
+        if base is None:
+            base = self._new(shape, dtype)
+        return self._own(base, key)
+
+    def _own(self, base: np.ndarray, key: tuple) -> np.ndarray:
+        """A view of ``base`` handed out, given back when it dies."""
+        view = base.view()
+        ident = id(view)
+        ref = _Ref(view, self._give_back)
+        ref.ident = ident
+        nbytes = base.nbytes if self.ledger is not None else 0
+        with self._lock:
+            self._owned[ident] = (ref, key, base, nbytes)
+        if nbytes:
+            assert self.ledger is not None
+            self.ledger.add(nbytes)
+        return view
 
     def take_many(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> list[np.ndarray]:
-        """``n`` buffers of one shape and dtype (a window's stripes): the lock is taken twice
-        per call, not per buffer."""
+        """``n`` buffers of one shape and dtype (a window's stripes)."""
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
             free = self._free.get(key)
             bases = [free.pop() for _ in range(min(n, len(free)))] if free else []
         bases += [self._new(shape, dtype) for _ in range(n - len(bases))]
-        nbytes = bases[0].nbytes if self.ledger is not None and bases else 0
-        views = [base.view() for base in bases]
-        entries = [(id(view), (weakref.ref(view, partial(self._give_back, id(view))),
-                               key, base, nbytes)) for view, base in zip(views, bases, strict=True)]
-        with self._lock:
-            self._owned.update(entries)
-        if nbytes:
-            assert self.ledger is not None
-            self.ledger.add(nbytes * len(views))
-        return views
+        return [self._own(base, key) for base in bases]
 
-    def _give_back(self, ident: int, _ref: weakref.ref | None = None) -> None:
+    def _give_back(self, ref: _Ref) -> None:
+        ident = ref.ident
         with self._lock:
             entry = self._owned.pop(ident, None)
             if entry is None:  # disowned
@@ -112,3 +125,11 @@ class BufferPool:
         if entry is not None and entry[3]:
             assert self.ledger is not None
             weakref.finalize(entry[2], self.ledger.release, entry[3])
+
+
+class _Ref(weakref.ref):
+    """A weak reference to a pooled view that knows the view's id (the pool's key): the
+    give-back needs no closure per buffer."""
+
+    __slots__ = ("ident",)
+    ident: int

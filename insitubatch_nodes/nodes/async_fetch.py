@@ -449,8 +449,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
 
     def get_state(self) -> dict[str, Any]:
         if self.arena is not None:
+            # (not copied: a snapshot taken when its window was pulled, replaced, never
+            # changed; whoever hands a state out or resets from it copies it)
             state, offset = self._cut.at
-            return {self.SOURCE_KEY: copy_state(state), self.OFFSET_KEY: offset}
+            return {self.SOURCE_KEY: state, self.OFFSET_KEY: offset}
         return {self.SOURCE_KEY: copy_state(self._delivered), self.OFFSET_KEY: 0}
 
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:

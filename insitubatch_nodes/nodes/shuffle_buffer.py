@@ -244,8 +244,8 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
         if self._resident:
             head = self._resident[0]
             return {self.SOURCE_KEY: copy_state(head.snapshot), self.OFFSET_KEY: head.offset}
-        return {self.SOURCE_KEY: copy_state(self.source.state_dict()),
-                self.OFFSET_KEY: self._skip}
+        # (the upstream's state as it makes it: a new dict, or a snapshot nobody changes)
+        return {self.SOURCE_KEY: self.source.state_dict(), self.OFFSET_KEY: self._skip}
 
     def start_state(self, upstream: dict[str, Any]) -> dict[str, Any]:
         """The state of this node before its first draw, over ``upstream``'s state."""
