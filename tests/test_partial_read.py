@@ -348,9 +348,9 @@ def test_local_files_read_only_the_header_and_the_wanted_blocks(tmp_path, monkey
     src = ib.open_source(tmp_path / "s.zarr")
     r = StripeReader(src.arrays[0], src.variables[0], src.url)
     read: list[int] = []
-    real_pread = os.pread
-    monkeypatch.setattr(local_files.os, "pread",
-                        lambda fd, n, at: read.append(n) or real_pread(fd, n, at))
+    real_preadv = os.preadv
+    monkeypatch.setattr(local_files.os, "preadv", lambda fd, bufs, at: read.append(
+        sum(len(b) for b in bufs)) or real_preadv(fd, bufs, at))
     monkeypatch.setattr(local_files.os, "readv", lambda fd, bufs: pytest.fail("whole file"))
     out = np.zeros(r.geom.stripe_shape, "f4")
     r.read_local(1, out, part=PartSpec.of([0, 1]))  # the first block holds both

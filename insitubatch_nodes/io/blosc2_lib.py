@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import struct
 import sys
 import threading
 from pathlib import Path
@@ -126,6 +127,35 @@ class _Lib:
                 self._local.ctx = None  # a failed frame's state is not carried on
                 return False
         return True
+
+    def decode_bounded(self, frame: memoryview, out: np.ndarray, ranges: Ranges,
+                       ends: tuple[int, ...], typesize: int) -> int | None:
+        """``decode_ranges`` of a frame only partly read (``partial.sparse.LaidOutFrame``:
+        writable, its unread bytes stale), each range (within one block) bounded by the end
+        ``ends[i]`` of its block's bytes: c-blosc2 reads nothing past the size it is given,
+        and refuses a size below the header's, so the header says that end while the block
+        decodes (restored after). The index of the first range that did not fill exactly,
+        ``None`` when all did."""
+        n = frame.nbytes
+        if not out.flags.c_contiguous or n > _MAX or out.nbytes > _MAX or n < 16:
+            return 0
+        ctx = self._context()
+        base, src = _address(out), _address(frame)
+        cbytes = _CBYTES.unpack_from(frame, 12)[0]
+        try:
+            for i, ((lo, hi), end) in enumerate(zip(ranges, ends, strict=True)):
+                size = hi - lo
+                _CBYTES.pack_into(frame, 12, end)
+                if self._getitem(ctx.ptr, src, end, lo // typesize, size // typesize,
+                                 base + lo, size) != size:
+                    self._local.ctx = None  # a failed frame's state is not carried on
+                    return i
+        finally:
+            _CBYTES.pack_into(frame, 12, cbytes)
+        return None
+
+
+_CBYTES = struct.Struct("<i")  # a blosc header's frame size, at byte 12
 
 
 def _address(buf: object) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .ranges import Ranges, merge
 
@@ -94,26 +95,38 @@ def block_spans(header: FrameHeader, bstarts: bytes | memoryview) -> tuple[int, 
     do not tile the frame (the first block right after them, all distinct, inside it)."""
     n = header.nblocks
     starts = struct.unpack_from(f"<{n}i", memoryview(bstarts).cast("B"), 0)
-    order = sorted(range(n), key=starts.__getitem__)
-    first, last = starts[order[0]], starts[order[-1]]
+    ordered = sorted(starts)
+    first, last = ordered[0], ordered[-1]
     if first != header.head_bytes or last >= header.cbytes:
         return Whole(f"blosc block offsets run from {first} to {last}, the frame holds "
                      f"{header.head_bytes}..{header.cbytes}: damaged")
+    if len(set(starts)) != n:
+        a, b = _shared_offset(starts)
+        return Whole(f"blosc blocks {a} and {b} share offset {starts[a]}: damaged")
+    if ordered == list(starts):  # one compressing thread: in block order (C-speed checks)
+        return (*starts[1:], header.cbytes)
+    order = sorted(range(n), key=starts.__getitem__)
     ends = [0] * n
     for a, b in zip(order, order[1:], strict=False):
-        if starts[b] == starts[a]:
-            return Whole(f"blosc blocks {a} and {b} share offset {starts[a]}: damaged")
         ends[a] = starts[b]
     ends[order[-1]] = header.cbytes
     return tuple(ends)
 
 
+def _shared_offset(starts: tuple[int, ...]) -> tuple[int, int]:
+    """Two blocks with one offset (there are some), the lower index first, as the sorted
+    walk over them meets them."""
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    return next((a, b) for a, b in zip(order, order[1:], strict=False)
+                if starts[a] == starts[b])
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """The blocks a selection needs: ``blocks`` (sorted), each block's compressed range
-    ``spans`` (same order), and the decoded byte ranges to decode, ``decode``: per needed
-    block, from its first to its last wanted byte (whole blocks decode straight into the
-    output, c-blosc2 copies part-blocks out of its own buffer)."""
+    ``spans`` (same order), and the decoded byte ranges to decode, ``decode``: each needed
+    block whole (c-blosc2 decodes a whole block straight into the output; a part of one it
+    decodes into its own buffer and copies out)."""
 
     header: FrameHeader
     blocks: tuple[int, ...]
@@ -141,28 +154,37 @@ def plan_blocks(header: FrameHeader, bstarts: bytes | memoryview, wanted: Ranges
     """The blocks of the frame ``header`` describes (offsets ``bstarts``) that hold the
     decoded byte ranges ``wanted``, or ``Whole`` and why. Wanted ranges are widened to
     whole items of the frame's typesize, as c-blosc2's getitem counts them."""
-    ts, bs = header.typesize, header.blocksize
-    if header.nbytes % ts:
-        return Whole(f"the chunk's {header.nbytes} bytes are no whole number of blosc items "
-                     f"of {ts} bytes")
-    wanted = merge((lo // ts * ts, -(-hi // ts) * ts) for lo, hi in wanted)
-    if not wanted or wanted[-1][1] > header.nbytes:
-        return Whole(f"wanted bytes {wanted!r} are not in a chunk of {header.nbytes}")
-    firsts: dict[int, int] = {}
-    lasts: dict[int, int] = {}
-    for lo, hi in wanted:
-        for j in range(lo // bs, (hi - 1) // bs + 1):
-            firsts.setdefault(j, max(lo, j * bs))
-            lasts[j] = min(hi, (j + 1) * bs)
-    blocks = tuple(sorted(firsts))
+    chosen = select_blocks(header.nbytes, header.blocksize, header.typesize, wanted)
+    if isinstance(chosen, Whole):
+        return chosen
+    blocks, decode = chosen
     if len(blocks) > max_fraction * header.nblocks:
         return Whole(f"the selection touches {len(blocks)} of {header.nblocks} blocks")
     ends = block_spans(header, bstarts)
     if isinstance(ends, Whole):
         return ends
     starts = struct.unpack_from(f"<{header.nblocks}i", memoryview(bstarts).cast("B"), 0)
-    return BlockPlan(header, blocks, tuple((starts[j], ends[j]) for j in blocks),
-                     tuple((firsts[j], lasts[j]) for j in blocks))
+    return BlockPlan(header, blocks, tuple((starts[j], ends[j]) for j in blocks), decode)
+
+
+@lru_cache(maxsize=1024)
+def select_blocks(nbytes: int, blocksize: int, typesize: int, wanted: Ranges,
+                  ) -> tuple[tuple[int, ...], Ranges] | Whole:
+    """The blocks (sorted) of a frame of ``nbytes`` in blocks of ``blocksize`` that hold
+    the decoded byte ranges ``wanted``, and each one's decoded bytes: the whole block, so
+    c-blosc2 decodes it straight into the output instead of copying it out of its own
+    buffer. The header's sizes and the selection decide this, not the block offsets, so
+    every chunk of an array shares one answer: cached (in Python it cost ~9% of a decode
+    worker's time per sample)."""
+    ts, bs = typesize, blocksize
+    if nbytes % ts:
+        return Whole(f"the chunk's {nbytes} bytes are no whole number of blosc items "
+                     f"of {ts} bytes")
+    items = merge((lo // ts * ts, -(-hi // ts) * ts) for lo, hi in wanted)
+    if not items or items[-1][1] > nbytes:
+        return Whole(f"wanted bytes {items!r} are not in a chunk of {nbytes}")
+    blocks = sorted({j for lo, hi in items for j in range(lo // bs, (hi - 1) // bs + 1)})
+    return tuple(blocks), tuple((j * bs, min((j + 1) * bs, nbytes)) for j in blocks)
 
 
 def plan_frame(head: bytes | memoryview, nbytes: int, wanted: Ranges,

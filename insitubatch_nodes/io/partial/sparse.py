@@ -123,3 +123,13 @@ class SparseFrame:
             pieces.append((off, bytes(view[at:at + size])))
             at += size
         return cls(cbytes, tuple(pieces)) if at == view.nbytes else None
+
+
+@dataclass(frozen=True)
+class LaidOutFrame(SparseFrame):
+    """A frame read in part into one buffer laid out as the whole frame (``frame``,
+    ``cbytes`` long): every piece is a view of it at its own offset, the rest of it holds
+    whatever was there before. A local file is read so (``local_files``): its needed
+    blocks are decoded where they lie, bounded each by its own end, with no copy."""
+
+    frame: memoryview
