@@ -5,6 +5,7 @@ frame wherever a part cannot be read, and the errors of the whole-frame path."""
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -396,6 +397,67 @@ def test_a_part_outside_the_array_is_refused_naming_the_variable(tmp_path):
     r = StripeReader(src.arrays[0], src.variables[0], src.url)
     with pytest.raises(ValueError, match="variable 't' of shape .* no indices"):
         r.read_local(0, np.empty(r.geom.stripe_shape, "f4"), part=PartSpec.of([37]))
+
+
+def test_a_local_frame_read_in_part_lies_at_its_own_offsets_in_a_page_aligned_buffer(
+        tmp_path):
+    """The blocks a part needs are read where they lie in the file, into a buffer starting
+    on a page (the kernel's copy is 3-4x slower a few bytes off), and decoded there."""
+    import mmap
+
+    from insitubatch_nodes.io.local_files import PageBuffer, _read_part
+    from insitubatch_nodes.io.partial.sparse import LaidOutFrame
+
+    level_store(tmp_path / "s.zarr", chunks=(1, 37, 12, 20))
+    path = tmp_path / "s.zarr" / "t" / "c" / "1" / "0" / "0" / "0"
+    frame = path.read_bytes()
+    wanted = byte_ranges((1, 37, 12, 20), 4, PartSpec.of([5, 30]).ranges)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = _read_part(fd, 37 * 240 * 4, wanted)
+    finally:
+        os.close(fd)
+    assert isinstance(got, LaidOutFrame) and got.cbytes == len(frame)
+    assert np.frombuffer(got.frame, np.uint8).ctypes.data % mmap.PAGESIZE == 0
+    for off, piece in got.pieces:
+        assert bytes(piece) == frame[off:off + len(piece)]
+        assert bytes(got.frame[off:off + len(piece)]) == bytes(piece)  # where it lies
+    buf = PageBuffer()
+    first = buf.raw(10)
+    first[:3] = b"abc"
+    grown = buf.raw(1 << 20, keep=3)
+    assert bytes(grown[:3]) == b"abc" and len(grown) >= 1 << 20
+    assert np.frombuffer(grown, np.uint8).ctypes.data % mmap.PAGESIZE == 0
+
+
+def test_a_local_file_cut_inside_a_wanted_block_fails_naming_the_chunk(tmp_path):
+    level_store(tmp_path / "s.zarr", chunks=(1, 37, 12, 20))
+    path = tmp_path / "s.zarr" / "t" / "c" / "1" / "0" / "0" / "0"
+    frame = path.read_bytes()
+    plan = plan_frame(frame, 37 * 240 * 4, byte_ranges((1, 37, 12, 20), 4, ((30, 31),)))
+    path.write_bytes(frame[:plan.spans[-1][0] + 10])  # ends 10 bytes into the block
+    src = ib.open_source(tmp_path / "s.zarr")
+    r = StripeReader(src.arrays[0], src.variables[0], src.url)
+    out = np.zeros(r.geom.stripe_shape, "f4")
+    with pytest.raises(CorruptChunkError, match=r"chunk 't/c/1/0/0/0' of variable 't'.* "
+                       r"lacks the blocks at"):
+        r.read_local_retrying([1], [out], ib.RetryPolicy(attempts=2, base_delay=0,
+                                                         decode_attempts=2),
+                              part=PartSpec.of([30]))
+
+
+def test_blocks_sharing_an_offset_are_damaged_in_or_out_of_order():
+    x = smooth((1, 37, 40, 90), "f4")
+    frame = bytearray(encode(x, "zstd", 1, blocksize=16384))
+    n = -(-x.nbytes // 16384)
+    starts = list(struct.unpack_from(f"<{n}i", frame, HEADER))
+    starts[4] = starts[3]
+    struct.pack_into(f"<{n}i", frame, HEADER, *starts)
+    few = byte_ranges(x.shape, 4, ((3, 4),))
+    assert "blocks 3 and 4 share offset" in plan_frame(bytes(frame), x.nbytes, few).reason
+    starts[0], starts[1] = starts[1], starts[0]  # out of order as well
+    struct.pack_into(f"<{n}i", frame, HEADER, *starts)
+    assert "share offset" in plan_frame(bytes(frame), x.nbytes, few).reason
 
 
 @pytest.mark.parametrize("where", ["wanted", "unwanted"])
