@@ -196,6 +196,19 @@ class BatchArena:
             if got.remaining <= 0:
                 got.finish()
 
+    def done_many(self, writes: dict[int, int], generation: int) -> None:
+        """``done`` for every batch of ``writes`` (batch -> row writes), under one lock."""
+        with self._lock:
+            if generation != self.generation:
+                return
+            batches = self._batches
+            for b, n in writes.items():
+                got = batches.get(b)
+                if got is not None:
+                    got.remaining -= n
+                    if got.remaining <= 0:
+                        got.finish()
+
     def fail(self, batches: list[int], error: BaseException, generation: int) -> None:
         """The reads for ``batches`` failed: ``take`` raises ``error`` for each."""
         with self._lock:

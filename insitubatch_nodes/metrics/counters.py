@@ -221,6 +221,13 @@ class FetchStats:
             self.stripes += stripes
             self.bytes_decoded += stripes * stripe_nbytes
 
+    def stripes_done(self, stripes: int, nbytes: int) -> None:
+        """``stripes`` reads of ``nbytes`` decoded bytes in all completed (the decode
+        workers' engine sums a socket read's answers and counts them at once)."""
+        with self._lock:
+            self.stripes += stripes
+            self.bytes_decoded += nbytes
+
     def worker_restarted(self) -> None:
         """A decode worker died (or hung and was killed) and was started again; its jobs
         ran again on the live workers."""

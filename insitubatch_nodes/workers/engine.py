@@ -84,7 +84,7 @@ class WorkerEngine:
         self._places: dict[int, tuple[int, ...]] = {}
         self._places_generation = -1
         self._tables: dict[wire.Table, int] = {}  # key tables, numbered as workers get them
-        self._table: tuple[wire.Table, int] = ((), -1)  # the last batch's, and its number
+        self._table_of: dict[tuple[str, ...], int] = {}  # a batch's keys -> its table's number
         self._next_id = 0
         self.stopped = False
         self.reaped = False  # every process is gone: nothing writes for any window now
@@ -173,7 +173,9 @@ class WorkerEngine:
             self._shut()
 
     def _readable(self, proc: WorkerProc[Task]) -> None:
-        """Every answer ``proc``'s socket holds (one read), then its end if it closed."""
+        """Every answer ``proc``'s socket holds (one read), then its end if it closed. The
+        answers' counts are folded: one lock and one counter update per read, not per job
+        (each costs the engine thread microseconds on a machine whose cores are busy)."""
         if proc.fd not in self._by_fd:  # died earlier in this round
             return
         try:
@@ -183,29 +185,39 @@ class WorkerEngine:
         if not data:
             self._died(proc)
             return
+        proc.since = time.monotonic()  # it answers: not hung
         if proc.inbox:  # the rest of a frame read before
             proc.inbox += data
             data, proc.inbox = bytes(proc.inbox), bytearray()
         at, n = 0, len(data)
+        done: list[Task] = []
         while n - at >= 4:
             size = _FRAME.unpack_from(data, at)[0]
             if n - at - 4 < size:
                 break
             if data[at + 4] == wire.PICKLE:
+                if done:  # in order: a pickled answer may fail the window of those done
+                    self._count_done(done)
+                    done = []
                 self._answer(proc, pickle.loads(data[at + 4:at + 4 + size]))
             else:  # a job done, as integers: the usual
-                self._done(proc, _DONE.unpack_from(data, at + 4)[1], None)
+                task = proc.jobs.pop(_DONE.unpack_from(data, at + 4)[1], None)
+                if task is not None:  # else not held any more: dropped, never counted twice
+                    done.append(task)
             at += 4 + size
+        if done:
+            self._count_done(done)
         if at < n:
             proc.inbox += data[at:]
 
     def _dispatch(self) -> None:
         """Give every worker with credit left the next jobs of the queue. A job counts as
         out under the lock ``cancel`` takes: a cancel either drops it here or is settled
-        only once it was answered (or dropped before it was sent, ``_send``)."""
+        only once it was answered (or dropped before it was sent, ``_send_round``)."""
         procs, live = self.procs, self._by_fd
         try:
-            self._give_out(procs, live)
+            while self._send_round(self._pick(procs, live), live):
+                pass
         finally:
             for proc in procs:
                 if proc.outbox and live.get(proc.fd) is proc:
@@ -215,20 +227,21 @@ class WorkerEngine:
                     except OSError:
                         self._died(proc)
 
-    def _give_out(self, procs: list[WorkerProc[Task]],
-                  live: dict[int, WorkerProc[Task]]) -> None:
-        """``_dispatch``'s loop: the jobs' frames go to each worker's outbox."""
-        while True:
-            with self._lock:
-                if not self._queue:
-                    return
+    def _pick(self, procs: list[WorkerProc[Task]], live: dict[int, WorkerProc[Task]],
+              ) -> list[tuple[WorkerProc[Task], int, Task]]:
+        """Under one lock, every job the workers' credit takes, each counted out and given
+        to the live worker holding the fewest."""
+        picked = []
+        with self._lock:
+            queue = self._queue
+            while queue:
                 proc, least = None, CREDIT
                 for p in procs:
                     if len(p.jobs) < least and p.fd in live:
                         proc, least = p, len(p.jobs)
                 if proc is None:
-                    return
-                task = self._queue.popleft()
+                    break
+                task = queue.popleft()
                 run = task.run
                 if run.cancelled or run.failed is not None:
                     continue
@@ -238,32 +251,45 @@ class WorkerEngine:
                     proc.since = time.monotonic()
                 proc.jobs[ident] = task
                 run.out += 1
-            self._send(proc, ident, task)
+                picked.append((proc, ident, task))
+        return picked
 
-    def _send(self, proc: WorkerProc[Task], ident: int, task: Task) -> None:
-        """Allocate the job's batches and send it, unless its window was cancelled, failed
-        or belongs to a cleared arena meanwhile: then it is dropped, never sent."""
-        run, job = task.run, task.job
-        try:
-            places: list[tuple[int, ...]] | None = self._places_of(run, job)
-        except StaleBatch:  # the arena was cleared since: a read of the old epoch
-            places = None
-        if places is not None and BEFORE_SEND is not None:
-            BEFORE_SEND(run, job)
+    def _send_round(self, picked: list[tuple[WorkerProc[Task], int, Task]],
+                    live: dict[int, WorkerProc[Task]]) -> bool:
+        """Allocate the picked jobs' batches and send them, but those whose window was
+        cancelled, failed or belongs to a cleared arena meanwhile (checked under the lock,
+        after the allocation): those are dropped, never sent. True if any was dropped (its
+        credit is free again)."""
+        places: list[list[tuple[int, ...]] | None] = []
+        for _, _, task in picked:
+            try:
+                got: list[tuple[int, ...]] | None = self._places_of(task.run, task.job)
+            except StaleBatch:  # the arena was cleared since: a read of the old epoch
+                got = None
+            if got is not None and BEFORE_SEND is not None:
+                BEFORE_SEND(task.run, task.job)
+            places.append(got)
         with self._lock:
-            live = (places is not None and not run.cancelled and run.failed is None
-                    and run.window.generation == self.arena.generation)
-        if not live:
-            proc.jobs.pop(ident, None)
-            self._answered(run, finished=False)
-            return
-        assert places is not None
-        try:
-            self._send_setup(proc, places)
-        except OSError:
-            self._died(proc)
-            return
-        proc.outbox.append(wire.encode_job(ident, places, job.targets, job.urgent))
+            gen = self.arena.generation
+            alive = [p is not None and not t.run.cancelled and t.run.failed is None
+                     and t.run.window.generation == gen
+                     for p, (_, _, t) in zip(places, picked, strict=True)]
+        dropped = False
+        for ok, where, (proc, ident, task) in zip(alive, places, picked, strict=True):
+            if not ok or live.get(proc.fd) is not proc:  # (a dead worker's jobs run again)
+                if proc.jobs.pop(ident, None) is not None:
+                    self._answered(task.run, finished=False)
+                dropped = True
+                continue
+            assert where is not None
+            try:
+                self._send_setup(proc, where)
+            except OSError:
+                self._died(proc)
+                continue
+            job = task.job
+            proc.outbox.append(wire.encode_job(ident, where, job.targets, job.urgent))
+        return dropped
 
     def _places_of(self, run: WindowRun, job: ReadJob) -> list[tuple[int, ...]]:
         """Where the arrays of the batches ``job`` writes live, allocating each batch at
@@ -281,15 +307,14 @@ class WorkerEngine:
         return out
 
     def _place(self, b: int, arrays: dict[str, Any]) -> tuple[int, ...]:
-        """Batch ``b``'s place: (b, rows, key table, then segment and offset per key). The
-        arena's keys, their shapes past the rows and dtypes are the same for every batch:
-        the table is made once (again only if they differ)."""
-        table, number = self._table
-        if len(arrays) != len(table) or any(a.shape[1:] != t[1] or k != t[0] for (k, a), t
-                                            in zip(arrays.items(), table, strict=True)):
+        """Batch ``b``'s place: (b, rows, key table, then segment and offset per key). A
+        batch's shapes past the rows and its dtypes follow from its keys (the arena's
+        layout): the table is made once per set of keys, then looked up."""
+        names = tuple(arrays)
+        number = self._table_of.get(names)
+        if number is None:
             table = tuple((k, tuple(a.shape[1:]), a.dtype.str) for k, a in arrays.items())
-            number = self._tables.setdefault(table, len(self._tables))
-            self._table = table, number
+            number = self._table_of[names] = self._tables.setdefault(table, len(self._tables))
         rows = next(iter(arrays.values())).shape[0] if arrays else 0
         where = self.shared.where
         return (b, rows, number, *[x for a in arrays.values() for x in where(a)])
@@ -310,28 +335,35 @@ class WorkerEngine:
                     proc.tables.add(number)
 
     def _done(self, proc: WorkerProc[Task], ident: int, times: Any) -> None:
-        """Job ``ident`` of ``proc`` is done: its row writes counted, its window told."""
-        proc.since = time.monotonic()
+        """Job ``ident`` of ``proc`` is done, with read counters (a pickled answer)."""
         if times is not None:
             self.stats.read.merge(times)
         task = proc.jobs.pop(ident, None)
-        if task is None:  # not held any more: dropped, never counted twice
-            return
-        run, job = task.run, task.job
-        gen = run.window.generation
-        if gen == self.arena.generation and not run.cancelled:
-            done = self.arena.done
-            for b, n in job.writes.items():
-                done(b, n, gen)
-            for n, nbytes in job.reads:
-                self.stats.stripes_read(n, nbytes)
+        if task is not None:  # else not held any more: dropped, never counted twice
+            self._count_done([task])
+
+    def _count_done(self, tasks: list[Task]) -> None:
+        """``tasks`` are done: their row writes counted in the arena, their stripes in the
+        fetch's counters, their windows told (one lock for all)."""
+        stripes = nbytes = 0
+        arena = self.arena
+        for run, job, _ in tasks:
+            gen = run.window.generation
+            if gen == arena.generation and not run.cancelled:
+                arena.done_many(job.writes, gen)
+                for n, size in job.reads:
+                    stripes += n
+                    nbytes += n * size
+        if stripes:
+            self.stats.stripes_done(stripes, nbytes)
         with self._lock:
-            run.out -= 1
-            run.left -= 1
-            if run.left == 0 and run.failed is None and not run.cancelled:
-                self.stats.window_fetched(len(run.window.plan.chunk_ids))
-            if run.waiting:
-                run.settled.notify_all()
+            for run, _, _ in tasks:
+                run.out -= 1
+                run.left -= 1
+                if run.left == 0 and run.failed is None and not run.cancelled:
+                    self.stats.window_fetched(len(run.window.plan.chunk_ids))
+                if run.waiting:
+                    run.settled.notify_all()
 
     def _answer(self, proc: WorkerProc[Task], msg: tuple) -> None:
         """A pickled answer: ready, fatal, a job done with read counters, a job's error."""
@@ -339,7 +371,6 @@ class WorkerEngine:
         if kind == "done":
             self._done(proc, msg[1], msg[2])
             return
-        proc.since = time.monotonic()
         if kind == "ready":
             proc.ready = True
             return
