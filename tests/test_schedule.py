@@ -1,5 +1,6 @@
 """Schedules are pure: rank shares, windows, equal steps and elastic remainders, no store."""
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -7,16 +8,25 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from insitubatch_nodes.sampling import permute as permute_module
+from insitubatch_nodes.sampling import schedule as schedule_module
 from insitubatch_nodes.sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
-from insitubatch_nodes.sampling.plan import max_window_nbytes
+from insitubatch_nodes.sampling.permute import DRAW_STREAM, seeded_rng
+from insitubatch_nodes.sampling.plan import BatchSlots, ReadPlan, max_window_nbytes
 from insitubatch_nodes.sampling.schedule import (
+    UNEVEN_POLICIES,
     Progress,
+    RankSchedule,
     Resumption,
     ScheduleContext,
+    WindowSpec,
+    batch_slots,
+    n_units,
     plan_window,
     rank_schedule,
     rank_schedules,
 )
+from insitubatch_nodes.sampling.windows import SampleWindow
 
 
 def ctx(n=203, cs=8, block=3, uneven="none", seed=0, split=None, contiguous=False,
@@ -209,3 +219,203 @@ def test_all_ranks_at_once_are_each_ranks_own_schedule(n, cs, block, world, unev
             alone.target, alone.own_samples, alone.counts)
         assert [w.final_draws().tolist() for w in together.windows] == [
             w.final_draws().tolist() for w in alone.windows]
+
+
+# -- the per-window fast paths against the code they replaced (issue 33) -------------------
+# The planning that runs once a window on the training thread was rewritten for fewer numpy
+# calls; these references are the code before, and the seeded streams, plans and batch
+# slots must stay bit for bit what they were (checkpoints, fingerprints, exact resume).
+def old_rng(*key):
+    return np.random.default_rng(np.random.SeedSequence(list(key)))
+
+
+def old_base_draws(self):
+    if self.draws is not None:
+        return self.draws
+    samples = self.ctx.grid.samples_of(self.chunk_ids)
+    rng = old_rng(DRAW_STREAM, self.ctx.seed, self.epoch, *self.key)
+    return samples[rng.permutation(samples.size)]
+
+
+def old_plan_window(spec, variables, window, offsets=None, draws=None):
+    draws = spec.final_draws() if draws is None else draws
+    steps = np.zeros(1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
+    plan = ReadPlan(epoch=spec.epoch, window=window,
+                    chunk_ids=tuple(np.asarray(spec.chunk_ids).tolist()), draw_order=draws,
+                    reads=(), nbytes=0, offsets=steps)
+    rows = plan.rows(draws)
+    reads, last_use = [], []
+    per_chunking = {}
+    for v in variables:
+        got = per_chunking.get(v.sample_chunk)
+        if got is None:
+            idx, first = np.unique((rows // v.sample_chunk)[::-1], return_index=True)
+            last = (rows.size - 1 - first) // steps.size
+            got = per_chunking[v.sample_chunk] = (tuple(idx.tolist()), tuple(last.tolist()))
+        reads.append(got[0])
+        last_use.append(got[1])
+    nbytes = sum(len(r) * v.stripe_nbytes for r, v in zip(reads, variables, strict=True))
+    return dataclasses.replace(plan, reads=tuple(reads), last_use=tuple(last_use),
+                               nbytes=nbytes)
+
+
+def old_batch_slots(schedule, window, batch_size, drop_last):
+    starts = schedule.draw_starts
+    total = int(starts[-1])
+    g0, g1 = int(starts[window]), int(starts[window + 1])
+    batch = np.empty(g1 - g0, dtype=np.int64)
+    row = np.empty(g1 - g0, dtype=np.int64)
+    if g1 == g0:
+        return batch, row
+    own = schedule.draws_of(window)
+    b_first, b_last = g0 // batch_size, (g1 - 1) // batch_size
+    inner0 = -(-g0 // batch_size)
+    inner1 = max(inner0, min(g1, total) // batch_size)
+    if inner1 > inner0:
+        lo, hi = inner0 * batch_size - g0, inner1 * batch_size - g0
+        order = np.argsort(own[lo:hi].reshape(-1, batch_size), axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(batch_size, dtype=np.int64)[None, :], axis=1)
+        batch[lo:hi] = np.repeat(np.arange(inner0, inner1, dtype=np.int64), batch_size)
+        row[lo:hi] = rank.ravel()
+    for b in [*range(b_first, min(inner0, b_last + 1)), *range(inner1, b_last + 1)]:
+        lo, hi = b * batch_size, min((b + 1) * batch_size, total)
+        if lo >= g0 and hi <= g1:
+            draws = own[lo - g0 : hi - g0]
+        else:
+            pieces = []
+            for k in range(int(np.searchsorted(starts, lo, side="right")) - 1, len(starts) - 1):
+                s0 = int(starts[k])
+                if s0 >= hi:
+                    break
+                d = own if k == window else schedule.draws_of(k)
+                pieces.append(d[max(lo - s0, 0) : hi - s0])
+            draws = np.concatenate(pieces)
+        rank = np.empty(hi - lo, dtype=np.int64)
+        rank[np.argsort(draws, kind="stable")] = np.arange(hi - lo)
+        a, z = max(lo, g0), min(hi, g1)
+        batch[a - g0 : z - g0] = -1 if drop_last and hi - lo < batch_size else b
+        row[a - g0 : z - g0] = rank[a - lo : z - lo]
+    return batch, row
+
+
+@dataclasses.dataclass
+class Case:
+    """One rank's epoch of a random loader geometry, its windows planned as
+    ``ReadPlanNode`` plans them (in place: with batch slots)."""
+
+    schedule: RankSchedule
+    variables: list
+    offsets: np.ndarray | None
+    batch_size: int
+    drop_last: bool
+
+    def plans(self):
+        out = []
+        for i, spec in enumerate(self.schedule.windows):
+            batch, row = batch_slots(self.schedule, i, self.batch_size, self.drop_last)
+            slots = BatchSlots(batch, row, self.batch_size, int(self.schedule.draw_starts[-1]))
+            out.append(plan_window(spec, self.variables, i, self.offsets,
+                                   draws=self.schedule.draws_of(i), slots=slots))
+        return out
+
+
+CHUNKINGS = st.lists(st.integers(1, 6), min_size=1, max_size=3)  # variables' sample chunks
+
+
+@st.composite
+def cases(draw, max_n=240, chunkings=CHUNKINGS, steps=True):
+    """Several samples per chunk or one, variables of different chunkings, time steps
+    (offsets), ranks of unequal shares under every policy, an elastic resume, seeds past
+    32 bits, batches across window edges, ``drop_last``."""
+    cs = draw(chunkings)
+    n = draw(st.integers(1, max_n))
+    grid = SampleGrid(n, common_chunk_size(cs))
+    steps = draw(st.none() | st.builds(SampleWindow, st.integers(1, 3),
+                                       st.lists(st.integers(1, 4), max_size=2, unique=True))
+                 if steps else st.none())
+    if steps is not None:
+        assume(steps.span < n)
+        grid = steps.grid(grid)
+    if draw(st.booleans()):
+        grid = grid.with_every(2, draw(st.integers(0, 1)))
+    ids = np.flatnonzero(grid.n_samples_each(np.arange(grid.n_chunks)))
+    assume(ids.size)
+    c = ScheduleContext(ids, grid, draw(st.integers(0, 2**40) | st.integers(0, 9)),
+                        draw(st.integers(1, 5)), draw(st.sampled_from(UNEVEN_POLICIES)),
+                        contiguous=steps is not None and draw(st.booleans()))
+    world = draw(st.integers(1, 3))
+    assume(world <= n_units(c))
+    epoch = draw(st.integers(0, 3))
+    history: tuple[Resumption, ...] = ()
+    if draw(st.booleans()):  # an elastic resume from another world size
+        old = draw(st.integers(1, 3))
+        assume(old <= n_units(c))
+        progress = []
+        for r in range(old):
+            wins = rank_schedule(c, epoch, r, old).windows
+            h = draw(st.integers(0, len(wins)))
+            o = draw(st.integers(0, max(0, wins[h].n_base - 1))) if h < len(wins) else 0
+            progress.append(Progress(h, o))
+        history = (Resumption(old, tuple(progress)),)
+    rank = draw(st.integers(0, world - 1))
+    variables = [var(f"v{i}", n, k) for i, k in enumerate(cs)]
+    return (c, epoch, rank, world, history), Case(
+        rank_schedule(c, epoch, rank, world, history), variables,
+        None if steps is None else steps.offsets, draw(st.integers(1, 40)),
+        draw(st.booleans()))
+
+
+def old_schedule(c, epoch, rank, world, history):
+    """``rank_schedule`` seeded the way it was (a key list through SeedSequence)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(schedule_module, "seeded_rng", old_rng)
+        mp.setattr(permute_module, "seeded_rng", old_rng)
+        mp.setattr(WindowSpec, "base_draws", old_base_draws)
+        sched = rank_schedule(c, epoch, rank, world, history)
+        return sched, [sched.windows[i].final_draws() for i in range(len(sched.windows))]
+
+
+def assert_same_plan(new, old):
+    for f in ("epoch", "window", "chunk_ids", "reads", "nbytes", "last_use"):
+        assert getattr(new, f) == getattr(old, f), f
+    for f in ("draw_order", "offsets"):
+        a, b = getattr(new, f), getattr(old, f)
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_schedules_plans_and_slots_are_those_of_the_code_before(case):
+    args, new = case
+    sched, old_draws = old_schedule(*args)
+    assert len(sched.windows) == len(new.schedule.windows)
+    assert (sched.own_samples, sched.target, sched.counts) == (
+        new.schedule.own_samples, new.schedule.target, new.schedule.counts)
+    plans = new.plans()
+    for i, (a, b) in enumerate(zip(new.schedule.windows, sched.windows, strict=True)):
+        assert np.array_equal(a.chunk_ids, b.chunk_ids) and a.key == b.key
+        assert a.limit == b.limit
+        for f in ("draws", "extra"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), f
+        want = old_plan_window(b, new.variables, i, new.offsets, draws=old_draws[i])
+        assert_same_plan(plans[i], want)
+        batch, row = old_batch_slots(sched, i, new.batch_size, new.drop_last)
+        assert plans[i].slots is not None
+        np.testing.assert_array_equal(plans[i].slots.batch, batch)
+        np.testing.assert_array_equal(plans[i].slots.row, row)
+        assert plans[i].slots.total == int(sched.draw_starts[-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.lists(st.integers(0, 2**70) | st.integers(0, 2**32), min_size=1, max_size=8),
+       n=st.integers(0, 300))
+def test_seeded_rng_is_seed_sequence_of_the_key(key, n):
+    """One uint32 array for the key: the SeedSequence state of the key as a list."""
+    assert np.array_equal(seeded_rng(*key).permutation(n), old_rng(*key).permutation(n))
+    samples = np.arange(n, dtype=np.int64) * 3 + 1
+    assert np.array_equal(seeded_rng(*key).permutation(samples),
+                          samples[old_rng(*key).permutation(n)])
+    with pytest.raises(ValueError):
+        seeded_rng(*key, -1)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import InternalError, StateError
 from ..memory.arena import BatchArena
 from ..sampling.items import DecodedBatch
-from ..sampling.plan import ReadPlan
+from ..sampling.plan import ReadPlan, kept_end
 
 
 class CutBatch(NamedTuple):
@@ -39,7 +39,8 @@ class BatchCut:
     def __init__(self) -> None:
         self.out: deque[CutBatch] = deque()
         self._batch = -1
-        self._pieces: list[np.ndarray] = []
+        # the draws and slot rows of batch ``_batch`` in the windows cut so far
+        self._pieces: list[tuple[np.ndarray, np.ndarray]] = []
         self._have = 0
         self.skip = 0
         self.served = 0
@@ -83,36 +84,55 @@ class BatchCut:
     def add(self, plan: ReadPlan, before: dict, after: dict, skip: int,
             arena: BatchArena) -> None:
         """Cut ``plan``'s window (handed on; the upstream's state was ``before`` its plan
-        and ``after`` it) from draw ``skip`` on: every batch it completes goes to ``out``."""
+        and ``after`` it) from draw ``skip`` on: every batch it completes goes to ``out``.
+
+        Kept draws (``[skip, kept_end)``) fill consecutive batches, one run each, and a
+        draw's slot row is its rank by sample in its batch: one scatter sorts every batch
+        of the window (a batch's rows are a view of it), not a sort per batch."""
         slots = plan.slots
         assert slots is not None, "a window decoded in place has batch slots"
         batch = slots.batch
-        n = int(batch.size)
-        if skip >= n:
-            return
-        edges = np.flatnonzero(batch[skip + 1:] != batch[skip:-1]) + skip + 1
-        starts = [skip, *edges.tolist()]
-        ends = [*edges.tolist(), n]
-        for a, e in zip(starts, ends, strict=True):
-            b = int(batch[a])
-            if b < 0:
-                continue  # a short last batch that drop_last drops
-            if b != self._batch:
-                if self._pieces:
-                    raise InternalError(
-                        f"batch {self._batch} got {self._have} of its "
-                        f"{slots.rows_in(self._batch)} rows before window {plan.window} "
-                        f"started batch {b}: the plans cut the epoch's batches inconsistently "
-                        "(a bug)")
-                self._batch = b
-            self._pieces.append(plan.draw_order[a:e])
+        n, end = int(batch.size), kept_end(batch)
+        if skip >= end:
+            return  # nothing left, or only a short last batch that drop_last drops
+        edges = (np.flatnonzero(batch[skip + 1:end] != batch[skip:end - 1]) + skip + 1).tolist()
+        b0 = int(batch[skip])
+        rows = self._sorted(plan, skip, end, b0, b0 + len(edges))
+        size, total, put = slots.batch_size, slots.total, self.out.append
+        for i, (a, e) in enumerate(zip([skip, *edges], [*edges, end], strict=True)):
+            b = b0 + i
+            if self._pieces and b != self._batch:
+                raise InternalError(
+                    f"batch {self._batch} got {self._have} of its "
+                    f"{slots.rows_in(self._batch)} rows before window {plan.window} "
+                    f"started batch {b}: the plans cut the epoch's batches inconsistently "
+                    "(a bug)")
             self._have += e - a
-            if self._have < slots.rows_in(b):
+            n_rows = min(size, total - b * size)  # slots.rows_in(b), inlined: a call a batch
+            if self._have < n_rows:  # the rest of it is in the next window(s)
+                self._batch = b
+                self._pieces.append((plan.draw_order[a:e], slots.row[a:e]))
                 continue
-            pieces, self._pieces, self._have = self._pieces, [], 0
-            samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+            self._pieces, self._have = [], 0
             at = (after, 0) if e == n else (before, e)
-            self.out.append(CutBatch(DecodedBatch(samples, arena.future(b)), *at))
+            put(CutBatch(DecodedBatch(rows[i * size:i * size + n_rows], arena.future(b)), *at))
+
+    def _sorted(self, plan: ReadPlan, skip: int, end: int, first: int, last: int,
+                ) -> np.ndarray:
+        """Batches ``first .. last``'s samples, each at its rows in a ``batch_size`` run:
+        draws ``[skip, end)`` of ``plan`` and the earlier windows' ones of ``first`` still
+        waiting (``_pieces``), each put at its slot row (``schedule.batch_slots``: its rank
+        by sample, ties in draw order: what a stable sort of the batch would give)."""
+        slots = plan.slots
+        assert slots is not None
+        size = slots.batch_size
+        out = np.empty((last - first + 1) * size, dtype=plan.draw_order.dtype)
+        if self._pieces and self._batch == first:
+            for draws, rows in self._pieces:
+                out[rows] = draws
+        out[(slots.batch[skip:end] - first) * size + slots.row[skip:end]] = \
+            plan.draw_order[skip:end]
+        return out
 
     def end(self, state: dict | None) -> None:
         """The epoch's windows are all cut (the upstream at ``state``): no batch may be
