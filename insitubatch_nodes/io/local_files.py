@@ -10,14 +10,14 @@ import mmap
 import os
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
 from . import blosc2_lib
-from .partial.blocks import Whole, parse_header, plan_frame
+from .partial.blocks import Whole, parse_header, plan_frame, select_blocks
 from .partial.decode import DECODE_MAX_FRACTION
 from .partial.ranges import PartSpec, Ranges, merge
 from .partial.sparse import LaidOutFrame, SparseFrame
@@ -63,6 +63,11 @@ class LocalFiles(ReadPath):
     Small stripes are grouped a few per pool task, since the hand-off (~0.1 ms) dominates."""
 
     root: Path
+    # per decoded chunk size, the (blocksize, typesize) of the last blosc header read in
+    # part: a selection they put over ``DECODE_MAX_FRACTION`` of the blocks reads whole
+    # files from then on without reading the header first (``get_part``)
+    shapes: dict[int, tuple[int, int]] = field(default_factory=dict, compare=False,
+                                               repr=False)
     name: ClassVar[str] = "local"
     groups_reads: ClassVar[bool] = True
 
@@ -103,15 +108,20 @@ class LocalFiles(ReadPath):
         ``wanted``, read as an object store's are: the header and block offsets, then only
         those blocks. Copying a 0.25 degree ARCO-ERA5 frame out of the page cache took as
         long as decoding the 13 of 37 levels in it, so the bytes not decoded are not read
-        either. The whole file where the frame cannot be read in part. One open, and every
-        read lands in this thread's buffer where it lies in the file (``LaidOutFrame``):
-        the blocks are decoded there, never copied."""
+        either. The whole file where the frame cannot be read in part, straight away where
+        the last header said the selection takes nearly every block (the decode still
+        decides from the frame's own header). One open, and every read lands in this
+        thread's buffer where it lies in the file (``LaidOutFrame``): the blocks are
+        decoded there, never copied."""
+        shape = self.shapes.get(nbytes)
+        if shape is not None and _most_blocks(nbytes, *shape, wanted):
+            return self.get_scratch(key)
         try:
             fd = os.open(f"{self.root}/{key}", os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            return _read_part(fd, nbytes, wanted)
+            return _read_part(fd, nbytes, wanted, self.shapes)
         finally:
             os.close(fd)
 
@@ -202,16 +212,29 @@ def _read_on(fd: int, got: int, full: bool) -> memoryview:
     return buf[:got]
 
 
-def _read_part(fd: int, nbytes: int, wanted: Ranges) -> memoryview | LaidOutFrame:
+def _most_blocks(nbytes: int, blocksize: int, typesize: int, wanted: Ranges) -> bool:
+    """Whether ``wanted`` lies in more than ``DECODE_MAX_FRACTION`` of the blocks of a
+    frame of these sizes: then it decodes whole, and is read whole."""
+    chosen = select_blocks(nbytes, blocksize, typesize, wanted)
+    return (not isinstance(chosen, Whole)
+            and len(chosen[0]) > DECODE_MAX_FRACTION * -(-nbytes // blocksize))
+
+
+def _read_part(fd: int, nbytes: int, wanted: Ranges,
+               shapes: dict[int, tuple[int, int]] | None = None,
+               ) -> memoryview | LaidOutFrame:
     """``LocalFiles.get_part`` of the open file ``fd``: its header and block offsets first,
     then, if the frame can be read in part (``plan_frame``), only the needed blocks'
-    bytes, each at its own offset in this thread's buffer; else the rest of the file."""
+    bytes, each at its own offset in this thread's buffer; else the rest of the file.
+    The header's block and item sizes go into ``shapes``."""
     buf = _READ.raw(HEAD_GUESS)
     asked = HEAD_GUESS
     got = os.preadv(fd, [buf[:asked]], 0)
     header = parse_header(buf[:got], nbytes)
     if isinstance(header, Whole) or blosc2_lib.load() is None:
         return _read_on(fd, got, got == asked)
+    if shapes is not None:
+        shapes[nbytes] = (header.blocksize, header.typesize)
     head = header.head_bytes
     if got == asked < head:  # more block offsets than the first read held
         buf = _READ.raw(head, keep=got)
