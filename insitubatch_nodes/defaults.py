@@ -34,6 +34,12 @@ MAX_WORKERS = 32
 
 DEFAULT_BLOCK_CHUNKS = 16
 IN_PLACE_WINDOW_BYTES = 64 << 20
+# With decode workers, windows twice as big: the training thread plans and cuts each window
+# (~0.5 ms on a 2-core VM whose cores the workers keep busy), which at 256 one-step t2m
+# chunks a window was ~2 us of its CPU per sample, at 512 ~1 (docs/benchmarks.md).
+WORKERS_WINDOW_BYTES = 128 << 20
+WINDOW_CHUNKS = 256  # in-place windows of one sample per chunk: at most (threads)
+WORKERS_WINDOW_CHUNKS = 512  # the same, with decode workers
 WINDOW_RUNS = (4, 8)  # runs per window with time steps: at least, at most
 WINDOW_BYTES = 256 << 20  # decoded bytes of a window with time steps, by default
 
@@ -256,14 +262,16 @@ def resolve_in_place(source: Source, f: FetchConfig, decoder: FrameDecoder | Non
 
 
 # -- window size --------------------------------------------------------------------------
-def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None = None) -> int:
+def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None = None,
+                         workers: int = 0) -> int:
     """16 chunks per window; decoding in place without time steps (one sample per chunk,
     where the window's size does not change the shuffle: every chunk is one sample of a
     global permutation; with time steps windows are runs of adjacent chunks, and size does),
-    windows of about 64 MB, at most 256 chunks, so the per-window planning is spread over
-    enough chunks to keep the decode threads fed; batches go out as their rows land, so a
-    larger window does not delay the first batch. With time steps (``run_chunks``), 4 to 8
-    runs per window, as many as ~256 MB allow."""
+    windows of about 64 MB, at most 256 chunks (with ``workers``, 128 MB and 512: the
+    training thread's planning per window is what they leave it), so the per-window
+    planning is spread over enough chunks; batches go out as their rows land, so a larger
+    window does not delay the first batch. With time steps (``run_chunks``), 4 to 8 runs per
+    window, as many as ~256 MB allow."""
     sample_bytes = sum(v.stripe_nbytes for v in source.variables)
     if run_chunks is not None:
         # time steps: several runs from scattered places mix a batch across the split;
@@ -272,19 +280,22 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
         return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
     if not in_place or not _one_sample_per_chunk(source):
         return DEFAULT_BLOCK_CHUNKS  # several samples per chunk: window size is mixing
-    return max(DEFAULT_BLOCK_CHUNKS, min(256, IN_PLACE_WINDOW_BYTES // max(1, sample_bytes)))
+    nbytes, most = ((WORKERS_WINDOW_BYTES, WORKERS_WINDOW_CHUNKS) if workers
+                    else (IN_PLACE_WINDOW_BYTES, WINDOW_CHUNKS))
+    return max(DEFAULT_BLOCK_CHUNKS, min(most, nbytes // max(1, sample_bytes)))
 
 
 def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
-                in_place: bool) -> tuple[int, int | None]:
-    """(block_chunks, run_chunks): the configured values or the defaults for the path; with
-    time steps a window holds whole runs."""
+                in_place: bool, workers: int = 0) -> tuple[int, int | None]:
+    """(block_chunks, run_chunks): the configured values or the defaults for the path (and
+    the decode ``workers``); with time steps a window holds whole runs."""
     run_chunks = None
     if steps is not None:
         run_chunks = (s.run_chunks if s.run_chunks is not None
                       else default_run_chunks(steps, source.grid.chunk_size))
     block_chunks = (s.block_chunks if s.block_chunks is not None
-                    else default_block_chunks(source, in_place and steps is None, run_chunks))
+                    else default_block_chunks(source, in_place and steps is None, run_chunks,
+                                              workers))
     if run_chunks is not None:
         if s.run_chunks is not None and s.run_chunks > block_chunks:
             raise ConfigError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="

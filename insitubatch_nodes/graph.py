@@ -237,7 +237,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     in_place = resolve_in_place(source, f, decoder)
     workers = resolve_workers(source, f, in_place_possible(f, decoder))
     in_place = in_place or workers > 0  # "auto" workers decode in place
-    block_chunks, run_chunks = window_size(source, s, steps, in_place)
+    block_chunks, run_chunks = window_size(source, s, steps, in_place, workers)
     prefetch = resolve_prefetch(f, workers, s.batch_size,
                                 block_chunks * grid.chunk_size)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
