@@ -11,7 +11,10 @@ is GraphCast's 13 levels. Run on demand, never as a test::
     .venv/bin/python -m benchmarks.bench_levels --small               # smoke run
 
 Bytes read are the bytes the training process and its decode workers read from files
-(``/proc/<pid>/io`` ``rchar``), per sample served.
+(``/proc/<pid>/io`` ``rchar``), per sample served. ``cores`` is what the run kept busy (the
+training process and its workers), ``others`` what every other process on the machine took
+meanwhile (medians over rounds): on a shared 2-core VM a run with ``others`` near 1 had about
+one core, where threads and workers come out even; repeat it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -70,27 +73,56 @@ def write_arco(path: Path, n_times: int, lat: int, lon: int) -> Path:
     return path
 
 
-def _bytes_read() -> int:
-    """Bytes this process and its children (the decode workers) read so far."""
+def _tree_io_cpu() -> tuple[int, float]:
+    """Bytes this process and its children (the decode workers) read so far, and the CPU
+    seconds they used."""
     import psutil
 
     me = psutil.Process()
-    total = 0
+    read, cpu = 0, 0.0
     for p in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            total += p.io_counters().read_chars
-    return total
+            read += p.io_counters().read_chars
+            t = p.cpu_times()
+            cpu += t.user + t.system
+    return read, cpu
 
 
-def epoch(loader: Any) -> tuple[float, float, int, int]:
-    """One epoch: (wall seconds, this process's CPU seconds, samples, bytes read)."""
+def _busy() -> float:
+    """CPU seconds the whole machine spent busy so far (every process)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(
+        t, "softirq", 0.0)
+
+
+class Epoch(NamedTuple):
+    """One timed epoch. ``cores``: the cores this process and its workers kept busy;
+    ``others``: the cores everything else on the machine took meanwhile (on a shared VM,
+    another session's load: the kernel shares the cores between sessions, so one busy
+    process elsewhere leaves a 2-core run about one, and the workers' lead goes)."""
+
+    wall: float
+    cpu: float  # this process's own CPU seconds
+    samples: int
+    bytes_read: int
+    cores: float
+    others: float
+
+
+def epoch(loader: Any) -> Epoch:
+    """One epoch of ``loader``, timed."""
     n = 0
-    b0 = _bytes_read()
+    b0, t0 = _tree_io_cpu()
+    a0 = _busy()
     w0, c0 = time.perf_counter(), time.process_time()
     for batch in loader:
         n += int(batch["sample_index"].shape[0])
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    return wall, cpu, n, _bytes_read() - b0
+    b1, t1 = _tree_io_cpu()
+    tree = t1 - t0
+    return Epoch(wall, cpu, n, b1 - b0, tree / wall, max(0.0, _busy() - a0 - tree) / wall)
 
 
 def variants(workers: list[int]) -> dict[str, dict[str, Any]]:
@@ -120,7 +152,7 @@ def run(store: Path, workers: list[int], rounds: int, batch_size: int,
     loaders = {} if fresh else {k: build(k) for k in names}
     for ld in loaders.values():
         epoch(ld)  # warm: workers started, page cache, pools
-    res: dict[str, list[tuple[float, float, int, int]]] = {k: [] for k in names}
+    res: dict[str, list[Epoch]] = {k: [] for k in names}
     for r in range(rounds):
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
@@ -134,18 +166,20 @@ def run(store: Path, workers: list[int], rounds: int, batch_size: int,
         ld.shutdown()
     rows = []
     for name in names:
-        walls = [w for w, _, _, _ in res[name]]
-        n = res[name][0][2]
+        runs = res[name]
+        n = runs[0].samples
         all_levels = name.replace("13 levels", "37 levels")
         rows.append({
             "variant": name,
-            "samples_per_s": n / median(walls),
-            "main_cpu_us_per_sample": 1e6 * median(c for _, c, _, _ in res[name]) / n,
-            "bytes_read_per_sample": median(b for _, _, _, b in res[name]) / n,
-            "speed_vs_37_levels": median(a[0] / w for (w, _, _, _), a
-                                         in zip(res[name], res[all_levels], strict=True)),
-            "speed_vs_threads": median(t[0] / w for (w, _, _, _), t in zip(
-                res[name], res[name.split(",")[0] + ", workers=0"], strict=True))
+            "samples_per_s": n / median(e.wall for e in runs),
+            "main_cpu_us_per_sample": 1e6 * median(e.cpu for e in runs) / n,
+            "bytes_read_per_sample": median(e.bytes_read for e in runs) / n,
+            "cores": median(e.cores for e in runs),
+            "others_cores": median(e.others for e in runs),
+            "speed_vs_37_levels": median(a.wall / e.wall for e, a
+                                         in zip(runs, res[all_levels], strict=True)),
+            "speed_vs_threads": median(t.wall / e.wall for e, t in zip(
+                runs, res[name.split(",")[0] + ", workers=0"], strict=True))
             if workers[0] == 0 else None,
         })
     return {"store": str(store), "rounds": rounds, "batch_size": batch_size,
@@ -204,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
                  batch, fresh=a.grid == "0.25" and not a.small)
     print(f"{store}: {result['cores']} cores, {result['rounds']} rounds, batch {batch}")
     print(f"{'variant':>22} {'samples/s':>10} {'main CPU us/sample':>19} {'MB read/sample':>15}"
-          f" {'x 37 levels':>11} {'x threads':>10}")
+          f" {'x 37 levels':>11} {'x threads':>10} {'cores':>6} {'others':>7}")
     for row in result["rows"]:
         vt = row["speed_vs_threads"]
         print(f"{row['variant']:>22} {row['samples_per_s']:>10.0f} "
               f"{row['main_cpu_us_per_sample']:>19.1f} "
               f"{row['bytes_read_per_sample'] / 1e6:>15.3f} {row['speed_vs_37_levels']:>11.3f} "
-              f"{'-' if vt is None else f'{vt:.3f}':>10}")
+              f"{'-' if vt is None else f'{vt:.3f}':>10} {row['cores']:>6.2f} "
+              f"{row['others_cores']:>7.2f}")
     if a.s3:
         result["s3"] = run_s3(store, [int(w) for w in a.workers.split(",")], batch,
                               a.dir / "s3")
