@@ -278,7 +278,7 @@ class WorkerEngine:
         for ok, where, (proc, ident, task) in zip(alive, places, picked, strict=True):
             if not ok or live.get(proc.fd) is not proc:  # (a dead worker's jobs run again)
                 if proc.jobs.pop(ident, None) is not None:
-                    self._answered(task.run, finished=False)
+                    self._answered([task.run], finished=False)
                 dropped = True
                 continue
             assert where is not None
@@ -356,14 +356,7 @@ class WorkerEngine:
                     nbytes += n * size
         if stripes:
             self.stats.stripes_done(stripes, nbytes)
-        with self._lock:
-            for run, _, _ in tasks:
-                run.out -= 1
-                run.left -= 1
-                if run.left == 0 and run.failed is None and not run.cancelled:
-                    self.stats.window_fetched(len(run.window.plan.chunk_ids))
-                if run.waiting:
-                    run.settled.notify_all()
+        self._answered([t.run for t in tasks], finished=True)
 
     def _answer(self, proc: WorkerProc[Task], msg: tuple) -> None:
         """A pickled answer: ready, fatal, a job done with read counters, a job's error."""
@@ -386,17 +379,19 @@ class WorkerEngine:
         err = msg[2]
         err.add_note(f"insitubatch: in decode worker {proc.number} (pid {proc.pid})")
         self._fail(task.run, err)
-        self._answered(task.run, finished=False)
+        self._answered([task.run], finished=False)
 
-    def _answered(self, run: WindowRun, finished: bool) -> None:
+    def _answered(self, runs: list[WindowRun], finished: bool) -> None:
+        """A job of each of ``runs`` is no longer out (``finished``: done), under one lock."""
         with self._lock:
-            run.out -= 1
-            if finished:
-                run.left -= 1
-                if run.left == 0 and run.failed is None and not run.cancelled:
-                    self.stats.window_fetched(len(run.window.plan.chunk_ids))
-            if run.waiting:
-                run.settled.notify_all()
+            for run in runs:
+                run.out -= 1
+                if finished:
+                    run.left -= 1
+                    if run.left == 0 and run.failed is None and not run.cancelled:
+                        self.stats.window_fetched(len(run.window.plan.chunk_ids))
+                if run.waiting:
+                    run.settled.notify_all()
 
     def _fail(self, run: WindowRun, err: BaseException) -> None:
         """``run`` failed with ``err``: every batch it feeds fails (named in a note)."""
@@ -451,7 +446,7 @@ class WorkerEngine:
             if task.died is not None:
                 self._fail(task.run, died_twice(task, first))
         for task in held:
-            self._answered(task.run, finished=False)
+            self._answered([task.run], finished=False)
         if new is not None:
             stripes = sorted({vs for t in again for vs in t.job.stripes()})
             log.warning("insitubatch: %s holding %d jobs; started it again (pid %d); %d jobs "
@@ -474,7 +469,7 @@ class WorkerEngine:
             self._fail_all()
         for task in held:
             self._fail(task.run, WorkerError(self.broken))
-            self._answered(task.run, finished=False)
+            self._answered([task.run], finished=False)
 
     def _kill_hung(self, now: float) -> None:
         for proc in self.procs:
