@@ -78,20 +78,22 @@ class BufferPool:
             base = free.pop() if free else None
         if base is None:
             base = self._new(shape, dtype)
-        return self._own(base, key)
+        nbytes = base.nbytes if self.ledger is not None else 0
+        view = self._own(base, key, nbytes)
+        if nbytes:
+            assert self.ledger is not None
+            self.ledger.add(nbytes)
+        return view
 
-    def _own(self, base: np.ndarray, key: tuple) -> np.ndarray:
-        """A view of ``base`` handed out, given back when it dies."""
+    def _own(self, base: np.ndarray, key: tuple, nbytes: int) -> np.ndarray:
+        """A view of ``base`` handed out, given back (``nbytes`` leaving the ledger's
+        count, which the caller adds) when it dies."""
         view = base.view()
         ident = id(view)
         ref = _Ref(view, self._give_back)
         ref.ident = ident
-        nbytes = base.nbytes if self.ledger is not None else 0
         with self._lock:
             self._owned[ident] = (ref, key, base, nbytes)
-        if nbytes:
-            assert self.ledger is not None
-            self.ledger.add(nbytes)
         return view
 
     def take_many(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> list[np.ndarray]:
@@ -101,7 +103,12 @@ class BufferPool:
             free = self._free.get(key)
             bases = [free.pop() for _ in range(min(n, len(free)))] if free else []
         bases += [self._new(shape, dtype) for _ in range(n - len(bases))]
-        return [self._own(base, key) for base in bases]
+        nbytes = bases[0].nbytes if self.ledger is not None and bases else 0
+        views = [self._own(base, key, nbytes) for base in bases]
+        if nbytes:
+            assert self.ledger is not None
+            self.ledger.add(nbytes * len(views))  # one lock for the window's stripes
+        return views
 
     def _give_back(self, ref: _Ref) -> None:
         ident = ref.ident
