@@ -34,7 +34,7 @@ from .defaults import (
 from .errors import ConfigError, ConfigTypeError, UnknownNameError
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .memory.arena import BatchArena
-from .memory.budget import check_budget
+from .memory.budget import check_budget, parse_bytes, resident_bound, runs_in
 from .memory.layout import CHANNELS_KEY, BatchLayout, Channel, build_layout
 from .memory.ledger import BufferPool, MemoryLedger
 from .memory.staging import StagingSeam
@@ -237,9 +237,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     in_place = resolve_in_place(source, f, decoder)
     workers = resolve_workers(source, f, in_place_possible(f, decoder))
     in_place = in_place or workers > 0  # "auto" workers decode in place
-    block_chunks, run_chunks = window_size(source, s, steps, in_place, workers)
-    prefetch = resolve_prefetch(f, workers, s.batch_size,
-                                block_chunks * grid.chunk_size)
+    block_chunks, run_chunks, prefetch = _window(source, config, grid, steps, in_place,
+                                                 workers)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
                           run_chunks)
     units = _check_world_size(ctx, world_size, split)
@@ -255,6 +254,24 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     )
 
 
+
+
+def _window(source: Source, config: LoaderConfig, grid: SampleGrid,
+            steps: SampleWindow | None, in_place: bool, workers: int,
+            ) -> tuple[int, int | None, int]:
+    """(block_chunks, run_chunks, prefetch_windows). With decode workers the default window
+    is bigger (``defaults.default_block_chunks``); under a ``memory_budget`` that holds only
+    the threads' default, that one: a default never turns a budget that fitted into an
+    error."""
+    s, f = config.sampling, config.fetch
+    for w in dict.fromkeys((workers, 0)):  # the workers' default, then the threads'
+        block_chunks, run_chunks = window_size(source, s, steps, in_place, w)
+        prefetch = resolve_prefetch(f, workers, s.batch_size, block_chunks * grid.chunk_size)
+        if s.block_chunks is not None or f.memory_budget is None or resident_bound(
+                source.grid, source.variables, block_chunks, prefetch, s.batch_size, steps,
+                in_place, runs_in(block_chunks, run_chunks)) <= parse_bytes(f.memory_budget):
+            break
+    return block_chunks, run_chunks, prefetch
 
 
 def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | None, str]:

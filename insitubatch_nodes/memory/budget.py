@@ -73,11 +73,12 @@ def largest_block_chunks(grid: SampleGrid, variables: Sequence[VariableGeometry]
     not a bisection: the bound is not monotone where batches span several windows."""
     fits = [b for b in range(1, hi + 1)
             if resident_bound(grid, variables, b, prefetch_windows, batch_size, steps,
-                              in_place, _runs(b, run_chunks)) <= budget]
+                              in_place, runs_in(b, run_chunks)) <= budget]
     return fits[-1] if fits else None
 
 
-def _runs(block_chunks: int, run_chunks: int | None) -> int:
+def runs_in(block_chunks: int, run_chunks: int | None) -> int:
+    """Contiguous runs a window of ``block_chunks`` holds (1 without time steps)."""
     return 1 if run_chunks is None else max(1, block_chunks // min(run_chunks, block_chunks))
 
 
@@ -88,7 +89,7 @@ def check_budget(grid: SampleGrid, variables: Sequence[VariableGeometry],
     """The resident bound of this configuration; a ``ValueError`` naming the largest
     ``block_chunks`` that fits when it exceeds ``memory_budget``."""
     need = resident_bound(grid, variables, block_chunks, prefetch_windows, batch_size, steps,
-                          in_place, _runs(block_chunks, run_chunks))
+                          in_place, runs_in(block_chunks, run_chunks))
     if memory_budget is None:
         return need
     budget = parse_bytes(memory_budget)
