@@ -1,6 +1,7 @@
 """``workers/jobs.prepare_window`` (a window cut into decode workers' jobs, on the training
-thread once a window) against the code it replaced: the same jobs, targets, writes, reads,
-urgent flags and expected batches, over random loader geometries (issue 33)."""
+thread once a window) against the code it replaced, run by the general path for every
+window: the same jobs, targets, writes, reads, urgent flags and expected batches, over
+random loader geometries (issue 33)."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -9,7 +10,7 @@ from test_schedule import cases
 
 from insitubatch_nodes.sampling.plan import KeptSlots
 from insitubatch_nodes.workers import jobs as J
-from insitubatch_nodes.workers.jobs import BATCH, ROW, STRIPE, VAR, ReadJob, WorkerWindow
+from insitubatch_nodes.workers.jobs import BATCH, VAR, WorkerWindow
 
 
 class FakeArena:
@@ -52,16 +53,6 @@ def old_expect(plan, arena):
     return kept, batches
 
 
-def old_one_slot_each(kept, n_vars, batch_size):
-    order = (kept.batch * batch_size + kept.row).argsort(kind="stable")
-    slots = np.stack((kept.sample, kept.batch, kept.row), axis=1)[order]
-    t = np.zeros((order.size, n_vars, 6), dtype=np.int64)
-    t[:, :, [STRIPE, BATCH, ROW]] = slots[:, None, :]
-    if n_vars > 1:
-        t[:, :, VAR] = np.arange(n_vars, dtype=np.int64)
-    return t.reshape(order.size * n_vars, 6)
-
-
 def old_cut_by_batch(first_batch, nbytes, workers):
     n = len(first_batch)
     bounds = [0, *(np.flatnonzero(first_batch[1:] != first_batch[:-1]) + 1).tolist(), n]
@@ -78,38 +69,12 @@ def old_cut_by_batch(first_batch, nbytes, workers):
     return cuts
 
 
-def old_one_each_jobs(t, cuts, stripe_nbytes, urgent):
-    firsts = t[cuts[:-1], BATCH].tolist()
-    n_jobs = len(cuts) - 1
-    n_vars = len(stripe_nbytes)
-    running = {size: [0] * (n_vars + 1) for size in stripe_nbytes}
-    for size, counts in running.items():
-        for v in range(n_vars):
-            counts[v + 1] = counts[v] + (stripe_nbytes[v] == size)
-
-    def upto(i, counts):
-        return i // n_vars * counts[n_vars] + counts[i % n_vars]
-
-    reads = [tuple((n, size) for size, counts in running.items()
-                   if (n := upto(cuts[j + 1], counts) - upto(cuts[j], counts)))
-             for j in range(n_jobs)]
-    return [ReadJob(t[cuts[j]:cuts[j + 1]], {firsts[j]: cuts[j + 1] - cuts[j]}, reads[j],
-                    j < urgent) for j in range(n_jobs)]
-
-
 def old_prepare_window(plan, arena, workers, sample_chunks, row_bytes, stripe_nbytes):
     kept, batches = old_expect(plan, arena)
     if not kept.sample.size:
         return WorkerWindow(plan, [], batches, arena.generation)
-    n_vars = len(sample_chunks)
-    if (kept.n_steps == 1 and all(c == 1 for c in sample_chunks)
-            and len(set(kept.sample.tolist())) == kept.sample.size):
-        t = old_one_slot_each(kept, n_vars, plan.slots.batch_size)
-        nbytes = np.tile(np.asarray(row_bytes, dtype=np.int64), kept.sample.size)
-        cuts = old_cut_by_batch(t[:, BATCH], nbytes, workers)
-        return WorkerWindow(plan, old_one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
-                            arena.generation)
-    # the general path is unchanged: J's own helpers
+    # every window by the general path (J's own helpers, unchanged): the fast path for one
+    # sample a chunk makes the same targets and jobs (test_workers checks the two agree)
     t, starts = J._in_slot_order(J._targets(kept, sample_chunks))
     var = t[starts, VAR]
     nbytes = np.asarray(row_bytes, dtype=np.int64)[var] * np.diff(np.append(starts, len(t)))

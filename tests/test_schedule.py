@@ -259,44 +259,22 @@ def old_plan_window(spec, variables, window, offsets=None, draws=None):
                                nbytes=nbytes)
 
 
-def old_batch_slots(schedule, window, batch_size, drop_last):
-    starts = schedule.draw_starts
-    total = int(starts[-1])
-    g0, g1 = int(starts[window]), int(starts[window + 1])
-    batch = np.empty(g1 - g0, dtype=np.int64)
-    row = np.empty(g1 - g0, dtype=np.int64)
-    if g1 == g0:
-        return batch, row
-    own = schedule.draws_of(window)
-    b_first, b_last = g0 // batch_size, (g1 - 1) // batch_size
-    inner0 = -(-g0 // batch_size)
-    inner1 = max(inner0, min(g1, total) // batch_size)
-    if inner1 > inner0:
-        lo, hi = inner0 * batch_size - g0, inner1 * batch_size - g0
-        order = np.argsort(own[lo:hi].reshape(-1, batch_size), axis=1, kind="stable")
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(batch_size, dtype=np.int64)[None, :], axis=1)
-        batch[lo:hi] = np.repeat(np.arange(inner0, inner1, dtype=np.int64), batch_size)
-        row[lo:hi] = rank.ravel()
-    for b in [*range(b_first, min(inner0, b_last + 1)), *range(inner1, b_last + 1)]:
-        lo, hi = b * batch_size, min((b + 1) * batch_size, total)
-        if lo >= g0 and hi <= g1:
-            draws = own[lo - g0 : hi - g0]
-        else:
-            pieces = []
-            for k in range(int(np.searchsorted(starts, lo, side="right")) - 1, len(starts) - 1):
-                s0 = int(starts[k])
-                if s0 >= hi:
-                    break
-                d = own if k == window else schedule.draws_of(k)
-                pieces.append(d[max(lo - s0, 0) : hi - s0])
-            draws = np.concatenate(pieces)
-        rank = np.empty(hi - lo, dtype=np.int64)
-        rank[np.argsort(draws, kind="stable")] = np.arange(hi - lo)
-        a, z = max(lo, g0), min(hi, g1)
-        batch[a - g0 : z - g0] = -1 if drop_last and hi - lo < batch_size else b
-        row[a - g0 : z - g0] = rank[a - lo : z - lo]
-    return batch, row
+def expected_batch_slots(draws, window, batch_size, drop_last):
+    """``batch_slots`` from its definition, not its code: the epoch's draws (``draws``, a
+    list per window) cut every ``batch_size``, each batch's rows ranked by sample (ties in
+    draw order), a short last batch -1 under ``drop_last``; ``window``'s share of them."""
+    every = np.concatenate([np.zeros(0, dtype=np.int64), *draws])
+    total = every.size
+    batch = np.arange(total, dtype=np.int64) // batch_size
+    row = np.empty(total, dtype=np.int64)
+    for lo in range(0, total, batch_size):
+        hi = min(lo + batch_size, total)
+        row[lo + np.argsort(every[lo:hi], kind="stable")] = np.arange(hi - lo)
+        if drop_last and hi - lo < batch_size:
+            batch[lo:hi] = -1
+    g0 = sum(d.size for d in draws[:window])
+    g1 = g0 + draws[window].size
+    return batch[g0:g1], row[g0:g1]
 
 
 @dataclasses.dataclass
@@ -401,7 +379,7 @@ def test_schedules_plans_and_slots_are_those_of_the_code_before(case):
             assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), f
         want = old_plan_window(b, new.variables, i, new.offsets, draws=old_draws[i])
         assert_same_plan(plans[i], want)
-        batch, row = old_batch_slots(sched, i, new.batch_size, new.drop_last)
+        batch, row = expected_batch_slots(old_draws, i, new.batch_size, new.drop_last)
         assert plans[i].slots is not None
         np.testing.assert_array_equal(plans[i].slots.batch, batch)
         np.testing.assert_array_equal(plans[i].slots.row, row)

@@ -214,7 +214,10 @@ def _jobs(t: np.ndarray, starts: np.ndarray, cuts: np.ndarray, var: np.ndarray,
         reads = [((n[j], int(sizes[0])),) for j in range(n_jobs)]
     else:
         per = _counted(np.repeat(np.arange(n_jobs), np.diff(cuts)), sizes[var], n_jobs)
-        reads = [tuple((n, size) for size, n in p.items()) for p in per]
+        # sizes in the variables' order, as ``_one_each_jobs`` gives them: either path
+        # makes the same jobs
+        in_order = list(dict.fromkeys(int(x) for x in stripe_nbytes))
+        reads = [tuple((p[size], size) for size in in_order if size in p) for p in per]
     return [ReadJob(t[lo[j]:lo[j + 1]], writes[j], reads[j], j < urgent)
             for j in range(n_jobs)]
 
