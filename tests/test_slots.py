@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from insitubatch_nodes.memory.layout import Placement, row_view
-from insitubatch_nodes.memory.slots import SplitSlot, slot_of, write_slot
+from insitubatch_nodes.memory.slots import SlotTable, SplitSlot, write_slot
 
 LEVELS = [8, 10, 12, 14, 16, 17, 19, 21, 23, 25, 30, 33, 36]  # GraphCast's in ARCO-ERA5's 37
 
@@ -46,7 +46,7 @@ def test_adjacent_channels_fill_in_one_gather_as_part_by_part(col):
     where = parts_of(LEVELS, col=col)
     assert len(where) == 12  # 16 and 17 share a part
     want = expected(arrays, where, 2, sample)
-    slot = slot_of(arrays, where, 2)
+    slot = SlotTable([[where]]).slot(arrays, 0, 0, 2)
     assert isinstance(slot, SplitSlot) and len(slot.views) == 1  # one run of 13 channels
     write_slot(slot, sample)
     np.testing.assert_array_equal(arrays["x"], want["x"])
@@ -60,21 +60,22 @@ def test_parts_that_cast_or_skip_channels_are_written_on_their_own(dtype, cast, 
     arrays = {"x": np.zeros((2, 20, 3, 4), dtype)}
     where = parts_of([3, 5], cast=cast) + parts_of([7, 9], start=4, cast=cast)
     want = expected(arrays, where, 1, sample)
-    slot = slot_of(arrays, where, 1)
+    slot = SlotTable([[where]]).slot(arrays, 0, 0, 1)
     assert isinstance(slot, SplitSlot) and len(slot.views) == views
     write_slot(slot, sample)
     np.testing.assert_array_equal(arrays["x"], want["x"])
 
 
-def test_a_run_stops_at_another_key_and_the_where_is_remembered_by_identity():
+def test_a_run_stops_at_another_key_and_a_table_joins_its_runs_once():
     sample = np.arange(37 * 6, dtype="f4").reshape(1, 37, 2, 3)
     arrays = {"a": np.zeros((1, 2, 2, 3), "f4"), "b": np.zeros((1, 2, 2, 3), "f4")}
     where = parts_of([0, 5], key="a") + parts_of([9, 11], key="b")
     want = expected(arrays, where, 0, sample)
-    first = slot_of(arrays, where, 0)
+    table = SlotTable([[where]])
+    first = table.slot(arrays, 0, 0, 0)
     assert isinstance(first, SplitSlot) and len(first.views) == 2
-    again = slot_of(arrays, where, 0)
-    assert all(x is y for x, y in zip(first.levels, again.levels, strict=True))  # cached
+    again = table.slot(arrays, 0, 0, 0)
+    assert all(x is y for x, y in zip(first.levels, again.levels, strict=True))  # joined once
     write_slot(again, sample)
     for k in arrays:
         np.testing.assert_array_equal(arrays[k], want[k])

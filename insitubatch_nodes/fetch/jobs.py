@@ -20,7 +20,7 @@ from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
-from ..memory.slots import Slot, SlotWhere, is_direct, part_view, slot_of, write_slot
+from ..memory.slots import Slot, SlotTable, SlotWhere, is_direct, part_view, write_slot
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan, kept_slots
 
@@ -193,7 +193,7 @@ class LazyRows:
     longer makes a view per sample."""
 
     arena: BatchArena
-    where: list[tuple[SlotWhere, ...]]  # per variable and step: each ``is_direct``
+    where: Sequence[tuple[SlotWhere, ...]]  # per variable and step: each ``is_direct``
     generation: int
 
     def resolve(self, items: list[Item]) -> list[Ready]:
@@ -260,18 +260,23 @@ class _Slots:
     step: np.ndarray
     n_steps: int
     arrays: dict[int, dict[str, np.ndarray]]
-    where: list[tuple[SlotWhere, ...]]  # per variable and step
+    table: SlotTable  # per variable and step: where it goes
     unique: bool  # each sample in one slot: the batches are expected, not allocated
+
+    @property
+    def where(self) -> tuple[tuple[SlotWhere, ...], ...]:
+        return self.table.where
 
     def views(self, v: int, bs: list[int], rs: list[int], ks: list[int]) -> list[Slot]:
         """Variable ``v``'s part of each slot (batch, row, step)."""
-        arrays, where = self.arrays, self.where
-        w = where[v][0]
+        arrays = self.arrays
+        w = self.where[v][0]
         if self.n_steps == 1 and len(w) == 1 and w[0][2].whole and w[0][1] is None \
                 and w[0][2].channel is None:
             key = w[0][0]
             return [arrays[b][key][r : r + 1] for b, r in zip(bs, rs, strict=True)]
-        return [slot_of(arrays[b], where[v][k], r) for b, r, k in zip(bs, rs, ks, strict=True)]
+        slot = self.table.slot
+        return [slot(arrays[b], v, k, r) for b, r, k in zip(bs, rs, ks, strict=True)]
 
     def direct_views(self, v: int, bs: list[int], rs: list[int], ks: list[int],
                      ) -> list[np.ndarray]:
@@ -303,9 +308,9 @@ def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slo
             arrays[b] = None
         else:
             arrays[b] = arena.rows(b, slots.rows_in(b))
-    where = arena.where(len(plan.reads), n_steps)
+    table = arena.slot_table(len(plan.reads), n_steps)
     return _Slots(sample=sample, batch=batch, row=kept.row, step=kept.step,
-                  n_steps=n_steps, arrays=arrays, where=where, unique=unique)
+                  n_steps=n_steps, arrays=arrays, table=table, unique=unique)
 
 
 def slot_parts(arena: BatchArena, sample_shapes: Sequence[tuple[int, ...]],

@@ -19,7 +19,7 @@ from ..errors import InsitubatchError
 from ..sampling.windows import SampleWindow
 from .layout import BatchLayout
 from .ledger import BufferPool
-from .slots import SlotWhere
+from .slots import SlotTable, SlotWhere
 
 
 class StaleBatch(InsitubatchError, RuntimeError):
@@ -97,6 +97,7 @@ class BatchArena:
         # the old generation, so they can never count into (or fail) a new batch.
         self.generation = 0
         self._skip = 0  # draws of the next window prepared that were delivered before
+        self._tables: dict[tuple[int, int], SlotTable] = {}  # ``slot_table``'s, by shape
         self.wait_s = 0.0  # consumer time blocked in take() (the fetch's, in LoaderStats)
 
     @property
@@ -122,6 +123,14 @@ class BatchArena:
             table.append(tuple(tuple((*self.slot(pl.key, k), pl) for pl in pls)
                                for k in range(n_steps)))
         return table
+
+    def slot_table(self, n_vars: int, n_steps: int) -> SlotTable:
+        """``where`` as a ``SlotTable`` (split slots' runs joined), made once per shape:
+        the decode threads ask for it every window."""
+        got = self._tables.get((n_vars, n_steps))
+        if got is None:
+            got = self._tables[(n_vars, n_steps)] = SlotTable(self.where(n_vars, n_steps))
+        return got
 
     def _allocate(self, n: int) -> dict[str, np.ndarray]:
         out = {}

@@ -10,6 +10,7 @@ scratch and each of its parts copied out (``SplitSlot``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ def part_view(arrays: dict[str, np.ndarray], part: Part, row: int) -> np.ndarray
 @dataclass(frozen=True, eq=False, slots=True)
 class SplitSlot:
     """A slot fed from part of a decoded sample: per placement (or run of placements into
-    adjacent channels, ``_runs``), the batch view it fills and the levels (or anemoi
+    adjacent channels, ``joined``), the batch view it fills and the levels (or anemoi
     variables) of the sample it takes; written with a dtype cast where the stacked key is
     wider than the variable (float32 into float64 channels)."""
 
@@ -60,19 +61,15 @@ class SplitSlot:
 
 
 Slot = np.ndarray | SplitSlot
-# per ``where`` (by identity, the tuple held so its id stays its own): its runs
-_RUNS: dict[int, tuple[SlotWhere, tuple[tuple[Part, slice | np.ndarray | None], ...]]] = {}
-_MAX_RUNS = 256  # distinct ``where``s remembered (a few per loader)
+# a split ``SlotWhere``'s parts, runs of them into adjacent channels joined (``joined``)
+Runs = tuple[tuple[Part, "slice | np.ndarray | None"], ...]
 
 
-def _runs(where: SlotWhere) -> tuple[tuple[Part, slice | np.ndarray | None], ...]:
+def joined(where: SlotWhere) -> Runs:
     """``where``'s parts, each run of them that fills adjacent channels of one key in the
     variable's dtype joined into one part and the level indices it gathers. GraphCast's
     13 of ARCO-ERA5's 37 levels are 12 parts (two levels adjacent) into 13 adjacent
-    channels: one copy call per sample instead of twelve. Computed once per ``where``."""
-    got = _RUNS.get(id(where))
-    if got is not None and got[0] is where:
-        return got[1]
+    channels: one copy call per sample instead of twelve."""
     runs: list[tuple[Part, slice | np.ndarray | None]] = []
     for part in where:
         pl = part[2]
@@ -86,9 +83,6 @@ def _runs(where: SlotWhere) -> tuple[tuple[Part, slice | np.ndarray | None], ...
                                              None, False)), idx)
         else:
             runs.append((part, pl.levels))
-    if len(_RUNS) >= _MAX_RUNS:
-        _RUNS.clear()
-    _RUNS[id(where)] = (where, tuple(runs))
     return tuple(runs)
 
 
@@ -113,15 +107,27 @@ def _indices(levels: slice | np.ndarray | None) -> np.ndarray:
     return np.arange(levels.start, levels.stop)
 
 
-def slot_of(arrays: dict[str, np.ndarray], where: SlotWhere, row: int) -> Slot:
-    """Where one variable's step of batch row ``row`` goes: the array itself when it is
-    decoded straight into the batch, else a ``SplitSlot`` of its parts (runs of them into
-    adjacent channels joined, ``_runs``)."""
-    if is_direct(where):
-        return part_view(arrays, where[0], row)
-    runs = _runs(where)
-    return SplitSlot(tuple(part_view(arrays, p, row) for p, _ in runs),
-                     tuple(lv for _, lv in runs))
+class SlotTable:
+    """Per variable and time step, where a decoded sample goes (``where[v][k]``, a
+    ``SlotWhere``), each split one's runs joined once when the table is made (a table per
+    loader: the arena's, a worker's), not per slot written."""
+
+    __slots__ = ("where", "_runs")
+
+    def __init__(self, where: Sequence[Sequence[SlotWhere]]) -> None:
+        self.where = tuple(tuple(per_step) for per_step in where)
+        self._runs: tuple[tuple[Runs | None, ...], ...] = tuple(
+            tuple(None if is_direct(w) else joined(w) for w in per_step)
+            for per_step in self.where)
+
+    def slot(self, arrays: dict[str, np.ndarray], v: int, k: int, row: int) -> Slot:
+        """Where variable ``v``'s step ``k`` of batch row ``row`` goes: the array itself when
+        it is decoded straight into the batch, else a ``SplitSlot`` of its joined parts."""
+        runs = self._runs[v][k]
+        if runs is None:
+            return part_view(arrays, self.where[v][k][0], row)
+        return SplitSlot(tuple(part_view(arrays, p, row) for p, _ in runs),
+                         tuple(lv for _, lv in runs))
 
 
 def write_slot(dst: Slot, sample: np.ndarray) -> None:

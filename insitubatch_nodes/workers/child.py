@@ -33,7 +33,7 @@ from ..io.partial.ranges import PartSpec
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
-from ..memory.slots import Slot, SlotWhere, slot_of, write_slot
+from ..memory.slots import Slot, SlotTable, SlotWhere, write_slot
 from ..sampling.geometry import VariableGeometry
 from . import wire
 from .jobs import OFFSET, STRIPE, VAR, Target, read_starts
@@ -106,6 +106,7 @@ class Worker:
         # the levels each variable's slots take where not all: only their blocks decoded
         self.parts = [PartSpec.for_slot(w[0], g.sample_shape)
                       for w, g in zip(setup.where, setup.variables, strict=True)]
+        self.slots = SlotTable(setup.where)  # split slots' runs joined once
         self.segments: dict[int, Segment] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -124,8 +125,8 @@ class Worker:
 
     def _targets(self, read: Read, arrays: dict[int, dict[str, np.ndarray]],
                  ) -> list[Slot]:
-        where = self.setup.where[read[0]]
-        return [slot_of(arrays[b], where[k], r) for _, b, r, k in read[2]]
+        slot, v = self.slots.slot, read[0]
+        return [slot(arrays[b], v, k, r) for _, b, r, k in read[2]]
 
     def _read_local(self, read: Read, arrays: dict[int, dict[str, np.ndarray]]) -> None:
         reader, dsts = self.readers[read[0]], self._targets(read, arrays)
