@@ -6,6 +6,8 @@ demand, never as a test::
     .venv/bin/python -m benchmarks.profile_workers --store S/t2m-c1.zarr --workers 2
     .venv/bin/python -m benchmarks.profile_workers --store S/t2m-c1.zarr --workers 2 \\
         --profile /tmp/main.prof      # cProfile of the training thread as well
+    .venv/bin/python -m benchmarks.profile_workers --store S/t2m-c1.zarr --workers 2 \\
+        --block-chunks 256            # another window size than the loader's default
 
 ``--store`` is written as bench_workers writes it when it does not exist.
 """
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1, help="measurements of --epochs each")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--block-chunks", type=int, default=None,
+                    help="chunks per shuffle window (default: the loader's own)")
     ap.add_argument("--stack", action="store_true",
                     help="stack every variable into 'channels' (a WB2-like store)")
     ap.add_argument("--profile", type=Path, default=None,
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     kw: dict[str, Any] = {"workers": a.workers, "batch_size": a.batch_size, "seed": 0}
     if a.stack:
         kw["channels"] = list(src.names)
+    if a.block_chunks is not None:
+        kw["block_chunks"] = a.block_chunks
     with ib.build_loader(src, manifest, "train", **kw) as loader:
         for _ in loader:  # warm: workers started, pools filled, page cache
             pass

@@ -36,7 +36,8 @@ DEFAULT_BLOCK_CHUNKS = 16
 IN_PLACE_WINDOW_BYTES = 64 << 20
 # With decode workers, windows twice as big: the training thread plans and cuts each window
 # (~0.5 ms on a 2-core VM whose cores the workers keep busy), which at 256 one-step t2m
-# chunks a window was ~2 us of its CPU per sample, at 512 ~1 (docs/benchmarks.md).
+# chunks a window left the training process 7.5-7.6 us of CPU a sample with 2 workers, at
+# 512 6.1-6.3 (``benchmarks.profile_workers --block-chunks``, docs/benchmarks.md).
 WORKERS_WINDOW_BYTES = 128 << 20
 WINDOW_CHUNKS = 256  # in-place windows of one sample per chunk: at most (threads)
 WORKERS_WINDOW_CHUNKS = 512  # the same, with decode workers

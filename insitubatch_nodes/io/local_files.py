@@ -56,9 +56,9 @@ class PageBuffer(ThreadBuffer):
 _MIN_BYTES = 1 << 16  # a thread's first buffer: small chunks never grow it
 # Where in a page the buffer starts: half a page in. Page-aligned, a whole chunk's frame sat
 # at the same page offset as the batch row or scratch it decodes into (both page-aligned
-# too), and c-blosc2's decode then hit the same 4K aliasing: t2m one-step chunks read and
-# decoded at 170 us against 128 us (2-vCPU AMD VM, one thread). Half a page in, neither a
-# file's page-cache copy nor the decode aliases.
+# too), and c-blosc2's decode then hit the same 4K aliasing: 2 workers on t2m one step a
+# chunk fell from 10.4-10.9k to 8.4-8.7k samples/s (2-vCPU AMD VM, docs/benchmarks.md). Half
+# a page in, neither a file's page-cache copy nor the decode aliases.
 _ALIGN_AT = 2048
 _READ = PageBuffer()  # ``LocalFiles.get_scratch``: one chunk file's bytes per thread
 HEAD_GUESS = 4096  # bytes read first for a partial read: header and ~1000 block offsets

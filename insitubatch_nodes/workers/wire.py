@@ -19,8 +19,9 @@ and answers them ``GROUP`` at a time, in one write: it sends what it has done wh
 starts its last job in hand (the engine then refills it while it runs that one), when no
 job waits in its socket, or at once for an ``urgent`` job (the first batch of a window, an
 error). Batches then also complete in groups, so the training thread waits for one in
-``GROUP`` only. Groups of 4 (credit 5) took the engine thread from ~4.4 to ~3.5 us of CPU
-per sample against pairs (credit 3) on t2m one step per chunk, 2 workers, 2-core VM.
+``GROUP`` only. Groups of 4 (credit 5) took the engine thread from 4.4-5.5 to 3.4-3.8 us of
+CPU per sample against pairs (credit 3) on t2m one step per chunk, 2 workers, 2-core VM
+(``benchmarks.profile_workers``, the two credits interleaved; docs/benchmarks.md).
 """
 
 from __future__ import annotations
