@@ -197,16 +197,11 @@ class BatchArena:
 
     def done(self, b: int, writes: int, generation: int) -> None:
         """``writes`` row writes of batch ``b`` landed (for reads of ``generation``)."""
-        with self._lock:
-            got = self._batches.get(b)
-            if got is None or generation != self.generation:
-                return  # cleared meanwhile (a new epoch or a restore)
-            got.remaining -= writes
-            if got.remaining <= 0:
-                got.finish()
+        self.done_many({b: writes}, generation)
 
     def done_many(self, writes: dict[int, int], generation: int) -> None:
-        """``done`` for every batch of ``writes`` (batch -> row writes), under one lock."""
+        """``done`` for every batch of ``writes`` (batch -> row writes), under one lock; a
+        batch cleared meanwhile (a new epoch or a restore) is not counted."""
         with self._lock:
             if generation != self.generation:
                 return
