@@ -33,14 +33,14 @@ WORKERS_FROM_CORES = 4  # "auto" starts worker processes from this many cores pe
 MAX_WORKERS = 32
 
 DEFAULT_BLOCK_CHUNKS = 16
-IN_PLACE_WINDOW_BYTES = 64 << 20
-# With decode workers, windows twice as big: the training thread plans and cuts each window
-# (~0.5 ms on a 2-core VM whose cores the workers keep busy), which at 256 one-step t2m
-# chunks a window left the training process 7.5-7.6 us of CPU a sample with 2 workers, at
-# 512 6.1-6.3 (``benchmarks.profile_workers --block-chunks``, docs/benchmarks.md).
-WORKERS_WINDOW_BYTES = 128 << 20
-WINDOW_CHUNKS = 256  # in-place windows of one sample per chunk: at most (threads)
-WORKERS_WINDOW_CHUNKS = 512  # the same, with decode workers
+# In-place windows of one sample per chunk: (decoded bytes, chunks) at most. The same for
+# every executor (threads, workers, "auto" on any core count): the window is part of the
+# plan, so it must not depend on who decodes. The training thread plans and cuts each window
+# (~0.5 ms on a 2-core VM whose cores the workers keep busy): at 256 one-step t2m chunks a
+# window that left the training process 7.5-7.6 us of CPU a sample with 2 workers, at 512
+# 6.1-6.3 (``benchmarks.profile_workers --block-chunks``, docs/benchmarks.md). The second
+# is what a ``memory_budget`` that does not hold the first gets.
+IN_PLACE_WINDOWS = ((128 << 20, 512), (64 << 20, 256))
 WINDOW_RUNS = (4, 8)  # runs per window with time steps: at least, at most
 WINDOW_BYTES = 256 << 20  # decoded bytes of a window with time steps, by default
 
@@ -264,15 +264,15 @@ def resolve_in_place(source: Source, f: FetchConfig, decoder: FrameDecoder | Non
 
 # -- window size --------------------------------------------------------------------------
 def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None = None,
-                         workers: int = 0) -> int:
+                         smaller: bool = False) -> int:
     """16 chunks per window; decoding in place without time steps (one sample per chunk,
     where the window's size does not change the shuffle: every chunk is one sample of a
     global permutation; with time steps windows are runs of adjacent chunks, and size does),
-    windows of about 64 MB, at most 256 chunks (with ``workers``, 128 MB and 512: the
-    training thread's planning per window is what they leave it), so the per-window
-    planning is spread over enough chunks; batches go out as their rows land, so a larger
-    window does not delay the first batch. With time steps (``run_chunks``), 4 to 8 runs per
-    window, as many as ~256 MB allow."""
+    windows of about 128 MB, at most 512 chunks (``smaller``: 64 MB and 256, for a
+    ``memory_budget``), so the per-window planning is spread over enough chunks; batches go
+    out as their rows land, so a larger window does not delay the first batch. With time
+    steps (``run_chunks``), 4 to 8 runs per window, as many as ~256 MB allow. Never a
+    function of the executor: the window is part of the plan."""
     sample_bytes = sum(v.stripe_nbytes for v in source.variables)
     if run_chunks is not None:
         # time steps: several runs from scattered places mix a batch across the split;
@@ -281,22 +281,22 @@ def default_block_chunks(source: Source, in_place: bool, run_chunks: int | None 
         return run_chunks * int(min(max(runs, WINDOW_RUNS[0]), WINDOW_RUNS[1]))
     if not in_place or not _one_sample_per_chunk(source):
         return DEFAULT_BLOCK_CHUNKS  # several samples per chunk: window size is mixing
-    nbytes, most = ((WORKERS_WINDOW_BYTES, WORKERS_WINDOW_CHUNKS) if workers
-                    else (IN_PLACE_WINDOW_BYTES, WINDOW_CHUNKS))
+    nbytes, most = IN_PLACE_WINDOWS[1 if smaller else 0]
     return max(DEFAULT_BLOCK_CHUNKS, min(most, nbytes // max(1, sample_bytes)))
 
 
 def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
-                in_place: bool, workers: int = 0) -> tuple[int, int | None]:
-    """(block_chunks, run_chunks): the configured values or the defaults for the path (and
-    the decode ``workers``); with time steps a window holds whole runs."""
+                in_place: bool, smaller: bool = False) -> tuple[int, int | None]:
+    """(block_chunks, run_chunks): the configured values or the defaults for the path
+    (``smaller``: the window a ``memory_budget`` falls back to); with time steps a window
+    holds whole runs."""
     run_chunks = None
     if steps is not None:
         run_chunks = (s.run_chunks if s.run_chunks is not None
                       else default_run_chunks(steps, source.grid.chunk_size))
     block_chunks = (s.block_chunks if s.block_chunks is not None
                     else default_block_chunks(source, in_place and steps is None, run_chunks,
-                                              workers))
+                                              smaller))
     if run_chunks is not None:
         if s.run_chunks is not None and s.run_chunks > block_chunks:
             raise ConfigError(f"sampling.run_chunks={s.run_chunks} exceeds block_chunks="

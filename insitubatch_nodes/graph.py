@@ -50,7 +50,7 @@ from .nodes import (
     TransformNode,
 )
 from .nodes.channels import StackChannelsNode, resolve_channels
-from .nodes.patches import PatchNode
+from .nodes.patches import PatchNode, patch_origins
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .nodes.static import StaticFieldsNode, check_static
 from .nodes.views import ChannelsLastNode
@@ -259,18 +259,27 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
 def _window(source: Source, config: LoaderConfig, grid: SampleGrid,
             steps: SampleWindow | None, in_place: bool, workers: int,
             ) -> tuple[int, int | None, int]:
-    """(block_chunks, run_chunks, prefetch_windows). With decode workers the default window
-    is bigger (``defaults.default_block_chunks``); under a ``memory_budget`` that holds only
-    the threads' default, that one: a default never turns a budget that fitted into an
-    error."""
+    """(block_chunks, run_chunks, prefetch_windows). The window is part of the plan, so it
+    is chosen without the executor: the default, or under a ``memory_budget`` that does not
+    hold it (at the default prefetch) the smaller default. Decode workers then go as many
+    windows deeper as keep them busy and the budget holds (never fewer than the default)."""
     s, f = config.sampling, config.fetch
-    for w in dict.fromkeys((workers, 0)):  # the workers' default, then the threads'
-        block_chunks, run_chunks = window_size(source, s, steps, in_place, w)
-        prefetch = resolve_prefetch(f, workers, s.batch_size, block_chunks * grid.chunk_size)
-        if s.block_chunks is not None or f.memory_budget is None or resident_bound(
-                source.grid, source.variables, block_chunks, prefetch, s.batch_size, steps,
-                in_place, runs_in(block_chunks, run_chunks)) <= parse_bytes(f.memory_budget):
+    budget = None if f.memory_budget is None else parse_bytes(f.memory_budget)
+    base = resolve_prefetch(f, 0, s.batch_size, 0)  # the executor's share comes below
+
+    def bound(block_chunks: int, run_chunks: int | None, prefetch: int) -> int:
+        return resident_bound(source.grid, source.variables, block_chunks, prefetch,
+                              s.batch_size, steps, in_place, runs_in(block_chunks, run_chunks))
+
+    for smaller in (False, True):
+        block_chunks, run_chunks = window_size(source, s, steps, in_place, smaller)
+        if (s.block_chunks is not None or budget is None
+                or bound(block_chunks, run_chunks, base) <= budget):
             break
+    prefetch = resolve_prefetch(f, workers, s.batch_size, block_chunks * grid.chunk_size)
+    while budget is not None and prefetch > base and bound(
+            block_chunks, run_chunks, prefetch) > budget:
+        prefetch -= 1
     return block_chunks, run_chunks, prefetch
 
 
@@ -379,8 +388,9 @@ def _patch_stage(source: Source, sm: SampleConfig) -> Stage:
                          f"grid, but their last {k} dims differ: {shapes}; open the "
                          "variables of one grid (open_source(variables=...))")
     spatial = next(iter(shapes.values()))
-    # given the shape, PatchNode checks the size now (not mid-epoch) and computes the
-    # patch corners once
+    # the size checked against the grid here, in the plan (before any worker starts), and
+    # the patch corners computed once
+    patch_origins(spatial, size, sm.patch_stride)
     return Stage(lambda n: PatchNode(n, size, sm.patch_stride, spatial_shape=spatial),
                  PatchNode.keeps_batch_memory)
 

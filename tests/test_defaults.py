@@ -22,44 +22,49 @@ def test_a_bad_core_count_names_the_variable(monkeypatch, bad):
         defaults.cores_per_rank()
 
 
-def test_in_place_windows_of_one_step_chunks_are_bigger_with_workers(tmp_path):
-    """One sample per chunk in place, window size does not change the shuffle: ~64 MB (at
-    most 256 chunks) on the decode threads, ~128 MB (at most 512) with decode workers, where
-    planning a window is most of what the training thread does; an explicit size is kept."""
+def _t2m_store(tmp_path):
     import insitubatch_nodes as ib
     from insitubatch_nodes.synthetic import DemoSpec, write_store
 
     write_store(tmp_path / "s.zarr", DemoSpec(n_times=600, n_lat=8, n_lon=8, time_chunk=1,
                                               seed=0, variables=("t2m",)), zarr_format=2)
     src = ib.open_source(str(tmp_path / "s.zarr"))
-    m = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
-    sizes = {}
-    for workers in (0, 1):
+    return src, ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
+
+
+def test_the_default_window_is_the_same_for_every_executor(tmp_path, monkeypatch):
+    """One sample per chunk in place, window size does not change the shuffle: ~128 MB (at
+    most 512 chunks) whoever decodes (threads, workers, "auto" on any core count), since
+    the window is part of the plan; an explicit size is kept."""
+    import insitubatch_nodes as ib
+
+    src, m = _t2m_store(tmp_path)
+    monkeypatch.setattr(defaults, "WORKERS_FROM_CORES", 4)  # conftest turns "auto" off
+    most = defaults.IN_PLACE_WINDOWS[0][1]
+    for workers, cores in ((0, 2), (1, 2), ("auto", 2), ("auto", 4)):
+        monkeypatch.setenv(defaults.CORES_ENV, str(cores))
         with ib.build_loader(src, m, "train", workers=workers, batch_size=8) as ld:
-            sizes[workers] = ld.node(ib.ChunkPermuteNode).block_chunks
+            assert ld.node(ib.ChunkPermuteNode).block_chunks == most, (workers, cores)
             assert len({int(i) for b in ld for i in b["sample_index"]}) == 600
-    assert sizes == {0: defaults.WINDOW_CHUNKS, 1: defaults.WORKERS_WINDOW_CHUNKS}
     with ib.build_loader(src, m, "train", workers=1, batch_size=8, block_chunks=64) as ld:
         assert ld.node(ib.ChunkPermuteNode).block_chunks == 64
 
 
-def test_a_budget_that_holds_the_threads_window_keeps_it_with_workers(tmp_path):
-    """The workers' bigger default window never turns a ``memory_budget`` that the threads'
-    default fits into an error: under such a budget the loader takes the threads' window."""
+def test_a_budget_picks_the_window_without_the_executor(tmp_path):
+    """Under a ``memory_budget`` that does not hold the default window the smaller default
+    is taken, for threads and workers alike (the window is chosen at the default prefetch);
+    workers then go only as deep as the budget holds; below even that, an error naming the
+    budget."""
     import insitubatch_nodes as ib
-    from insitubatch_nodes.synthetic import DemoSpec, write_store
 
-    write_store(tmp_path / "s.zarr", DemoSpec(n_times=600, n_lat=8, n_lon=8, time_chunk=1,
-                                              seed=0, variables=("t2m",)), zarr_format=2)
-    src = ib.open_source(str(tmp_path / "s.zarr"))
-    m = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
-    with ib.build_loader(src, m, "train", workers=0, batch_size=8) as ld:
-        fits = ld.resident_bound  # the threads' default window, as the budget
-    with ib.build_loader(src, m, "train", workers=1, batch_size=8) as ld:
-        assert ld.resident_bound > fits  # the workers' window would not fit it
-    with ib.build_loader(src, m, "train", workers=1, batch_size=8, memory_budget=fits) as ld:
-        assert ld.node(ib.ChunkPermuteNode).block_chunks == defaults.WINDOW_CHUNKS
-        assert ld.resident_bound <= fits
-        assert len({int(i) for b in ld for i in b["sample_index"]}) == 600
+    src, m = _t2m_store(tmp_path)
+    with ib.build_loader(src, m, "train", workers=0, batch_size=8, block_chunks=256) as ld:
+        fits = ld.resident_bound  # the smaller window at the default prefetch, as the budget
+    for workers in (0, 1, 2):
+        with ib.build_loader(src, m, "train", workers=workers, batch_size=8,
+                             memory_budget=fits) as ld:
+            assert ld.node(ib.ChunkPermuteNode).block_chunks == defaults.IN_PLACE_WINDOWS[1][1]
+            assert ld.resident_bound <= fits
+            assert len({int(i) for b in ld for i in b["sample_index"]}) == 600
     with pytest.raises(ConfigError, match="memory_budget"):  # below even that: named
         ib.build_loader(src, m, "train", workers=1, batch_size=8, memory_budget=fits // 4)

@@ -311,22 +311,20 @@ def test_a_read_error_on_the_first_batch_after_a_resume_keeps_the_resume(tmp_pat
     same(epoch(b), want[5:])
 
 
-def test_a_gathered_state_is_refused_by_an_in_place_loader_mid_epoch(store_dir):
-    """Batches decoded in place are planned from the epoch's start: a resume point saved by
-    a gathering loader need not be one of their boundaries. Refused by name; resumable with
-    in_place=False (and a state saved in place resumes on the gather path)."""
+def test_a_gathered_state_resumes_in_place_and_back(store_dir):
+    """The path (gathered or in place) is how a loader runs, not what it plans: a state
+    saved on either resumes exactly on the other (same batches as one uninterrupted run),
+    and the fingerprint records no path."""
     src, _ = make(store_dir, [Var("x", (60, 3), (1, 3), compressors=BLOSC)])
     m = ib.split_by_chunk(src, (1.0,))
     kw = dict(batch_size=7, block_chunks=3, seed=1)
     want = epoch(ib.build_loader(src, m, "train", **kw))
+    same(epoch(ib.build_loader(src, m, "train", in_place=False, **kw)), want)
     gathered = ib.build_loader(src, m, "train", in_place=False, **kw)
     epoch(gathered, limit=2)
     state = gathered.state_dict()
-    assert state["fingerprint"]["in_place"] is False
-    with pytest.raises(ValueError, match=r"in_place: saved False, this loader True .*build it "
-                       r"with in_place=False"):
-        ib.build_loader(src, m, "train", **kw).load_state_dict(state)
-    back = ib.build_loader(src, m, "train", in_place=False, **kw)
+    assert "in_place" not in state["fingerprint"]
+    back = ib.build_loader(src, m, "train", **kw)
     back.load_state_dict(state)
     same(epoch(back), want[2:])
     placed = ib.build_loader(src, m, "train", **kw)
@@ -335,8 +333,10 @@ def test_a_gathered_state_is_refused_by_an_in_place_loader_mid_epoch(store_dir):
     onto.load_state_dict(placed.state_dict())
     same(epoch(onto), want[2:])
     old = placed.state_dict()
-    del old["fingerprint"]["in_place"]  # a state saved before the field: loads as before
-    ib.build_loader(src, m, "train", **kw).load_state_dict(old)
+    old["fingerprint"]["in_place"] = False  # a state saved before 2026-11-29: read, ignored
+    resumed = ib.build_loader(src, m, "train", **kw)
+    resumed.load_state_dict(old)
+    same(epoch(resumed), want[2:])
 
 
 def test_one_loader_refuses_a_second_consumer_thread(medium):

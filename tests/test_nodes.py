@@ -581,3 +581,19 @@ def test_a_misconfigured_transform_is_refused_before_the_fetch_starts(setup, mon
     with pytest.raises(ib.ConfigError, match=r"patch_size=\(2, 2\) cuts the last 2 dims"):
         ib.build_loader(src, m, "train", batch_size=4, patch_size=(2, 2), workers=1)
     assert not started
+
+
+def test_a_patch_bigger_than_the_grid_is_refused_before_the_fetch_starts(tmp_path,
+                                                                         monkeypatch):
+    """The patch size against the grid is part of the plan too: refused before a decode
+    worker starts, naming the size and the grid."""
+    url = tmp_path / "grid.zarr"
+    write_store(url, [Var("t2m", (16, 8, 12), (1, 8, 12))])
+    src = ib.open_source(str(url))
+    m = ib.split_by_chunk(src, fractions=(1.0, 0.0, 0.0))
+    started = []
+    monkeypatch.setattr(ib.AsyncFetchNode, "start", lambda self: started.append(self))
+    with pytest.raises(ib.ConfigError, match=r"patch size \(4, 16\) does not fit in the "
+                                             r"spatial shape \(8, 12\)"):
+        ib.build_loader(src, m, "train", batch_size=4, patch_size=(4, 16), workers=1)
+    assert not started

@@ -48,8 +48,9 @@ class ReadPlanNode(BaseNode[ReadPlan]):
         slots = None
         if self.batch_size is not None:
             batch, row = batch_slots(item.schedule, item.index, self.batch_size, self.drop_last)
-            total = int(item.schedule.draw_starts[-1])
-            slots = BatchSlots(batch, row, self.batch_size, total)
+            starts = item.schedule.draw_starts
+            slots = BatchSlots(batch, row, self.batch_size, int(starts[-1]),
+                               int(starts[item.index]))
         # the plan made once, slots included (no dataclasses.replace a window)
         return plan_window(item.spec, self.variables, item.index, self.offsets,
                            draws=item.schedule.draws_of(item.index), slots=slots)

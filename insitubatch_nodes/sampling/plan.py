@@ -19,12 +19,21 @@ from .geometry import SampleGrid, VariableGeometry
 class BatchSlots:
     """Where a window's draws land in the epoch's batches (``schedule.batch_slots``):
     ``batch[j]``, ``row[j]`` for draw ``j`` (batch -1: a short last batch that is dropped),
-    with the batch size and the epoch's total draws (the last batch may be short)."""
+    with the batch size, the epoch's total draws (the last batch may be short) and the
+    epoch draw number of the window's first draw (a resume point is a batch edge when
+    ``first + skip`` is a multiple of the batch size)."""
 
     batch: np.ndarray
     row: np.ndarray
     batch_size: int
     total: int
+    first: int = 0
+
+    def starts_batch(self, skip: int) -> bool:
+        """Whether draw ``skip`` of the window is the first of its batch (or past the
+        window's kept draws): where a resume may start batches planned from the epoch's
+        start."""
+        return (self.first + skip) % self.batch_size == 0 or skip >= kept_end(self.batch)
 
     def rows_in(self, b: int) -> int:
         """Rows of batch ``b``."""

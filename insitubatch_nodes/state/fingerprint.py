@@ -33,6 +33,10 @@ RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 MERGED_FREE: tuple[str, ...] = RANK_FIELDS
 # Recorded since a later version: a state without it loads, the field unknown.
 OPTIONAL_FIELDS: tuple[str, ...] = ("in_place", "every", "phase")
+# Fields of the loader's own fingerprint that say how it runs, not what it plans: a state
+# saved under threads, workers or either path resumes under any other, so they are not
+# saved, and are ignored in states that carry them.
+NOT_SAVED: tuple[str, ...] = ("in_place",)
 
 _HOW = {
     "manifest": "load it into a loader built with the split manifest it was saved with "
@@ -68,10 +72,6 @@ _HOW = {
             "on another world size load merge_rank_states(all ranks' states) on every rank",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
                   "states) on every rank",
-    "in_place": "the state was saved by a loader that gathered batches (in_place=False), so "
-                "its resume point need not be a batch boundary of this loader, which decodes "
-                "straight into batches planned from the epoch's start: build it with "
-                "in_place=False to resume this state",
     "batch_size": "continuing is sound (the rest of the epoch is served exactly once in "
                   "batches of the new size; num_yielded keeps counting batches): build the "
                   "loader with allow_state_change=True, or with the saved value",
@@ -105,8 +105,12 @@ class StateFingerprint:
     drop_last: bool
     rank: int | None = None
     world_size: int | None = None
-    # Whether the saving loader decoded into batches planned from the epoch's start; None in
-    # states saved before this field was recorded (then not compared).
+    # Whether this loader decodes into batches planned from the epoch's start (then the
+    # batch size cannot change mid-epoch). Not a plan parameter: never saved, never compared
+    # (states saved before 2026-11-29 carry it; it is read and ignored). A gathered state
+    # resumes in place exactly, its resume point being one of the same batch edges; one
+    # that is not (a batch size changed on the gather path) is refused by the fetch, naming
+    # the offset (``fetch.batches.BatchCut.check_skip``).
     in_place: bool | None = None
     # The anchors kept: indices ≡ phase (mod every) (sampling.every); None in older states.
     every: int | None = None
@@ -114,7 +118,8 @@ class StateFingerprint:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if not ((k in RANK_FIELDS or k in OPTIONAL_FIELDS) and v is None)}
+                if k not in NOT_SAVED
+                and not ((k in RANK_FIELDS or k in OPTIONAL_FIELDS) and v is None)}
 
     @classmethod
     def from_json(cls, obj: object, *, merged: bool) -> StateFingerprint:
@@ -164,7 +169,7 @@ class StateFingerprint:
         out = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if merged and f.name in MERGED_FREE:
+            if (merged and f.name in MERGED_FREE) or f.name in NOT_SAVED:
                 continue
             if f.name in OPTIONAL_FIELDS and (a is None or b is None):
                 continue
@@ -188,11 +193,8 @@ def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
     in_place = bool(current.in_place)
     how = {**_HOW, "batch_size": _IN_PLACE_BATCH} if in_place else _HOW
     sound = set(SOUND_CHANGES) - ({"batch_size"} if in_place else set())
-    # A state saved in place resumes on the gather path (any draw count is a resume point
-    # there); the other way round only at the batch boundaries planned in place.
     diffs = [d for d in saved.differences(current)
-             if not (allow_state_change and d[0] in sound)
-             and not (d[0] == "in_place" and not current.in_place)]
+             if not (allow_state_change and d[0] in sound)]
     if not diffs:
         return
     lines = [f"{name}: saved {a!r}, this loader {b!r} ({how[name]})" for name, a, b in diffs]
