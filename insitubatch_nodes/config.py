@@ -49,7 +49,7 @@ class SamplingConfig:
     """
 
     batch_size: int = 32
-    block_chunks: int | None = None  # None: 16, or ~64 MB windows when decoding in place
+    block_chunks: int | None = None  # None: 16, or ~128 MB windows decoding in place
     # time steps: chunks per contiguous run (None: halos <= 25% of the reads); a window
     # holds block_chunks // run_chunks runs from scattered places in the split
     run_chunks: int | None = None

@@ -12,6 +12,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from stores import BLOSC, Var, write_store
 
 import insitubatch_nodes as ib
@@ -165,3 +167,48 @@ def test_fifteen_workers_serve_the_threads_batches(layouts, monkeypatch):
     with _loader(layout, dict(workers="auto"), 16, monkeypatch) as auto:
         assert auto.workers == 15
         _same(_epochs(auto, 1)[0], want[0], "auto on 16 cores")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small") / "s.zarr"
+    data = write_store(path, [Var("a", (120, 2, 3), (1, 2, 3), compressors=BLOSC),
+                              Var("c", (120, 5), (4, 5), compressors=BLOSC)])
+    src = ib.open_source(path)
+    return src, ib.split_by_chunk(src, (0.75, 0.25)), data
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch_size=st.integers(3, 13), block_chunks=st.integers(1, 12),
+       seed=st.integers(0, 3), drop_last=st.booleans(), at=st.floats(0.0, 1.0),
+       save_on_workers=st.booleans())
+def test_a_state_moves_between_threads_and_workers_at_any_point(
+        small, batch_size, block_chunks, seed, drop_last, at, save_on_workers):
+    """Over batch sizes, windows, seeds, ``drop_last`` and the point saved at: a state
+    saved on the threads resumes on a worker (and back) to the rows the stores hold, each
+    sample of the split once, in the uninterrupted run's batches."""
+    src, m, data = small
+    kw = dict(batch_size=batch_size, block_chunks=block_chunks, seed=seed,
+              drop_last=drop_last)
+    with ib.build_loader(src, m, "train", workers=0, **kw) as reference:
+        want = _epochs(reference, 1)[0]
+    k = int(at * (len(want) - 1))
+    executors = [dict(workers=0), dict(workers=1)]
+    if save_on_workers:
+        executors.reverse()
+    with ib.build_loader(src, m, "train", **executors[0], **kw) as saver:
+        it = iter(saver)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(saver.state_dict()))
+    with ib.build_loader(src, m, "train", **executors[1], **kw) as resumer:
+        resumer.load_state_dict(state)
+        rest = _epochs(resumer, 1)[0]
+    _same(rest, want[k:], (kw, k))
+    served = np.concatenate([b["sample_index"].numpy() for b in want])
+    assert len(set(served.tolist())) == served.size
+    for b in rest:
+        idx = b["sample_index"].numpy()
+        np.testing.assert_array_equal(b["a"].numpy(), data["a"][idx])
+        np.testing.assert_array_equal(b["c"].numpy(), data["c"][idx])

@@ -22,8 +22,10 @@ from ..sampling.schedule import UNEVEN_POLICIES
 # resume point is a batch boundary only for the batch size it was saved with.
 SOUND_CHANGES: tuple[str, ...] = ("batch_size", "drop_last")
 _IN_PLACE_BATCH = ("this loader decodes straight into batches planned from the epoch's "
-                   "start, so the batch size can change only between epochs: build it with "
-                   "the saved batch_size (or in_place=False) to resume mid-epoch")
+                   "start, so a state resumes only with the batch size it was saved with: "
+                   "build it with the saved batch_size, and change it for an epoch started "
+                   "without a state (or resume with in_place=False and the saved "
+                   "block_chunks, where batches are cut as draws come)")
 # Per-rank fields; a merged (elastic) state has none: any world size may load it.
 RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # Not compared for a merged state: the resumed generation deals the rest of the epoch

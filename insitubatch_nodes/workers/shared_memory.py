@@ -78,7 +78,9 @@ class SharedMemoryArena:
     ``allocate`` is a ``BufferPool`` allocator: the pool recycles the arrays, so memory is
     only allocated when the pool grows; a block comes back to this arena (for any shape of
     its size) only when its array is garbage (``BufferPool.disown``: a batch abandoned at a
-    restore). Blocks are page-aligned so two workers never write one cache line.
+    restore). Blocks are page-aligned, so two batches never share a page; a batch split
+    across workers (a window's first) has disjoint rows written by several, which may share
+    a cache line only where one row ends and the next begins.
     ``on_segment(address, nbytes)`` runs for every new segment (CUDA page-locks it there).
     """
 
