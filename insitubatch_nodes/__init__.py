@@ -62,7 +62,8 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
     from .sampling.windows import SampleWindow
     from .state.fingerprint import StateFingerprint
     from .state.ranks import merge_rank_states
-    from .store.source import Discovery, Source, discover, open_icechunk, open_source
+    from .store.discovery import Discovery, discover
+    from .store.source import Source, open_icechunk, open_source
     from .store.splits import SplitManifest, split_by_chunk, split_by_coordinate
     from .store.statistics import Stats, VariableStats, compute_stats, dataset_stats
     from .workers.engine import WorkerError
@@ -126,9 +127,9 @@ _EXPORTS = {
     "measured_shuffle_quality": ".sampling.quality",
     "recommend_block_chunks": ".sampling.quality",
     "shuffle_quality": ".sampling.quality",
-    "Discovery": ".store.source",
+    "Discovery": ".store.discovery",
     "Source": ".store.source",
-    "discover": ".store.source",
+    "discover": ".store.discovery",
     "open_icechunk": ".store.source",
     "open_source": ".store.source",
     "SplitManifest": ".store.splits",

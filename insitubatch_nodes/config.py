@@ -106,8 +106,9 @@ class FetchConfig:
     ``workers``: decode worker processes writing straight into batches in shared memory
     (in-place decoding; ``workers/``), 0 for the decode threads of the training process,
     ``"auto"`` for what measured fastest on this machine (``default_workers``).
-    ``worker_timeout_s``: a decode worker holding a job this long without answering is
-    taken for hung, killed and started again, its jobs run again on the live workers.
+    ``worker_timeout_s``: a decode worker running one job this long, holding jobs this
+    long without taking one, or not ready max(this, 30 s) after its start is taken for
+    hung, killed and started again, its jobs run again on the live workers.
     """
 
     max_inflight: int = 32
@@ -127,8 +128,8 @@ class FetchConfig:
         t = self.worker_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigError(f"fetch.worker_timeout_s must be a number of seconds > 0 (how "
-                              f"long a decode worker may hold a job without answering before "
-                              f"it is killed and its jobs run again), got {t!r}")
+                              f"long a decode worker may run one job before it is killed and "
+                              f"its jobs run again), got {t!r}")
         if self.workers != "auto" and (isinstance(self.workers, bool)
                                        or not isinstance(self.workers, int) or self.workers < 0):
             raise ConfigError(f"fetch.workers must be 'auto' or an integer >= 0 (0: decode "

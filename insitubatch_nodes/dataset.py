@@ -4,7 +4,7 @@ For evaluation and debugging, where an epoch is the wrong way in: a map-style
 ``torch.utils.data.Dataset`` whose ``ds[k]`` reads only the stripes that sample
 ``ds.sample_indices[k]`` needs (kept in a small LRU of decoded stripes, so neighbouring
 indices are cheap) and runs them through the loader's own ``GatherNode`` and per-batch
-stages (``graph.transform_stages``) as a batch of one: the dict is the loader's row.
+stages (``graph_stages.transform_stages``) as a batch of one: the dict is the loader's row.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from .errors import (
     SampleIndexError,
     UnknownNameError,
 )
-from .graph import Resolved, resolve, transform_stages
+from .graph import Resolved, resolve
+from .graph_stages import transform_stages
 from .io.loop_thread import LoopThread
 from .io.reader import StripeReader
 from .io.retry import RetryPolicy
@@ -209,10 +210,11 @@ class SampleDataset(Dataset):
                                       every=cfg.sampling.every),
                                   fetch=FetchConfig(retry=cfg.fetch.retry, in_place=False,
                                                     cache=cfg.fetch.cache, workers=0))
-        self.source = source
         self.split = split
         self.config = cfg
         self.resolved = resolve(source, manifest, split, cfg)
+        # the source served: with channels= over discovered variables, only theirs
+        self.source = source = self.resolved.source
         self.cache_bytes = parse_bytes(cache_bytes)
         if self.cache_bytes < 0:
             raise ConfigError(f"cache_bytes must be >= 0, got {cache_bytes!r}")

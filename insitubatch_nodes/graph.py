@@ -13,8 +13,8 @@ all go through here, so they cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from .defaults import (
     window_size,
 )
 from .errors import ConfigError, ConfigTypeError, UnknownNameError
+from .graph_stages import transform_plan, transform_stages
 from .io.device_decode import FrameDecoder, NvcompFrameDecoder
 from .memory.arena import BatchArena
 from .memory.budget import check_budget, parse_bytes, resident_bound, runs_in
@@ -42,26 +43,20 @@ from .nodes import (
     AsyncFetchNode,
     ChunkPermuteNode,
     GatherNode,
-    NormalizeNode,
     PinOrCudaNode,
     ReadPlanNode,
     ShuffleBufferNode,
     SplitNode,
-    TransformNode,
 )
-from .nodes.channels import StackChannelsNode, resolve_channels
-from .nodes.patches import PatchNode, patch_origins
+from .nodes.channels import resolve_channels
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
-from .nodes.static import StaticFieldsNode, check_static
-from .nodes.views import ChannelsLastNode
 from .sampling.geometry import SampleGrid
 from .sampling.permute import resolve_rank
 from .sampling.quality import shuffle_quality
-from .sampling.schedule import ScheduleContext, n_units
+from .sampling.schedule import ScheduleContext, n_units, rank_schedule
 from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching
 from .store.source import Source
 from .store.splits import SplitManifest
-from .store.statistics import Stats
 from .workers.shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
@@ -74,6 +69,10 @@ class Resolved:
     """What a config means for one source and split: the values ``build_graph`` wires."""
 
     config: LoaderConfig
+    # the source served: the one given, or with ``channels=`` over discovered variables
+    # (``open_source(url)``) only the channels' variables (``_stacking``). ``build_graph``
+    # and ``SampleDataset`` read through it, so nothing else is read, decoded or served.
+    source: Source
     rank: int
     world_size: int
     prefetch_windows: int
@@ -204,6 +203,30 @@ def _check_world_size(ctx: ScheduleContext, world_size: int, split: str) -> int:
     return units
 
 
+def _check_batches(ctx: ScheduleContext, rank: int, world_size: int, split: str,
+                   batch_size: int, drop_last: bool) -> None:
+    """Refuse a split that yields this rank no batch in an epoch (fewer samples than
+    ``batch_size`` with ``drop_last``, or none): an epoch that yields nothing, without a
+    word, is a training loop that silently does nothing. Counted as ``len(loader)``
+    counts, on this rank's share of the first epoch (exactly, whenever it could be short)."""
+    total = ctx.grid.n_samples_of(ctx.chunk_ids)
+    window = ctx.block_chunks * ctx.grid.chunk_size
+    if total // world_size >= 2 * (batch_size + window):
+        return  # every rank's share is far above a batch, however the windows are dealt
+    share = rank_schedule(ctx, 0, rank, world_size).target
+    if share >= (batch_size if drop_last else 1):
+        return
+    ranks = f" (rank {rank} of {world_size} gets {share})" if world_size > 1 else ""
+    if share == 0:
+        raise ConfigError(f"split {split!r} ({total} samples) yields rank {rank} of "
+                         f"{world_size} no sample in an epoch: use fewer ranks, or "
+                         "uneven='pad' (equal shares)")
+    raise ConfigError(
+        f"split {split!r} yields no batch: its {total} samples{ranks} make no batch of "
+        f"batch_size={batch_size} with drop_last=True; use batch_size <= {share}, "
+        f"or drop_last=False (one batch of {share})")
+
+
 def _quality(source: Source, ctx: ScheduleContext, units: int, batch_size: int) -> float:
     """The modelled shuffle quality of the schedule ``ctx``."""
     if ctx.contiguous:
@@ -224,12 +247,15 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         raise UnknownNameError(f"unknown split {split!r}; the manifest has splits "
                                f"{list(manifest.names)}")
     manifest.check_source(source, config.checkpoint.allow_snapshot_change)
+    channels, channels_key, served = _stacking(source, config.sample)
+    if served is not source:
+        config = _names_served(config, source, served)
+        source = served
     steps = config.sample.time_steps
     grid = _sample_grid(source, steps, s.every)
     chunk_ids, excluded = _served_chunks(source, manifest, split, grid, steps, s.every)
     rank, world_size = resolve_rank(s.rank, s.world_size)
     decoder = resolve_decode(f.decode, config.device.device)
-    channels, channels_key = _stacking(source, config.sample)
     # Host gathers write channels straight into their slice of "channels"; batches gathered
     # on a GPU (decode="gpu") are stacked afterwards.
     layout = (build_layout(source.variables, channels, channels_key) if decoder is None
@@ -242,10 +268,12 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
                           run_chunks)
     units = _check_world_size(ctx, world_size, split)
+    _check_batches(ctx, rank, world_size, split, s.batch_size, s.drop_last)
     bound = check_budget(source.grid, source.variables, f.memory_budget, block_chunks,
                          prefetch, s.batch_size, steps, in_place, run_chunks)
     return Resolved(
-        config=config, rank=rank, world_size=world_size, prefetch_windows=prefetch, grid=grid,
+        config=config, source=source, rank=rank, world_size=world_size,
+        prefetch_windows=prefetch, grid=grid,
         n_chunks=len(chunk_ids), block_chunks=block_chunks, run_chunks=run_chunks,
         resident_bound=bound, shuffle_quality=_quality(source, ctx, units, s.batch_size),
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
@@ -283,10 +311,16 @@ def _window(source: Source, config: LoaderConfig, grid: SampleGrid,
     return block_chunks, run_chunks, prefetch
 
 
-def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | None, str]:
-    """The channels stacked and the batch key they go to: ``channels=`` into "channels", or
-    an anemoi dataset's ``variables=`` selection into "data" (one or the other)."""
+def _stacking(source: Source, sm: SampleConfig,
+              ) -> tuple[tuple[Channel, ...] | None, str, Source]:
+    """The channels stacked, the batch key they go to (``channels=`` into "channels", or
+    an anemoi dataset's ``variables=`` selection into "data": one or the other) and the
+    source served: with ``channels=`` over variables ``open_source`` discovered (none named),
+    only the channels' variables, so the others are neither read nor in the batch;
+    variables named in ``open_source(variables=)`` are all served, beside the channels."""
     channels = tuple(resolve_channels(source, sm.channels)) if sm.channels else None
+    if channels and not source.variables_given:
+        source = source.narrowed([ch.variable for ch in channels])
     key = CHANNELS_KEY
     if source.selection is not None:
         if channels:
@@ -305,7 +339,23 @@ def _stacking(source: Source, sm: SampleConfig) -> tuple[tuple[Channel, ...] | N
     if sm.drop_ensemble and source.format != "anemoi":
         raise ConfigError(f"sample.drop_ensemble: {source.url!r} is not an anemoi dataset, so "
                          "it has no ensemble axis")
-    return channels, key
+    return channels, key, source
+
+
+def _names_served(config: LoaderConfig, source: Source, served: Source) -> LoaderConfig:
+    """``config`` with the names in ``normalize=`` and ``mask=`` of variables the store has
+    but ``channels=`` left out (so not served) dropped: like statistics over more variables
+    than are served, they apply to nothing. Names the store lacks stay, to be refused."""
+    sm = config.sample
+    gone = set(source.names) - set(served.names)
+    normalize = ({k: v for k, v in sm.normalize.items() if k not in gone}
+                 if sm.normalize is not None else None)
+    mask = sm.mask if isinstance(sm.mask, bool) else tuple(n for n in sm.mask if n not in gone)
+    if normalize == sm.normalize and mask == sm.mask:
+        return config
+    return dataclasses.replace(config, sample=dataclasses.replace(
+        sm, normalize=normalize, mask=mask))
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -317,95 +367,21 @@ class Graph:
     ledger: MemoryLedger
 
 
-@dataclass(frozen=True)
-class Stage:
-    """A per-batch stage after the gather, before it is built: ``build`` makes it over its
-    upstream; ``keeps_batch_memory`` says whether it hands the batch's tensors on in place
-    (``TransformNode``), which decides before anything is built whether the gather may
-    write into ``PinOrCudaNode``'s pinned slots."""
-
-    build: Callable[[BaseNode], BaseNode]
-    keeps_batch_memory: bool
-
-
-def staging_through(gather: GatherNode, between: Sequence[BaseNode]) -> StagingSeam | None:
-    """``gather``'s staging seam for the ``PinOrCudaNode`` after ``between``, if every
-    stage between keeps the batch's tensors (else the gather would fill pinned buffers
-    that a cast or stacking then leaves unused: the seam stays unattached, and the gather
-    allocates its own)."""
-    if not all(isinstance(n, TransformNode) and n.keeps_batch_memory for n in between):
-        return None
-    return gather.staging
-
-
-def transform_plan(source: Source, resolved: Resolved,
-                   device: torch.device | None = None) -> list[Stage]:
-    """The per-batch stages after the gather (normalise and cast, static fields, channels
-    stacked after a device gather, patches, channels last) as ``resolved`` asks, checked
-    against the source before anything is built."""
-    sm = resolved.config.sample
-    layout, channels = resolved.layout, resolved.channels
-    plan: list[Stage] = []
-    if (sm.stats is not None or sm.dtype is not None or sm.fill_nan is not None
-            or sm.mask):
-        stats = sm.stats if sm.stats is not None else Stats("", ())
-        plan.append(Stage(lambda n: NormalizeNode(
-            n, stats, source.variables, dtype=sm.dtype, layout=layout, schemes=sm.normalize,
-            selection=source.selection, fill_nan=sm.fill_nan, mask=sm.mask),
-            NormalizeNode.keeps_memory(sm.dtype)))
-    if sm.static:
-        check_static(sm.static, {v.name: v.sample_shape for v in source.variables},
-                     len(sm.patch_size) if sm.patch_size is not None else 0)
-        static = sm.static
-        plan.append(Stage(lambda n: StaticFieldsNode(n, static, device=device, dtype=sm.dtype),
-                          StaticFieldsNode.keeps_batch_memory))
-    if channels and layout is None:
-        stacked = channels
-        plan.append(Stage(lambda n: StackChannelsNode(n, stacked, key=resolved.channels_key),
-                          StackChannelsNode.keeps_batch_memory))
-    if sm.patch_size is not None:
-        plan.append(_patch_stage(source, sm))
-    if sm.channels_last or sm.drop_ensemble:
-        plan.append(Stage(lambda n: ChannelsLastNode(n, (resolved.channels_key,),
-                                                     -3 if sm.channels_last else None,
-                                                     (-2,) if sm.drop_ensemble else ()),
-                          ChannelsLastNode.keeps_batch_memory))
-    return plan
-
-
-def _patch_stage(source: Source, sm: SampleConfig) -> Stage:
-    """``PatchNode`` for ``sample.patch_size``, its size checked against the samples."""
-    assert sm.patch_size is not None
-    size = sm.patch_size
-    k = len(size)
-    short = {v.name: v.sample_shape for v in source.variables if len(v.sample_shape) < k}
-    if short:
-        raise ConfigError(f"patch_size={tuple(size)} cuts the last {k} dims of "
-                         f"each sample, but these samples have fewer: {short}")
-    shapes = {v.name: tuple(v.sample_shape[-k:]) for v in source.variables}
-    if len(set(shapes.values())) > 1:  # one grid of patches cuts one grid of points
-        raise ConfigError(f"patch_size={tuple(size)} cuts every variable on one "
-                         f"grid, but their last {k} dims differ: {shapes}; open the "
-                         "variables of one grid (open_source(variables=...))")
-    spatial = next(iter(shapes.values()))
-    # the size checked against the grid here, in the plan (before any worker starts), and
-    # the patch corners computed once
-    patch_origins(spatial, size, sm.patch_stride)
-    return Stage(lambda n: PatchNode(n, size, sm.patch_stride, spatial_shape=spatial),
-                 PatchNode.keeps_batch_memory)
-
-
-def transform_stages(node: BaseNode, source: Source, resolved: Resolved,
-                     device: torch.device | None = None,
-                     plan: Sequence[Stage] | None = None) -> tuple[BaseNode, list[BaseNode]]:
-    """The stages of ``transform_plan`` (or ``plan``) built over ``node``: (the last stage,
-    the stages added). ``SampleDataset`` runs the same stages over batches of one sample,
-    so a sample read by index is the loader's row."""
-    between: list[BaseNode] = []
-    for stage in plan if plan is not None else transform_plan(source, resolved, device):
-        node = stage.build(node)
-        between.append(node)
-    return node, between
+def _memory(resolved: Resolved, ledger: MemoryLedger, ops: CudaOps | None,
+            ) -> tuple[SharedMemoryArena | None, BufferPool, BatchArena | None]:
+    """The fetch's memory: the segments shared with decode workers (``ops``: staged for
+    CUDA, each segment page-locked as it is made), the pool of stripe and batch buffers,
+    and the arena of batches decoded in place (staged without workers: pinned memory,
+    which the stager copies to the GPU from where it was decoded)."""
+    shared = (SharedMemoryArena(on_segment=ops.register_host if ops is not None else None)
+              if resolved.workers else None)
+    pool = BufferPool(ledger, allocate=shared.allocate if shared is not None else None)
+    batch_pool = (BufferPool(ledger, allocate=PinnedArrays(ops))
+                  if ops is not None and shared is None else pool)
+    layout = resolved.layout
+    arena = (BatchArena(layout, batch_pool, resolved.config.sample.time_steps)
+             if resolved.in_place and layout is not None else None)
+    return shared, pool, arena
 
 
 def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: Resolved, *,
@@ -415,6 +391,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     ``PinOrCudaNode`` (tests run the CUDA path on CPU with fakes)."""
     if upto is not None and upto not in STAGES:
         raise ConfigError(f"upto must be one of {STAGES}, got {upto!r}")
+    source = resolved.source  # what resolve serves of it (channels= may narrow it)
     cfg = resolved.config
     s, f, sm, d = cfg.sampling, cfg.fetch, cfg.sample, cfg.device
     steps = sm.time_steps
@@ -451,17 +428,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     if staged and ops is None:
         assert cuda is not None
         ops = CudaOps(cuda)
-    # Decode workers write into batches in memory shared with them (workers/); staged, each
-    # segment is page-locked as it is made.
-    shared = (SharedMemoryArena(on_segment=ops.register_host if staged else None)
-              if resolved.workers else None)
-    pool = BufferPool(ledger, allocate=shared.allocate if shared is not None else None)
-    # Decoded in place and staged: into pinned memory, which the stager copies to the GPU
-    # from where it was decoded.
-    batch_pool = (BufferPool(ledger, allocate=PinnedArrays(ops))
-                  if staged and shared is None else pool)
-    arena = (BatchArena(layout, batch_pool, steps) if resolved.in_place and layout is not None
-             else None)
+    shared, pool, arena = _memory(resolved, ledger, ops if staged else None)
     fetch = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                            prefetch_windows=resolved.prefetch_windows,
                            decode_threads=f.decode_threads, ledger=ledger, pool=pool,

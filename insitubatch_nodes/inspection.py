@@ -364,7 +364,11 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
                    channels: Sequence[str | tuple[str, Any]] | None = None) -> StoreReport:
     """Describe every served variable and recommend ``block_chunks`` (``quality=None``: no
     recommendation); with ``channels`` (as ``build_loader`` takes them; an anemoi
-    ``variables=`` selection counts as such), how much of each chunk they read."""
+    ``variables=`` selection counts as such), how much of each chunk they read, and the
+    figures of what a loader with them reads (only the channels' variables, where
+    ``open_source`` discovered the variables)."""
+    if channels and not source.variables_given:
+        source = source.narrowed([c.variable for c in resolve_channels(source, channels)])
     parts = _channel_parts(source, channels)
     variables = tuple(inspect_variable(a, g, source.url, sample_objects, part)
                       for a, g, part in zip(source.arrays, source.variables, parts,

@@ -4,13 +4,17 @@
     insitubatch make-demo wb2.zarr --layout wb2 --small && \
         python recipes/forecast.py --store wb2.zarr
     insitubatch make-demo an.zarr --layout anemoi --small && \
-        python recipes/forecast.py --store an.zarr --variables 2t msl t_500
+        python recipes/forecast.py --store an.zarr --channels 2t msl t_500
+    python recipes/forecast.py --store wb2.zarr --channels temperature@500 \
+        temperature@850 2m_temperature
 
 Samples are time steps (``steps=SampleWindow(history=2, lead=(1,))``); the split is by dates
 (default: the first 80% of the store's dates train, the rest validate), with a gap so that
 no target of the training period is an input of the validation period; statistics come
-from the training period only (an anemoi dataset's own stored statistics); the variables
-are stacked as channels (whole pressure levels, anemoi variables by name). The model is a
+from the training period only, per channel (each pressure level on its own; an anemoi
+dataset's own stored statistics); the channels are stacked (a variable alone: every level
+of it; ``temperature@500``: one level; anemoi variables by name), and only their variables
+are read. The channels are checked before anything is read. The model is a
 per-point residual MLP, so it runs on lat-lon grids and anemoi's flattened cells alike.
 Prints what the loaders serve, then train and validation loss per epoch. (Make the store
 with ``scripts/demo`` first, or pass ``--make-store`` to write the demo store.)
@@ -77,9 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--make-store", action="store_true", help="write the demo store first")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--variables", nargs="+", default=None,
-                   help="variables to stack as channels (default: the demo's four; every "
-                        "variable of a WeatherBench2 or anemoi store)")
+    p.add_argument("--channels", "--variables", nargs="+", default=None, dest="channels",
+                   help="channels to stack: a variable (every level of it), a level "
+                        "(temperature@500) or an anemoi variable (2t); default: the demo's "
+                        "four, else every variable of the store")
     p.add_argument("--train", nargs=2, default=None, metavar=("FROM", "TO"),
                    help="dates; 'None' leaves that end open (give --val too)")
     p.add_argument("--val", nargs=2, default=None, metavar=("FROM", "TO"))
@@ -94,12 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     steps = ib.SampleWindow(history=2, lead=(1,))
     source = ib.open_source(args.store)
-    if args.variables:
-        names = list(args.variables)
+    if args.channels:
+        names = list(args.channels)
     elif source.format == "anemoi":
         names = list(source.variables[0].labels or ())
     else:
         names = [n for n in VARIABLES if n in source.names] or list(source.names)
+    try:  # every name checked before the statistics' pass over the training period
+        picked = ib.resolve_channels(source, names)
+    except (KeyError, ValueError, TypeError) as e:
+        p.error(f"--channels: {e.args[0] if e.args else e}")
+
     def period(dates: list[str]) -> tuple[str | None, str | None]:
         a, b = (None if d.lower() in ("none", "") else d for d in dates)
         return a, b
@@ -107,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     periods = ({"train": period(args.train), "val": period(args.val)} if args.train
                else default_periods(source))
     splits = ib.split_by_coordinate(source, periods, steps=steps)
+    # per channel (every level on its own), over the channels' variables only
     stats = (ib.dataset_stats(source) if source.format == "anemoi"
-             else ib.compute_stats(source, splits, "train", progress=False))
+             else ib.compute_stats(source, splits, "train", progress=False,
+                                   variables=sorted({c.variable for c in picked})))
     # One config for both loaders: same samples, channels and normalisation.
     config = ib.LoaderConfig(
         sampling=ib.SamplingConfig(batch_size=args.batch_size, seed=args.seed),
@@ -116,10 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     train = ib.build_loader(source, splits, "train", config)
     val = ib.build_loader(source, splits, "val", config)
-    print(f"{source.url}: {source.format} store, channels {names}; split periods "
+    print(f"{source.url}: {source.format} store, channels {names} ({len(picked)} stacked)"
+          f"; split periods "
           f"{ {k: [str(v) for v in p] for k, p in periods.items()} }, gap {splits.gap} steps")
-    channels = len(ib.resolve_channels(source, names))  # a whole-level variable: one per level
-    model = Forecaster(channels, steps.history)
+    model = Forecaster(len(picked), steps.history)  # a variable alone: one per level
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     with train, val:
         for epoch in range(args.epochs):

@@ -1,6 +1,6 @@
 """``fetch/batches.BatchCut`` (the batches a window decoded in place completes, cut once a
-window on the training thread) against the code it replaced: the same batches, rows,
-futures and positions, from an epoch's start or a restore's head window (issue 33)."""
+window on the training thread) against its definition: the epoch's draws cut every
+``batch_size``, rows sorted, from an epoch's start or a restore's head window (issue 41)."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -8,9 +8,7 @@ from hypothesis import strategies as st
 from test_jobs import restore_point
 from test_schedule import cases
 
-from insitubatch_nodes.errors import InternalError
-from insitubatch_nodes.fetch.batches import BatchCut, CutBatch
-from insitubatch_nodes.sampling.items import DecodedBatch
+from insitubatch_nodes.fetch.batches import BatchCut
 
 
 class Futures:
@@ -20,59 +18,46 @@ class Futures:
         return b
 
 
-class OldBatchCut(BatchCut):
-    """``add`` as it was: a sort per batch of the pieces it collected."""
-
-    def add(self, plan, before, after, skip, arena):
-        slots = plan.slots
-        batch = slots.batch
-        n = int(batch.size)
-        if skip >= n:
-            return
-        edges = np.flatnonzero(batch[skip + 1:] != batch[skip:-1]) + skip + 1
-        starts = [skip, *edges.tolist()]
-        ends = [*edges.tolist(), n]
-        for a, e in zip(starts, ends, strict=True):
-            b = int(batch[a])
-            if b < 0:
-                continue
-            if b != self._batch:
-                if self._pieces:
-                    raise InternalError("inconsistent")
-                self._batch = b
-            self._pieces.append(plan.draw_order[a:e])
-            self._have += e - a
-            if self._have < slots.rows_in(b):
-                continue
-            pieces, self._pieces, self._have = self._pieces, [], 0
-            samples = np.sort(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-            at = (after, 0) if e == n else (before, e)
-            self.out.append(CutBatch(DecodedBatch(samples, arena.future(b)), *at))
-
-
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(case=cases(max_n=300), data=st.data())
-def test_batches_are_cut_as_by_the_code_before(case, data):
-    """From window ``head`` on (a restore, ``skip`` draws into it at a batch edge) to the
-    epoch's end: every batch, its sorted samples, future and the position after it."""
+def test_batches_are_the_epochs_draws_cut_every_batch_size(case, data):
+    """``BatchCut`` against its definition: batch ``b`` is the epoch's draws ``[b * size,
+    (b + 1) * size)`` (the windows' draw orders end to end), its rows sorted by sample
+    index, a short last batch dropped with ``drop_last``; from a restore, the batches from
+    its position on; after each, the position counts the draws up to its end."""
     _, c = case
     plans = c.plans()
+    starts = c.schedule.draw_starts
     head, skip = restore_point(c, data)
-    cuts = []
-    for cut in (BatchCut(), OldBatchCut()):
-        cut.reset({"window": head}, skip)
-        got = []
-        for i, plan in enumerate(plans[head:], head):
-            cut.add(plan, {"window": i}, {"window": i + 1}, cut.take_skip(), Futures())
-            while cut.out:
-                item = cut.out[0]
-                got.append((item.batch.sample_index, item.batch.arrays, item.state,
-                            item.offset))
-                cut.take()
-        cut.end({"window": len(plans)})
-        cuts.append(got)
-    new, old = cuts
-    assert len(new) == len(old)
-    for (a, fa, sa, oa), (b, fb, sb, ob) in zip(new, old, strict=True):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
-        assert (fa, sa, oa) == (fb, sb, ob)
+    draws = np.concatenate([p.draw_order for p in plans])
+    size, total = c.batch_size, draws.size
+    last = total // size if c.drop_last else -(-total // size)
+    first = -(-(int(starts[head]) + skip) // size)
+    cut = BatchCut()
+    cut.reset({"window": head}, skip)
+    got = []
+    for i, plan in enumerate(plans[head:], head):
+        cut.add(plan, {"window": i}, {"window": i + 1}, cut.take_skip(), Futures())
+        while cut.out:
+            got.append((cut.out[0].batch, cut.at))
+            cut.take()
+            got[-1] = (*got[-1], cut.at)
+    cut.end({"window": len(plans)})
+    assert [batch.arrays for batch, _, _ in got] == list(range(first, last))
+    for b, (batch, _, (state, offset)) in zip(range(first, last), got, strict=True):
+        want = np.sort(draws[b * size:(b + 1) * size], kind="stable")
+        np.testing.assert_array_equal(batch.sample_index, want)
+        assert int(starts[state["window"]]) + offset == min((b + 1) * size, total)
+
+
+def test_the_restore_skip_is_handed_to_the_head_window_once():
+    """The restore's skip, kept once (``BatchCut``): the first window submitted since the
+    reset and the first cut each get it, every later one 0; a new reset sets it again."""
+    cut = BatchCut()
+    assert cut.submit_skip() == 0 and cut.take_skip() == 0  # never reset: nothing to skip
+    cut.reset({"window": 3}, 10)
+    assert cut.at == ({"window": 3}, 10)
+    assert cut.submit_skip() == 10 and cut.submit_skip() == 0
+    assert cut.take_skip() == 10 and cut.take_skip() == 0
+    cut.reset({"window": 0}, 0)
+    assert cut.submit_skip() == 0 and cut.take_skip() == 0

@@ -52,30 +52,50 @@ def _levels_store(path):
     return data
 
 
+def _layout(name, root):
+    """(source, manifest, build_loader keywords) of one layout people train on."""
+    if name == "one-sample-per-chunk":
+        write_store(root / "one.zarr", [
+            Var("a", (N, 3, 4), (1, 3, 4), compressors=BLOSC),
+            Var("b", (N, 4), (1, 4), compressors=BLOSC, dtype="float64")])
+        src = ib.open_source(root / "one.zarr")
+        return src, ib.split_by_chunk(src, (0.9, 0.1)), {}
+    if name == "several-per-chunk":
+        write_store(root / "several.zarr", [Var("a", (N, 3, 4), (8, 3, 4), compressors=BLOSC)])
+        src = ib.open_source(root / "several.zarr")
+        return src, ib.split_by_chunk(src, (0.9, 0.1)), {}
+    if name == "level-subset":
+        _levels_store(root / "levels.zarr")
+        src = ib.open_source(root / "levels.zarr", variables=["t", "t2m"])
+        return (src, ib.split_by_chunk(src, (1.0,)),
+                dict(channels=[("t", 850), ("t", 50), ("t", 500), "t2m"]))
+    if name == "anemoi-subset":
+        write_anemoi_store(root / "anemoi.zarr", n_dates=N, n_cells=6)
+        sub = ib.open_source(root / "anemoi.zarr", variables=["z_850", "2t", "t_500", "10u"])
+        return sub, ib.split_by_chunk(sub, (1.0,)), {}
+    assert name == "time-steps"
+    write_store(root / "steps.zarr", [Var("a", (N, 3, 4), (1, 3, 4), compressors=BLOSC)])
+    src = ib.open_source(root / "steps.zarr")
+    return src, ib.split_by_chunk(src, (1.0,)), dict(steps=ib.SampleWindow(2, (1,)))
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    """name -> (source, manifest, build_loader keywords): the layouts people train on."""
-    root = tmp_path_factory.mktemp("executors")
-    out = {}
-    write_store(root / "one.zarr", [
-        Var("a", (N, 3, 4), (1, 3, 4), compressors=BLOSC),
-        Var("b", (N, 4), (1, 4), compressors=BLOSC, dtype="float64")])
-    src = ib.open_source(root / "one.zarr")
-    out["one-sample-per-chunk"] = (src, ib.split_by_chunk(src, (0.9, 0.1)), {})
-    write_store(root / "several.zarr", [Var("a", (N, 3, 4), (8, 3, 4), compressors=BLOSC)])
-    src = ib.open_source(root / "several.zarr")
-    out["several-per-chunk"] = (src, ib.split_by_chunk(src, (0.9, 0.1)), {})
-    _levels_store(root / "levels.zarr")
-    src = ib.open_source(root / "levels.zarr", variables=["t", "t2m"])
-    out["level-subset"] = (src, ib.split_by_chunk(src, (1.0,)),
-                           dict(channels=[("t", 850), ("t", 50), ("t", 500), "t2m"]))
-    write_anemoi_store(root / "anemoi.zarr", n_dates=N, n_cells=6)
-    sub = ib.open_source(root / "anemoi.zarr", variables=["z_850", "2t", "t_500", "10u"])
-    out["anemoi-subset"] = (sub, ib.split_by_chunk(sub, (1.0,)), {})
-    src = ib.open_source(root / "one.zarr", variables=["a"])
-    out["time-steps"] = (src, ib.split_by_chunk(src, (1.0,)),
-                         dict(steps=ib.SampleWindow(2, (1,))))
-    return out
+    """name -> (source, manifest, build_loader keywords), each store written when first
+    asked for (a test process runs only some of them)."""
+    class Layouts(dict):
+        def __missing__(self, name):
+            self[name] = got = _layout(name, tmp_path_factory.mktemp(name))
+            return got
+
+        def all(self):
+            return {n: self[n] for n in LAYOUTS}
+
+    return Layouts()
+
+
+LAYOUTS = ["one-sample-per-chunk", "several-per-chunk", "level-subset", "anemoi-subset",
+           "time-steps"]
 
 
 def _epochs(loader, n=2):
@@ -100,13 +120,12 @@ def _loader(layout, kw, cores, monkeypatch):
     return ib.build_loader(src, m, "train", batch_size=10, seed=3, **extra, **kw)
 
 
-@pytest.mark.parametrize("name", ["one-sample-per-chunk", "several-per-chunk", "level-subset",
-                                  "anemoi-subset", "time-steps"])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_the_seed_decides_the_batches_and_states_move_between_executors(layouts, name,
                                                                         monkeypatch):
     """Two epochs equal under every executor; a state saved under each, mid-epoch (a
-    different batch for each), resumes under every other to the same batches as the
-    uninterrupted run, this epoch and the next."""
+    different batch for each), resumes under every other (on the other layouts: under the
+    next) to the same batches as the uninterrupted run, this epoch and the next."""
     layout = layouts[name]
     loaders = {}
     try:
@@ -128,10 +147,14 @@ def test_the_seed_decides_the_batches_and_states_move_between_executors(layouts,
             for _ in range(k):
                 next(it)
             states[saver] = k, json.loads(json.dumps(ld.state_dict()))
-        for saver, (k, state) in states.items():
-            for other, resumer in loaders.items():
-                if other == saver:
-                    continue
+        names = list(loaders)
+        for i, (saver, (k, state)) in enumerate(states.items()):
+            # every pair on the layout whose default window the executor used to change;
+            # elsewhere each executor resumes the one before it (each saves and resumes)
+            others = ([n for n in names if n != saver] if name == "one-sample-per-chunk"
+                      else [names[(i + 1) % len(names)]])
+            for other in others:
+                resumer = loaders[other]
                 resumer.load_state_dict(state)
                 _same(_epochs(resumer, 1)[0], want[2][k:], (name, saver, "->", other))
                 it = iter(resumer)  # the next epoch's start (a later one resets it)
@@ -148,7 +171,7 @@ def test_auto_plans_the_same_window_on_any_core_count(layouts, cores, monkeypatc
     same plan as the threads: window, runs, in-place cut and fingerprint (the executor
     only decides who decodes and how far ahead)."""
     monkeypatch.setattr(defaults, "WORKERS_FROM_CORES", 4)
-    for name, (src, m, extra) in layouts.items():
+    for name, (src, m, extra) in layouts.all().items():
         monkeypatch.delenv(defaults.CORES_ENV, raising=False)
         base = resolve(src, m, "train", LoaderConfig.of(batch_size=10, workers=0, **extra))
         monkeypatch.setenv(defaults.CORES_ENV, str(cores))

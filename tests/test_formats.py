@@ -258,7 +258,8 @@ def test_stored_statistics_and_normalization_schemes(tmp_path):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=stats,
                         normalize={"2t": "zscore"})
     # statistics over the whole field (not per label) cannot honour a label's scheme
-    whole = ib.compute_stats(src, ib.split_by_chunk(src, (1.0,)), progress=False)
+    whole = ib.compute_stats(src, ib.split_by_chunk(src, (1.0,)), keep_dims=(),
+                             progress=False)
     with pytest.raises(ValueError, match=r"schemes for \['msl'\] of 'data' need its "
                                          r"statistics per label"):
         ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", stats=whole,

@@ -463,5 +463,5 @@ def test_a_read_of_an_earlier_generation_cannot_take_a_new_batch(weather):
         arena.arrays_of(0, old)
     new = arena.arrays_of(0, arena.generation)
     assert new is not first
-    arena.done(0, 2 * arena.writes_per_row, arena.generation)
+    arena.landed(0, 2 * arena.writes_per_row, arena.generation)
     assert arena.take(0) is new

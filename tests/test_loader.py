@@ -73,12 +73,17 @@ def test_exactly_once_over_shapes(store_dir, g):
     src, data = make(store_dir, [Var("a", (g["n"], 3), (g["cs_a"], 2), compressors=BLOSC),
                                  Var("b", (g["n"],), (g["cs_b"],), dtype="int16")])
     m = ib.split_by_chunk(src, (1 - g["val"], g["val"]))
+    want = split_samples(m, "train")
+    if g["drop_last"] and len(want) < g["batch"]:  # an epoch of no batch: refused at build
+        with pytest.raises(ValueError, match="yields no batch"):
+            ib.build_loader(src, m, "train", batch_size=g["batch"], block_chunks=g["block"],
+                            drop_last=True)
+        return
     with ib.build_loader(src, m, "train", batch_size=g["batch"], block_chunks=g["block"],
                          drop_last=g["drop_last"]) as loader:
         batches = epoch(loader)
     check_rows(batches, data)
     seen = np.concatenate([b["sample_index"] for b in batches]) if batches else np.array([])
-    want = split_samples(m, "train")
     assert len(set(seen.tolist())) == len(seen)  # never twice
     if g["drop_last"]:
         assert all(len(b["sample_index"]) == g["batch"] for b in batches)
@@ -337,6 +342,21 @@ def test_a_gathered_state_resumes_in_place_and_back(store_dir):
     resumed = ib.build_loader(src, m, "train", **kw)
     resumed.load_state_dict(old)
     same(epoch(resumed), want[2:])
+    # 1 batch of 7, then 1 of 5 on the gather path: draw 12 is inside batch 1 of the plan
+    # in place (7-13), which a loader decoding in place cannot start from: refused by name
+    odd = ib.build_loader(src, m, "train", in_place=False, **kw)
+    epoch(odd, limit=1)
+    fives = ib.build_loader(src, m, "train", in_place=False, allow_state_change=True,
+                            **{**kw, "batch_size": 5})
+    fives.load_state_dict(odd.state_dict())
+    epoch(fives, limit=1)
+    mid = fives.state_dict()
+    placed5 = ib.build_loader(src, m, "train", **{**kw, "batch_size": 5})
+    placed5.load_state_dict(mid)
+    with pytest.raises(ib.StateError, match=r"'offset' is 0, inside batch 2 of this "
+                                            r"loader's plans \(draw 12 of the epoch, batches "
+                                            r"of 5\)"):
+        next(iter(placed5))
 
 
 def test_one_loader_refuses_a_second_consumer_thread(medium):

@@ -544,7 +544,7 @@ def test_gather_into_slot_fails_loudly_if_the_ring_lied(store):
 def test_gather_into_slot_only_through_stages_that_keep_the_batch(store):
     """A cast makes new tensors: the gather must not fill pinned buffers nobody copies. A
     stage that only adds keys (static fields) keeps the in-place gather."""
-    from insitubatch_nodes.graph import staging_through
+    from insitubatch_nodes.graph_stages import staging_through
     from insitubatch_nodes.nodes.static import StaticFieldsNode
 
     src, m, _ = store
@@ -576,7 +576,7 @@ class _TransposeX(TransformNode):
 
 def test_a_view_of_the_slot_in_another_layout_is_copied_safely(store):
     src, m, _ = store
-    from insitubatch_nodes.graph import staging_through
+    from insitubatch_nodes.graph_stages import staging_through
 
     gpu = fake_cuda_graph(src, m, FakeOps(eager=False), 2)
     transposed = _TransposeX(gpu.source)

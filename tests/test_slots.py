@@ -1,5 +1,7 @@
 """``memory/slots``: a split slot writes every part of a decoded sample where its placements
-say, whether its parts are joined into one gather (adjacent channels, same dtype) or not."""
+say, whether its parts are joined into one gather (adjacent channels, same dtype) or not;
+the slot filler the decode threads and workers share decodes a stripe straight into the one
+slot it fills whole, else into scratch, and copies every slot's row out."""
 
 from __future__ import annotations
 
@@ -7,7 +9,13 @@ import numpy as np
 import pytest
 
 from insitubatch_nodes.memory.layout import Placement, row_view
-from insitubatch_nodes.memory.slots import SlotTable, SplitSlot, write_slot
+from insitubatch_nodes.memory.slots import (
+    SlotTable,
+    SplitSlot,
+    fill_slots,
+    stripe_target,
+    write_slot,
+)
 
 LEVELS = [8, 10, 12, 14, 16, 17, 19, 21, 23, 25, 30, 33, 36]  # GraphCast's in ARCO-ERA5's 37
 
@@ -79,3 +87,53 @@ def test_a_run_stops_at_another_key_and_a_table_joins_its_runs_once():
     write_slot(again, sample)
     for k in arrays:
         np.testing.assert_array_equal(arrays[k], want[k])
+
+
+class Scratch:
+    """A scratch provider that records what it handed out."""
+
+    def __init__(self) -> None:
+        self.given: list[np.ndarray] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        self.given.append(np.full(shape, -1, dtype))
+        return self.given[-1]
+
+
+def test_a_one_sample_stripe_decodes_straight_into_the_slot_it_fills_whole():
+    """One sample a stripe, a plain slot first: decoded into it (no scratch), copied into
+    the other slots it feeds (a neighbour's history), the first left as decoded."""
+    batch = np.zeros((3, 2, 4), "f4")
+    dsts = [batch[1:2], batch[2:3]]
+    scratch = Scratch()
+    buf = stripe_target(dsts, (1, 2, 4), np.dtype("f4"), scratch)
+    assert buf is dsts[0] and not scratch.given
+    buf[...] = np.arange(8, dtype="f4").reshape(1, 2, 4)  # the decode
+    fill_slots(buf, [0, 0], dsts)
+    np.testing.assert_array_equal(batch[1], batch[2])
+    np.testing.assert_array_equal(batch[2], np.arange(8).reshape(2, 4))
+    assert not batch[0].any()
+
+
+def test_several_samples_or_a_split_slot_decode_into_scratch_and_each_row_is_copied():
+    rng = np.random.default_rng(2)
+    # several samples a stripe: rows 3, 0 and 3 again into three plain slots
+    batch = np.zeros((4, 5), "f4")
+    dsts = [batch[0:1], batch[2:3], batch[3:4]]
+    scratch = Scratch()
+    buf = stripe_target(dsts, (4, 5), np.dtype("f4"), scratch)
+    assert buf is scratch.given[0] and buf.shape == (4, 5)
+    buf[...] = rng.standard_normal((4, 5))
+    fill_slots(buf, [3, 0, 3], dsts)
+    np.testing.assert_array_equal(batch, np.stack([buf[3], np.zeros(5), buf[0], buf[3]]))
+    # one sample, but its slot takes levels 30, 2 and 17 of 37, in that order
+    arrays = {"x": np.zeros((2, 3, 2), "f4")}
+    where = parts_of([30]) + parts_of([2], start=1) + parts_of([17], start=2)
+    slot = SlotTable([[where]]).slot(arrays, 0, 0, 1)
+    assert isinstance(slot, SplitSlot)
+    buf = stripe_target([slot], (1, 37, 2), np.dtype("f4"), scratch)
+    assert buf is scratch.given[1]
+    buf[...] = rng.standard_normal((1, 37, 2))
+    fill_slots(buf, [0], [slot])
+    np.testing.assert_array_equal(arrays["x"][1], buf[0, [30, 2, 17]])
+    assert not arrays["x"][0].any()

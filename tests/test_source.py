@@ -132,3 +132,46 @@ def test_a_null_calendar_decodes_the_sample_coordinate_as_the_standard_one(tmp_p
     src = ib.open_source(tmp_path / "s.zarr")
     assert src.sample_coord is not None
     assert src.sample_coord[1] == np.datetime64("2000-01-01T01:00")
+
+
+def _wb2_like(path):
+    import pandas as pd
+    import xarray as xr
+
+    xr.Dataset(
+        {"temperature": (("time", "level", "latitude", "longitude"),
+                         np.zeros((4, 2, 3, 5), "float32")),
+         "2m_temperature": (("time", "latitude", "longitude"), np.zeros((4, 3, 5), "float32")),
+         "land_sea_mask": (("latitude", "longitude"), np.zeros((3, 5), "float32"))},
+        coords={"time": pd.date_range("2020-01-01", periods=4, freq="6h"),
+                "level": [500, 850], "latitude": np.linspace(90, -90, 3),
+                "longitude": np.arange(0, 360, 72.0)},
+    ).to_zarr(path, zarr_format=2, consolidated=True)
+    return path
+
+
+def test_unknown_variables_list_what_can_be_served_apart_from_the_rest(tmp_path):
+    path = _wb2_like(tmp_path / "w.zarr")
+    with pytest.raises(KeyError, match=r"unknown variable\(s\) \['nope'\] in .*; variables "
+                       r"that can be served: \['2m_temperature', 'temperature'\]; static "
+                       r"fields \(static=ib.open_static\(...\)\): \['land_sea_mask'\]; "
+                       r"coordinates: \['latitude', 'level', 'longitude', 'time'\]"):
+        ib.open_source(path, variables=["nope"])
+
+
+def test_a_coordinate_or_a_static_field_is_no_variable(tmp_path):
+    """``variables=["latitude"]`` built a source of 3 samples along latitude; a static
+    field alone, one along latitude too. Both refused, saying what to do instead."""
+    path = _wb2_like(tmp_path / "w.zarr")
+    with pytest.raises(ValueError, match=r"names the coordinate\(s\) \['latitude'\] .*"
+                       r"not data to serve along one; variables that can be served: "
+                       r"\['2m_temperature', 'temperature'\]"):
+        ib.open_source(path, variables=["latitude"])
+    with pytest.raises(ValueError, match=r"names the static field\(s\) \['land_sea_mask'\].*"
+                       r"\(no 'time' axis\): serve them with static=ib.open_static\(source, "
+                       r"\['land_sea_mask'\]\)"):
+        ib.open_source(path, variables=["2m_temperature", "land_sea_mask"])
+    # asked for along another dim, it is served so
+    src = ib.open_source(path, variables=["land_sea_mask"], sample_dim="latitude")
+    assert src.n_samples == 3 and src.sample_dim == "latitude"
+    assert ib.open_source(path, variables=["temperature"]).names == ("temperature",)

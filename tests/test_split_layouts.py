@@ -1,7 +1,9 @@
 """Chunks split across channels decode in place, on the decode threads and in worker
 processes alike (memory/slots.py): some levels of an ARCO-ERA5 / WeatherBench2 variable, an
 anemoi variable subset, channels of mixed dtypes, several samples per chunk on S3 under
-``workers="auto"``. Each is bit for bit the batches of ``workers=0``, two epochs."""
+``workers="auto"``. Each is the stored values, read by zarr itself, row by row by
+``sample_index`` (in the order the channels are given), with threads and with workers; and
+bit for bit the batches of ``workers=0``, two epochs."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from stores import BLOSC, Var, assert_rows_stored
 
 import insitubatch_nodes as ib
 from insitubatch_nodes import defaults
-from insitubatch_nodes.synthetic import write_anemoi_store
+from insitubatch_nodes.synthetic import ANEMOI_VARIABLES, write_anemoi_store
 
 ARCO_LEVELS = [1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100, 125, 150, 175, 200, 225, 250, 300,
                350, 400, 450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900,
@@ -49,7 +51,7 @@ def arco(tmp_path_factory):
            "2m_temperature": {"chunks": (1, lat, lon), "compressors": [blosc]}}
     ds.to_zarr(path, zarr_format=2, encoding=enc, consolidated=True)
     src = ib.open_source(path, variables=["geopotential", "temperature", "2m_temperature"])
-    return src, ib.split_by_chunk(src, (0.8, 0.2)), ds
+    return src, ib.split_by_chunk(src, (0.8, 0.2)), ds, path
 
 
 def _epochs(loader, n=2):
@@ -67,6 +69,49 @@ def _assert_same(got, want):
                 torch.testing.assert_close(g[k], w[k], rtol=0, atol=0, equal_nan=True, msg=k)
 
 
+def _stored(path, name: str) -> np.ndarray:
+    """A variable as stored, read by zarr itself (not through the loader's readers)."""
+    import zarr
+
+    return zarr.open_array(store=str(path), path=name, mode="r")[...]
+
+
+def _at_steps(values: np.ndarray, i: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
+    """``values`` of samples ``i`` (a batch's ``sample_index``), at each step of ``offsets``
+    (``None``: no time steps, one row a sample)."""
+    return values[i] if offsets is None else values[i[:, None] + offsets[None, :]]
+
+
+def _assert_stored(epochs, want_of) -> None:
+    """Every batch of ``epochs`` holds, per key, ``want_of(sample_index)[key]``: the stored
+    values of its rows."""
+    for epoch in epochs:
+        assert epoch
+        for b in epoch:
+            want = want_of(b["sample_index"].numpy())
+            assert set(want) <= set(b)
+            for k, w in want.items():
+                np.testing.assert_array_equal(b[k].numpy(), w, err_msg=k)
+
+
+def _level_rows(path, name: str, levels: list[int], surface: str | None, surface_first: bool,
+                steps: ib.SampleWindow | None):
+    """What batches of ``channels`` = ``name``'s ``levels`` (indices, in that order) and
+    ``surface`` (first or last) hold: the stored values of their rows, inputs and targets."""
+    var = _stored(path, name)[:, levels]
+    sfc = None if surface is None else _stored(path, surface)[:, None]
+    parts = [var] if sfc is None else ([sfc, var] if surface_first else [var, sfc])
+    stacked = np.concatenate(parts, axis=1)
+
+    def want_of(i: np.ndarray) -> dict[str, np.ndarray]:
+        if steps is None:
+            return {"channels": _at_steps(stacked, i, None)}
+        return {"channels": _at_steps(stacked, i, steps.input_offsets),
+                "target/channels": _at_steps(stacked, i, steps.target_offsets)}
+
+    return want_of
+
+
 def _on_workers_and_threads(src, m, split="train", **kw):
     """Two epochs of ``kw`` with 2 workers, and with the decode threads."""
     with ib.build_loader(src, m, split, workers=2, **kw) as ld, \
@@ -79,7 +124,7 @@ def _on_workers_and_threads(src, m, split="train", **kw):
 def test_graphcast_levels_of_two_variables_and_a_surface_field(arco):
     """13 of 37 levels of geopotential and temperature plus 2m_temperature: the rows are
     the stored levels, the same with workers as with threads."""
-    src, m, ds = arco
+    src, m, ds, _ = arco
     channels = ([("geopotential", lv) for lv in GRAPHCAST]
                 + [("temperature", lv) for lv in GRAPHCAST] + ["2m_temperature"])
     got, want = _on_workers_and_threads(src, m, batch_size=4, seed=3, channels=channels)
@@ -100,29 +145,70 @@ def test_graphcast_levels_of_two_variables_and_a_surface_field(arco):
        window=st.sampled_from([None, (2, (1,)), (1, (1, 3))]))
 def test_random_level_subsets_with_and_without_time_steps(arco, levels, surface_first, batch,
                                                           window):
-    src, m, _ = arco
+    """Levels in any order, the surface field first or last: the stored values, in the
+    order given, on workers and threads."""
+    src, m, _, path = arco
     channels = [("temperature", lv) for lv in levels]
     channels = (["2m_temperature", *channels] if surface_first
                 else [*channels, "2m_temperature"])
     steps = None if window is None else ib.SampleWindow(window[0], window[1])
     got, want = _on_workers_and_threads(src, m, batch_size=batch, seed=batch,
-                                        channels=channels, window=steps)
+                                        channels=channels, steps=steps)
+    rows = _level_rows(path, "temperature", [ARCO_LEVELS.index(lv) for lv in levels],
+                       "2m_temperature", surface_first, steps)
+    _assert_stored(got, rows)
+    _assert_stored(want, rows)
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("steps", [None, ib.SampleWindow(2, (1,))])
+def test_a_level_subset_is_the_stored_levels_in_the_order_given(arco, workers, steps):
+    """Levels 30, 2 and 17 of temperature's 37, in that order (no two adjacent: three
+    parts), are ``zarr.open_array("temperature")[sample_index][:, [30, 2, 17]]``, on the
+    threads and on two workers, inputs and targets."""
+    src, m, _, path = arco
+    idx = [30, 2, 17]
+    channels = [("temperature", ARCO_LEVELS[k]) for k in idx]
+    with ib.build_loader(src, m, "train", workers=workers, batch_size=4, seed=5,
+                         channels=channels, steps=steps) as ld:
+        assert ld.node(ib.AsyncFetchNode).workers == workers
+        assert ld.node(ib.AsyncFetchNode).arena is not None  # in place
+        got = _epochs(ld)
+    _assert_stored(got, _level_rows(path, "temperature", idx, None, False, steps))
 
 
 @pytest.mark.parametrize("options", [
     dict(channels_last=True),
-    dict(channels_last=True, drop_ensemble=True, window=ib.SampleWindow(2, (1,))),
+    dict(channels_last=True, drop_ensemble=True, steps=ib.SampleWindow(2, (1,))),
 ])
 def test_anemoi_variable_subsets(tmp_path_factory, options):
     """``open_source(variables=[...])`` on an anemoi dataset (its ``data`` chunk holds every
-    variable of a date): the subset, in the order given, equal on workers and threads."""
+    variable of a date): the subset, in the order given (not the store's), is the stored
+    ``data[sample_index][:, subset]`` on workers and threads, inputs and targets."""
     path = write_anemoi_store(tmp_path_factory.mktemp("an") / "an.zarr", n_dates=24)
     src = ib.open_source(path, variables=["z_850", "2t", "t_500", "10u"])
     m = ib.split_by_chunk(src, (1.0,))
     got, want = _on_workers_and_threads(src, m, batch_size=5, seed=2, **options)
     _assert_same(got, want)
     assert "data" in got[0][0]
+    names = list(ANEMOI_VARIABLES)
+    idx = [names.index(v) for v in ("z_850", "2t", "t_500", "10u")]
+    data = _stored(path, "data")[:, idx]  # (dates, the subset, ensemble, cells)
+    steps = options.get("steps")
+
+    def want_of(i: np.ndarray) -> dict[str, np.ndarray]:
+        def shaped(x: np.ndarray) -> np.ndarray:  # as the options lay a sample out
+            x = np.moveaxis(x, -3, -1)  # channels last: (..., ensemble, cells, variables)
+            return x[..., 0, :, :] if options.get("drop_ensemble") else x
+
+        if steps is None:
+            return {"data": shaped(_at_steps(data, i, None))}
+        return {"data": shaped(_at_steps(data, i, steps.input_offsets)),
+                "target/data": shaped(_at_steps(data, i, steps.target_offsets))}
+
+    _assert_stored(got, want_of)
+    _assert_stored(want, want_of)
 
 
 def test_float32_and_float64_channels(store_factory):
@@ -222,13 +308,13 @@ def test_level_subsets_decode_only_their_blocks(many_blocks, window):
     src, m, z = many_blocks
     channels = [("z", lv) for lv in GRAPHCAST]
     idx = [ARCO_LEVELS.index(lv) for lv in GRAPHCAST]
-    with ib.build_loader(src, m, "train", batch_size=5, seed=4, workers=0, window=window,
+    with ib.build_loader(src, m, "train", batch_size=5, seed=4, workers=0, steps=window,
                          channels=channels) as ld:
         got = _epochs(ld)
         stats = ld.stats()
         assert stats.chunks_read_in_part == 2 * 24 and stats.chunks_read_whole == 0
         assert "read in part" in stats.summary()
-    with ib.build_loader(src, m, "train", batch_size=5, seed=4, workers=2, window=window,
+    with ib.build_loader(src, m, "train", batch_size=5, seed=4, workers=2, steps=window,
                          channels=channels) as ld:
         _assert_same(_epochs(ld), got)
         # the workers' counters come back with their read times, at most every 50 ms

@@ -57,9 +57,15 @@ def test_statistics_are_over_the_finite_values(wb2):
     assert s.min == np.nanmin(x) and s.max == np.nanmax(x)
     assert s.count == int(np.isfinite(x).sum())
     assert s.nan_fraction == pytest.approx(land.mean())
-    t = stats["temperature"]  # a variable without missing values: as before
-    assert t.nan_fraction == 0.0
-    np.testing.assert_allclose(t.mean, _train_values(g, m, "temperature").mean(), rtol=1e-12)
+    t = stats["temperature"]  # a variable without missing values, per level by default
+    assert t.nan_fraction == 0.0 and t.kept_dims == ("level",)
+    assert t.coords == tuple(g["level"][:].tolist())
+    np.testing.assert_allclose(t.mean, _train_values(g, m, "temperature").mean(axis=(0, 2, 3)),
+                               rtol=1e-12)
+    pooled = ib.compute_stats(src, m, "train", keep_dims=(), progress=False)["temperature"]
+    assert pooled.kept_dims == () and np.shape(pooled.mean) == ()
+    np.testing.assert_allclose(pooled.mean, _train_values(g, m, "temperature").mean(),
+                               rtol=1e-12)
     again = Stats.from_dict(json.loads(json.dumps(stats.to_dict())))
     assert again[SST].nan_fraction == s.nan_fraction
     old = stats.to_dict()  # statistics saved before nan_fraction existed still load
@@ -277,3 +283,40 @@ def test_masks_and_filled_values_go_to_the_gpu_path(wb2, workers):
             np.testing.assert_array_equal(got[f"mask/{SST}"].numpy(),
                                           np.broadcast_to(~land, got[SST].shape))
     node.shutdown()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gather"])
+def test_default_statistics_normalize_every_level_to_mean_0_std_1(wb2, in_place):
+    """``compute_stats`` keeps the levels by default: each normalized channel of the train
+    split has mean 0 and std 1 (pooling the levels left each level's std far from 1)."""
+    src, m, g, _ = wb2
+    stats = ib.compute_stats(src, m, "train", progress=False)
+    assert stats["temperature"].kept_dims == ("level",)
+    assert stats["2m_temperature"].kept_dims == () and stats[SST].kept_dims == ()
+    channels = ["temperature", "2m_temperature", SST]
+    with ib.build_loader(src, m, "train", batch_size=4, stats=stats, channels=channels,
+                         in_place=in_place) as ld:
+        x = torch.cat([b["channels"] for b in ld]).double().numpy()
+    assert x.shape[1] == 13 + 2
+    axes = (0, 2, 3)
+    np.testing.assert_allclose(np.nanmean(x, axis=axes), 0.0, atol=1e-5)
+    np.testing.assert_allclose(np.nanstd(x, axis=axes), 1.0, rtol=1e-5)
+    pooled = ib.compute_stats(src, m, "train", keep_dims=(), progress=False)
+    with ib.build_loader(src, m, "train", batch_size=4, stats=pooled,
+                         channels=["temperature"]) as ld:
+        y = torch.cat([b["channels"] for b in ld]).double().numpy()
+    assert np.ptp(y.mean(axis=axes)) > 0.5  # pooled: the levels are not each standardised
+
+
+def test_statistics_by_channel_name_written_either_way(wb2):
+    src, m, g, _ = wb2
+    stats = ib.compute_stats(src, m, "train", progress=False)
+    k = list(g["level"][:]).index(850)
+    want = (stats["temperature"].mean[k], stats["temperature"].std[k])
+    for name in ("temperature@850", ("temperature", 850), ("temperature", 850.0),
+                 ("temperature", "850"), "temperature@850.0"):
+        mean, std = stats.mean_std([name])
+        assert (mean[0], std[0]) == want, name
+    with pytest.raises(KeyError, match=r"temperature@123: 123 is not a level.*they hold "
+                                        r"\['50'"):
+        stats.mean_std([("temperature", 123)])

@@ -112,7 +112,7 @@ LAYERS = [
     {"config", "defaults"},
     {"fetch"},
     {"nodes"},
-    {"graph", "graph_stats", "state"},
+    {"graph", "graph_stages", "graph_stats", "state"},
     {"loader", "dataset", "inspection", "synthetic", "demo", "testing"},
     {"cli", "bench", ""},
 ]

@@ -34,8 +34,11 @@ from test_in_place import (
     float_epochs,
     sample_kwargs,
 )
+from test_jobs import FakeArena, check_window
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.sampling.plan import BatchSlots, ReadPlan
+from insitubatch_nodes.workers import jobs as J
 from insitubatch_nodes.workers.engine import CREDIT, WorkerError
 from insitubatch_nodes.workers.shared_memory import SharedMemoryArena, array_at, map_segment
 
@@ -410,15 +413,15 @@ def test_a_worker_that_cannot_start_fails_the_batches_with_why(weather, monkeypa
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 4), st.integers(1, 3),
-       st.integers(0, 2**31))
-def test_one_slot_a_stripe_cuts_as_the_general_path(n, batch_size, n_vars, workers, seed):
-    """The common case's direct cut (one sample per chunk, no time steps, distinct samples)
-    makes the same targets and jobs as the general one: slots in (batch, row) order, a
-    slot's variables together, a job per batch with the first one split."""
-    from insitubatch_nodes.sampling.plan import KeptSlots
-    from insitubatch_nodes.workers import jobs as J
-
+@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 3), st.integers(1, 4),
+       st.integers(0, 2**31), st.sampled_from([4, 1 << 20, 24 << 20]))
+def test_one_slot_a_stripe_is_cut_as_defined_on_its_fast_path(n, batch_size, n_vars, workers,
+                                                               seed, most):
+    """The common case's fast path (one sample per chunk, no time steps, distinct samples,
+    cut by ``sampling.cuts`` on (sample, variable) rows) makes the jobs the definition says
+    (``test_jobs.check_window``), and the same jobs as the general path: windows starting
+    inside a batch, rows shuffled within their batch, variables of other sizes, rows up to
+    72 MB a sample (a batch then needs several jobs)."""
     rng = np.random.default_rng(seed)
     first = int(rng.integers(0, batch_size))  # the window starts inside a batch
     draws = np.arange(first, first + n)
@@ -426,22 +429,19 @@ def test_one_slot_a_stripe_cuts_as_the_general_path(n, batch_size, n_vars, worke
     for b in np.unique(batch):  # rows within a batch in sample order, draws shuffled
         at = batch == b
         row[at] = rng.permutation(row[at])
-    order = rng.permutation(n)
-    kept = KeptSlots(sample=rng.choice(10 * n, n, replace=False)[order], batch=batch[order],
-                     row=row[order], step=np.zeros(n, dtype=np.int64), n_steps=1)
-    fast = J._one_slot_each(kept, n_vars, batch_size)
-    slow, starts = J._in_slot_order(J._targets(kept, [1] * n_vars))
-    np.testing.assert_array_equal(fast, slow)
-    np.testing.assert_array_equal(starts, np.arange(len(fast)))
-    row_bytes = rng.integers(1, 1 << 22, n_vars)
-    nbytes = row_bytes[fast[:, J.VAR]]
-    cuts = J._cut_by_batch(fast[:, J.BATCH], nbytes, workers)
-    assert cuts == J._cut_by_batch(fast[:, J.BATCH], np.tile(row_bytes, n), workers)
-    for sizes in ([1000] * n_vars, [int(x) for x in rng.choice([1000, 2000], n_vars)]):
-        one = J._one_each_jobs(fast, cuts, sizes, workers)
-        many = J._jobs(fast, starts, np.asarray(cuts), fast[:, J.VAR], sizes, workers)
-        assert [j.writes for j in one] == [j.writes for j in many]
-        assert [j.reads for j in one] == [j.reads for j in many]
-        assert sum(c for j in one for c, _ in j.reads) == len(fast)
-        assert [j.targets.tolist() for j in one] == [j.targets.tolist() for j in many]
-    assert [j.urgent for j in one] == [k < workers for k in range(len(one))]
+    samples = rng.choice(10 * n, n, replace=False)
+    plan = ReadPlan(0, 0, (), samples, (tuple(sorted(samples.tolist())),) * n_vars, 0,
+                    slots=BatchSlots(batch, row, batch_size, first + n + batch_size))
+    row_bytes = [int(x) for x in rng.integers(most // 2, most + 1, n_vars)]
+    sizes = [int(x) for x in rng.choice([1000, 2000], n_vars)]
+    args = (workers, [1] * n_vars, row_bytes, sizes)
+    arena = FakeArena()
+    fast = J.prepare_window(plan, arena, *args)
+    check_window(fast, plan, 0, [1] * n_vars, row_bytes, sizes, workers, arena.expected)
+    with pytest.MonkeyPatch.context() as mp:  # the general path, for the same window
+        mp.setattr(J, "_distinct", lambda plan, kept: False)
+        slow = J.prepare_window(plan, FakeArena(), *args)
+    assert len(fast.jobs) == len(slow.jobs)
+    for a, b in zip(fast.jobs, slow.jobs, strict=True):
+        np.testing.assert_array_equal(a.targets, b.targets)
+        assert (a.writes, a.reads, a.urgent) == (b.writes, b.reads, b.urgent)

@@ -32,9 +32,14 @@ class CutBatch(NamedTuple):
 
 class BatchCut:
     """The batches of the windows handed on, in plan order (``out``), the one still waiting
-    for its next window's draws (``_pieces`` of batch ``_batch``), the draws of the next
+    for its next window's draws (``_pieces`` of batch ``_batch``), the draws of the head
     window a restore skips (``skip``), the batches taken since the reset (``served``) and
-    the fetch's position after the last one (``at``: upstream state, offset)."""
+    the fetch's position after the last one (``at``: upstream state, offset).
+
+    The restore's skip is kept here alone, as part of the fetch's position: the head
+    window (the first window submitted since the reset, and the first cut) neither reads
+    nor cuts its first ``skip`` draws. ``submit_skip`` hands it to the window being
+    submitted, ``take_skip`` to the window being cut; each once."""
 
     def __init__(self) -> None:
         self.out: deque[CutBatch] = deque()
@@ -43,6 +48,8 @@ class BatchCut:
         self._pieces: list[tuple[np.ndarray, np.ndarray]] = []
         self._have = 0
         self.skip = 0
+        self._submitted = True  # the head window was submitted (its skip handed over)
+        self._head = False  # the next window cut is the head window of a reset
         self.served = 0
         self.at: tuple[dict | None, int] = (None, 0)
 
@@ -52,6 +59,7 @@ class BatchCut:
         self.out.clear()
         self._batch, self._pieces, self._have = -1, [], 0
         self.skip, self.served, self.at = skip, 0, (start, skip)
+        self._submitted, self._head = False, True
 
     def take(self) -> DecodedBatch:
         """The next batch cut (``out`` is not empty); the position moves past it."""
@@ -60,26 +68,40 @@ class BatchCut:
         self.served += 1
         return item.batch
 
+    def submit_skip(self) -> int:
+        """The draws of the window being submitted not to read: the restore's skip for the
+        first window submitted since the reset (its head window), then 0."""
+        if self._submitted:
+            return 0
+        self._submitted = True
+        return self.skip
+
     def take_skip(self) -> int:
         """The restore's skip, for the window being cut now (then 0)."""
         skip, self.skip = self.skip, 0
         return skip
 
-    @staticmethod
-    def check_skip(plan: ReadPlan, skip: int, owner: str) -> None:
-        """A restore's ``skip`` draws of the head window lie within it, at a batch edge."""
+    def check_head(self, plan: ReadPlan, owner: str) -> None:
+        """The window about to be cut, if it is a reset's head window: the restore's
+        ``skip`` draws lie within it and end at an edge of the batches planned from the
+        epoch's start (at its first draw too: a state saved on the gather path after its
+        batch size changed mid-epoch resumes between batches of this plan)."""
+        if not self._head:
+            return
+        skip = self.skip
         if skip > plan.n_samples:
             raise StateError(f"{owner} state field 'offset' is {skip}, past the "
                              f"{plan.n_samples} draws of the restored window: the state was "
                              "edited or saved by a loader built differently")
-        batch = plan.slots.batch if plan.slots is not None else None
-        if (batch is not None and 0 < skip < batch.size and batch[skip] >= 0
-                and batch[skip] == batch[skip - 1]):
+        slots = plan.slots
+        if slots is not None and not slots.starts_batch(skip):
             raise StateError(
-                f"{owner} state field 'offset' is {skip}, inside batch {int(batch[skip])} of "
-                "this loader's plans: batches decoded in place are cut from the epoch's "
-                "start, and this state was saved between other batches (by a loader "
-                "gathering them: build this one with in_place=False)")
+                f"{owner} state field 'offset' is {skip}, inside batch "
+                f"{int(slots.batch[skip])} of this loader's plans (draw {slots.first + skip} "
+                f"of the epoch, batches of {slots.batch_size}): batches decoded in place are "
+                "cut from the epoch's start, and this state was saved between them (by a "
+                "loader gathering batches of another size: resume it with in_place=False "
+                "and the saved block_chunks)")
 
     def add(self, plan: ReadPlan, before: dict, after: dict, skip: int,
             arena: BatchArena) -> None:
@@ -91,6 +113,7 @@ class BatchCut:
         of the window (a batch's rows are a view of it), not a sort per batch."""
         slots = plan.slots
         assert slots is not None, "a window decoded in place has batch slots"
+        self._head = False
         batch = slots.batch
         n, end = int(batch.size), kept_end(batch)
         if skip >= end:

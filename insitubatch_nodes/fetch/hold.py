@@ -92,14 +92,14 @@ class FirstBatchHold:
         head, self.starting = self.starting, False
         return head
 
-    def prepare(self, plan: ReadPlan, ctx: FetchContext) -> InPlaceJob:
+    def prepare(self, plan: ReadPlan, ctx: FetchContext, skip: int = 0) -> InPlaceJob:
         """Where every chunk of the window goes (``jobs.prepare_in_place``), on the
         consumer thread before submitting, so the batches exist before the shuffle buffer
         asks for them."""
         assert ctx.arena is not None
         first = self.take_starting()
         job = prepare_in_place(plan, ctx.arena, ctx.decode_threads, ctx.grouped,
-                               ctx.sample_chunks, first=first, parts=ctx.parts)
+                               ctx.sample_chunks, first=first, parts=ctx.parts, skip=skip)
         if first and job.copies:
             self.head = job
         return job

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -20,7 +21,17 @@ from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
-from ..memory.slots import Slot, SlotTable, SlotWhere, is_direct, part_view, write_slot
+from ..memory.slots import (
+    Slot,
+    SlotTable,
+    SlotWhere,
+    fill_slots,
+    is_direct,
+    part_view,
+    stripe_target,
+    write_slot,
+)
+from ..sampling.cuts import THREAD_LIMITS, cut_jobs
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan, kept_slots
 
@@ -130,7 +141,7 @@ class InPlaceJob:
             write_slot(dst, src)
             if b != run_b:
                 if run_n:
-                    arena.done(run_b, run_n, self.generation)
+                    arena.landed(run_b, run_n, self.generation)
                 run_b, run_n = b, 0
             run_n += 1
             if src_b >= 0:
@@ -144,9 +155,9 @@ class InPlaceJob:
                 if isinstance(item[3], Scatter):
                     item[3].keep = None
         if run_n:
-            arena.done(run_b, run_n, self.generation)
+            arena.landed(run_b, run_n, self.generation)
         for b, n in held.items():
-            arena.done(b, n, self.generation)
+            arena.landed(b, n, self.generation)
 
     def fail(self, arena: BatchArena, e: BaseException, note: bool = True) -> None:
         """The window failed with ``e``: every batch it feeds fails with it (named in a note
@@ -159,11 +170,12 @@ class InPlaceJob:
 
 @dataclass(eq=False, slots=True)
 class Scatter:
-    """Where the samples of a stripe holding several go: decoded once into this thread's
-    scratch buffer (hot in cache), then sample ``rows[k]`` of it copied into slot ``dsts[k]``
-    of batch ``batches[k]``: the one copy a many-samples chunk needs, made on the decode
-    thread, not a window buffer gathered on the training thread. ``keep``: decode into this
-    buffer instead, held for the copies made after the first batch (``prepare_scattered``)."""
+    """Where the samples of a stripe holding several (or of a split slot) go: decoded once
+    into this thread's scratch buffer (hot in cache), then sample ``rows[k]`` of it copied
+    into slot ``dsts[k]`` of batch ``batches[k]`` (``memory.slots``, the slot filler the
+    workers run too): the one copy a many-samples chunk needs, made on the decode thread,
+    not a window buffer gathered on the training thread. ``keep``: decode into this buffer
+    instead, held for the copies made after the first batch (``prepare_scattered``)."""
 
     rows: list[int]
     dsts: list[Slot]
@@ -172,16 +184,16 @@ class Scatter:
     part: PartSpec | None = None  # the levels the slots take: only their blocks decoded
 
     def target(self, reader: StripeReader, scratch: bool = True) -> np.ndarray:
-        """The buffer to decode the stripe into: the held one, else this thread's scratch
-        (``scratch=False``: a fresh one, for reads that await on the event loop)."""
+        """The buffer to decode the stripe into: the held one, else the slot filler's
+        (``memory.slots.stripe_target``: its one slot, or this thread's scratch;
+        ``scratch=False``: a fresh one, for reads that await on the event loop)."""
         if self.keep is not None:
             return self.keep
-        shape, dtype = reader.geom.stripe_shape, reader.geom.dtype
-        return _SCRATCH.array(shape, dtype) if scratch else np.empty(shape, dtype)
+        return stripe_target(self.dsts, reader.geom.stripe_shape, reader.geom.dtype,
+                             _SCRATCH.array if scratch else np.empty)
 
     def fill_from(self, stripe: np.ndarray) -> None:
-        for r, dst in zip(self.rows, self.dsts, strict=True):
-            write_slot(dst, stripe[r : r + 1])
+        fill_slots(stripe, self.rows, self.dsts)
 
 
 @dataclass(frozen=True, eq=False)
@@ -291,14 +303,15 @@ class _Slots:
         return [part_view(arrays[b], where[k][0], r) for b, r, k in zip(bs, rs, ks, strict=True)]
 
 
-def _window_slots(plan: ReadPlan, arena: BatchArena, lazy: bool = False) -> _Slots:
+def _window_slots(plan: ReadPlan, arena: BatchArena, skip: int, lazy: bool = False,
+                  ) -> _Slots:
     """The slots of ``plan``'s draws not dropped (``drop_last``) nor delivered before a
-    restore, with their batches allocated; with ``lazy`` and each sample in one slot
-    (``unique``), only expected, allocated by their first write (``arrays`` then maps each
-    batch to ``None``)."""
+    restore (its first ``skip``), with their batches allocated; with ``lazy`` and each
+    sample in one slot (``unique``), only expected, allocated by their first write
+    (``arrays`` then maps each batch to ``None``)."""
     slots = plan.slots
     assert slots is not None
-    kept = kept_slots(plan, arena.take_skip())
+    kept = kept_slots(plan, skip)
     sample, batch, n_steps = kept.sample, kept.batch, kept.n_steps
     unique = lazy and len(set(sample.tolist())) == sample.size
     arrays: dict[int, Any] = {}
@@ -324,14 +337,15 @@ def slot_parts(arena: BatchArena, sample_shapes: Sequence[tuple[int, ...]],
 
 def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: bool,
                      sample_chunks: Sequence[int] = (), first: bool = False,
-                     parts: Sequence[PartSpec | None] = ()) -> InPlaceJob:
+                     parts: Sequence[PartSpec | None] = (), skip: int = 0) -> InPlaceJob:
     """Where every chunk of an in-place window goes: each (sample, step) a draw reads lands
     in (batch, row, step). With one sample per chunk (``sample_chunks`` all 1) the chunk is
     decoded straight into its slot; one feeding several slots (a neighbour's history,
     padding for equal steps) is decoded once, into its first slot, and copied into the
     others. With several samples per chunk, ``prepare_scattered`` (``first``: a start's
     head window). Allocates the window's batches (each sample in one slot: expects them,
-    ``LazyRows``) and holds the ones copies read from.
+    ``LazyRows``) and holds the ones copies read from. ``skip``: the draws of a restore's
+    head window delivered before, not read.
 
     This runs on the consumer thread, holding the GIL the decode threads need between
     chunks: index math in a few numpy calls, and the reads built by comprehensions over
@@ -340,9 +354,9 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
         # several samples per chunk, or a sample split across channels: decoded into
         # scratch once, each slot's part copied out (``Scatter``)
         return prepare_scattered(plan, arena, threads, sample_chunks, first,
-                                 parts or (None,) * len(plan.reads))
+                                 parts or (None,) * len(plan.reads), skip)
     # each sample in one slot (no copies): batches taken as their first row is written
-    s = _window_slots(plan, arena, lazy=True)
+    s = _window_slots(plan, arena, skip, lazy=True)
     sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
     slots = plan.slots
     assert slots is not None
@@ -384,21 +398,29 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     for b, n in held.items():
         arena.hold(b, n)
     lazy = LazyRows(arena, s.where, arena.generation) if unique else None
-    row_bytes = [arena.layout.row_nbytes(v) for v in range(n_vars)]
-    jobs = batch_jobs(items, threads, row_bytes) if grouped else [[it] for it in items]
+    if grouped:  # every variable of a few samples a task (items: a sample's together)
+        row_bytes = np.asarray([arena.layout.row_nbytes(v) for v in range(n_vars)])
+        if n_vars == 1:
+            nbytes, runs = np.full(src.size, row_bytes[0]), batch[src]
+        else:
+            nbytes, runs = np.tile(row_bytes, src.size), np.repeat(batch[src], n_vars)
+        cuts = cut_jobs(nbytes, threads, THREAD_LIMITS, runs)
+        jobs = [items[a:z] for a, z in pairwise(cuts)]
+    else:
+        jobs = [[it] for it in items]
     return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation, lazy)
 
 
 def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
                       sample_chunks: Sequence[int], first: bool = False,
-                      parts: Sequence[PartSpec | None] = ()) -> InPlaceJob:
+                      parts: Sequence[PartSpec | None] = (), skip: int = 0) -> InPlaceJob:
     """``prepare_in_place`` where chunks hold several samples (variable ``v``: stripes of
     ``sample_chunks[v]``): every stripe the window's slots read is decoded once, on a decode
     thread, into that thread's scratch buffer and its samples copied into their slots
     (``Scatter``), so the gather copy runs beside the decoding with its source hot in
-    cache. Stripes are cut into about two tasks per decode thread, in the order of the
-    first batch each feeds (a batch needs most of its window's stripes; no task is
-    worth splitting at batch edges).
+    cache. Stripes are cut into about two tasks per decode thread (``sampling.cuts``, the
+    window one run), in the order of the first batch each feeds (a batch needs most of its
+    window's stripes; no task is worth splitting at batch edges).
 
     ``first`` (the head window of an epoch's or a restore's start, whose first batch the
     training loop waits for): the stripes are decoded into buffers of their own and only
@@ -406,13 +428,12 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     after it (at 24 samples per chunk, copying the whole window before the first batch
     made it ~12 % later than the gather path's). One window's stripes held so: the resident
     bound counts them (``budget.resident_bound``)."""
-    s = _window_slots(plan, arena)
+    s = _window_slots(plan, arena, skip)
     if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return InPlaceJob(plan, [], [], list(s.arrays), arena.generation)
-    items: list[tuple[int, Item]] = []  # (first batch it feeds, item)
+    items: list[tuple[int, int, Item]] = []  # (first batch it feeds, bytes, item)
     rest: list[tuple[int, Slot, np.ndarray]] = []  # (batch, dst, src)
     b0 = int(s.batch.min()) if first else None
-    nbytes = 0
     for v, per in enumerate(sample_chunks):
         stripe = s.sample // per
         order = np.lexsort((s.row, s.batch, stripe))  # by stripe, then batch and row
@@ -421,7 +442,6 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         offs = (s.sample[order] - st * per).tolist()
         bs = s.batch[order].tolist()
         dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
-        nbytes += sum(d.nbytes for d in dsts)
         # a split variable's slots are parts of a sample: scattered from scratch as usual,
         # only the blocks of the levels they take decoded (``part``)
         head = dsts[0] if b0 is not None and isinstance(dsts[0], np.ndarray) else None
@@ -436,39 +456,14 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
                               [b0] * len(now), keep)
                 rest += [(bs[k], dsts[k], keep[offs[k] : offs[k] + 1])
                          for k in range(a, z) if bs[k] != b0]
-            items.append((bs[a], (v, int(st[a]), bs[a], out)))
+            items.append((bs[a], sum(d.nbytes for d in dsts[a:z]),
+                          (v, int(st[a]), bs[a], out)))
     items.sort(key=lambda t: t[0])  # stable: stripe order within a batch
-    ordered = [it for _, it in items]
-    n_jobs = min(len(ordered), max(2 * threads, -(-nbytes // (16 << 20)),
-                                   -(-len(ordered) // 64)))
-    jobs = [ordered[k * len(ordered) // n_jobs : (k + 1) * len(ordered) // n_jobs]
-            for k in range(n_jobs)]
+    ordered = [it for _, _, it in items]
+    # one run: a stripe feeds many batches, no task is worth splitting at batch edges
+    cuts = cut_jobs(np.asarray([n for _, n, _ in items]), 2 * threads, THREAD_LIMITS)
+    jobs = [ordered[a:z] for a, z in pairwise(cuts)]
     rest.sort(key=lambda t: t[0])  # in batch order (stable): the next batches go out first
     copies: list[tuple[Slot, np.ndarray, int, int]] = [
         (dst, src, b, -1) for b, dst, src in rest]
     return InPlaceJob(plan, jobs, copies, list(s.arrays), arena.generation)
-
-
-def batch_jobs(items: list[Item], threads: int, row_bytes: Sequence[int]) -> list[list[Item]]:
-    """Pool tasks for a window's local reads: every variable of a few samples per task, so
-    a window costs a few hand-offs whatever the number of variables; cut at batch edges
-    (``items`` come in batch order), at most ~16 MB (``row_bytes``: a row's bytes per
-    variable) or 64 chunks a task.
-
-    The window's first batch is split across the threads, so it is complete as early as it
-    can be (the one a training loop waits for at an epoch's start or after a restore); the
-    others are one task each, every thread on its own batch: a task per thread per batch
-    cost ~3-5 % of one-step epochs in hand-offs (paired, 2-vCPU VM)."""
-    if not items:
-        return []
-    jobs: list[list[Item]] = []
-    batches = [it[2] for it in items]
-    sizes = [row_bytes[it[0]] for it in items]
-    bounds = [0] + [k for k in range(1, len(items)) if batches[k] != batches[k - 1]]
-    for n, (start, stop) in enumerate(zip(bounds, bounds[1:] + [len(items)], strict=True)):
-        nbytes = sum(sizes[start:stop])
-        parts = max(threads if n == 0 else 1, -(-nbytes // (16 << 20)),
-                    -(-(stop - start) // 64))
-        size = -(-(stop - start) // min(stop - start, parts))
-        jobs += [items[k : min(k + size, stop)] for k in range(start, stop, size)]
-    return jobs

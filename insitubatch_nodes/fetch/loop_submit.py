@@ -56,9 +56,9 @@ class LoopSubmit(SubmitPath):
         self.tasks = PoolTasks(ctx)  # windows read whole from the chunk cache
         self.sem: asyncio.Semaphore | None = None
 
-    def submit(self, plan: ReadPlan, lt: LoopThread) -> Future:
+    def submit(self, plan: ReadPlan, lt: LoopThread, skip: int = 0) -> Future:
         if plan.slots is not None and self.ctx.arena is not None:
-            job = self.hold.prepare(plan, self.ctx)
+            job = self.hold.prepare(plan, self.ctx, skip)
             return asyncio.run_coroutine_threadsafe(self.fetch_in_place(job), lt.loop)
         return asyncio.run_coroutine_threadsafe(self.fetch_window(plan), lt.loop)
 

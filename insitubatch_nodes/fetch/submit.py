@@ -102,7 +102,7 @@ def items_landed(ctx: FetchContext, items: Sequence[Item], generation: int) -> N
     for v, n in per_var.items():
         ctx.stats.stripes_read(n, ctx.readers[v].geom.stripe_nbytes)
     for b, n in batch_writes(items).items():
-        ctx.arena.done(b, n, generation)
+        ctx.arena.landed(b, n, generation)
 
 
 class PoolSlot:
@@ -169,10 +169,11 @@ class PoolTasks:
 
 class SubmitPath:
     """One way of submitting windows, chosen when the node is built. ``submit`` starts a
-    plan's window (in place when the plan has batch slots and the node an arena); the
-    rest are the hooks only some paths need, no-ops here."""
+    plan's window (in place when the plan has batch slots and the node an arena: ``skip``,
+    a restore's draws of its head window delivered before, is not read); the rest are the
+    hooks only some paths need, no-ops here."""
 
-    def submit(self, plan: ReadPlan, lt: LoopThread) -> Window:
+    def submit(self, plan: ReadPlan, lt: LoopThread, skip: int = 0) -> Window:
         raise NotImplementedError
 
     def all_cached(self, plan: ReadPlan) -> bool:

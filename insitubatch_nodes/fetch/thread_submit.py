@@ -29,9 +29,9 @@ class ThreadSubmit(SubmitPath):
         self.tasks = PoolTasks(ctx)
         self.left_lock = threading.Lock()  # an in-place window's groups still running
 
-    def submit(self, plan: ReadPlan, lt: LoopThread) -> DirectWindow:
+    def submit(self, plan: ReadPlan, lt: LoopThread, skip: int = 0) -> DirectWindow:
         if plan.slots is not None and self.ctx.arena is not None:
-            return self.in_place(self.hold.prepare(plan, self.ctx), lt)
+            return self.in_place(self.hold.prepare(plan, self.ctx, skip), lt)
         return self.tasks.submit(plan, lt, stripe_jobs(self.ctx, plan), self.read_local_group)
 
     def read_local_group(self, v: int, idxs: list[int], outs: list[np.ndarray],

@@ -24,8 +24,9 @@ from .submit import FetchContext, Refetch, SubmitPath, Window
 
 class WorkerSubmit(SubmitPath):
     """``workers`` processes, started with the loop thread and kept across epochs until
-    ``stop``; ``fallback`` submits what they do not take. A worker holding a job
-    ``job_timeout_s`` without answering is killed and replaced (``WorkerEngine``)."""
+    ``stop``; ``fallback`` submits what they do not take. A worker running one job
+    ``job_timeout_s``, holding jobs that long without taking one, or not ready in time is
+    killed and replaced (``WorkerEngine``: ``workers/deadlines``)."""
 
     def __init__(self, ctx: FetchContext, workers: int, dataset: Source,
                  shared: SharedMemoryArena, cache: ChunkCache | None,
@@ -63,13 +64,13 @@ class WorkerSubmit(SubmitPath):
         self._engine = None
         self.finalizer = None
 
-    def submit(self, plan: ReadPlan, lt: LoopThread) -> Window:
+    def submit(self, plan: ReadPlan, lt: LoopThread, skip: int = 0) -> Window:
         ctx = self.ctx
         if plan.slots is not None and ctx.arena is not None and self._engine is not None:
             window = prepare_window(plan, ctx.arena, self.workers, ctx.sample_chunks,
-                                    ctx.row_bytes, self._stripe_nbytes)
+                                    ctx.row_bytes, self._stripe_nbytes, skip)
             return self._engine.submit(window)
-        return self.fallback.submit(plan, lt)
+        return self.fallback.submit(plan, lt, skip)
 
     def all_cached(self, plan: ReadPlan) -> bool:
         return self.fallback.all_cached(plan)

@@ -1,10 +1,26 @@
 """The batches being decoded into: buffers keyed by batch number, filled row by row.
 
 Decoding in place, the fetch writes every chunk straight into its final batch rows
-(``plan.BatchSlots`` says which); a batch is complete once every write to it landed. The
-fetch owns the arena: it yields each batch with a ``BatchFuture`` (``future``), and whoever
-makes the batch's tensors downstream (``GatherNode``) waits on that future. Batches are
-allocated on the training thread or the decode threads and taken on the training thread.
+(``plan.BatchSlots`` says which); a batch is complete once every row write to it landed
+(``landed``). The fetch owns the arena: it yields each batch with a ``BatchFuture``
+(``future``), and whoever makes the batch's tensors downstream (``GatherNode``) waits on
+that future and takes the batch (``take``), on the training thread.
+
+A batch's memory is taken (``BufferPool``, last in, first out) when it is first written:
+
+- with decode threads and each sample in one slot (one sample per chunk, no split slots):
+  by the decode thread whose task writes it first (``arrays_of``, through
+  ``fetch/jobs.LazyRows`` as the task starts);
+- with decode threads otherwise (several samples per chunk, a sample split across
+  channels, a chunk feeding several slots): on the training thread as the window is
+  prepared (``rows``, from ``fetch/jobs.prepare_in_place``/``prepare_scattered``);
+- with decode workers: on the engine thread, when the first job writing the batch goes out
+  to a worker (``arrays_of``, ``workers/engine``).
+
+Batch numbers restart at every reset of the fetch (a new epoch, a restore, an error's
+rewind, ``close()``): ``clear`` forgets every batch and moves the arena to a new
+``generation``. A read prepared before cannot write into, count into or fail a batch of the
+new one (``StaleBatch``), and a future yielded before cannot take one (``StaleFuture``).
 """
 
 from __future__ import annotations
@@ -23,8 +39,15 @@ from .slots import SlotTable, SlotWhere
 
 
 class StaleBatch(InsitubatchError, RuntimeError):
-    """A read of an earlier generation (before a new epoch or a restore) asked for a
-    batch's memory: it stops there instead of writing into the new batch of that number."""
+    """Something of an earlier generation of the arena (before a new epoch, a restore, an
+    error's rewind or ``close()``) asked for a batch: a read asking for its memory stops
+    there instead of writing into the new batch of that number."""
+
+
+class StaleFuture(StaleBatch):
+    """``BatchFuture.result()`` on a future that cannot hand its batch over: the fetch was
+    reset since it was yielded (the batch of that number now is another one), or its batch
+    was handed over already. Never another batch's rows."""
 
 
 class _Filling:
@@ -60,28 +83,38 @@ class _Filling:
 
 
 class BatchFuture:
-    """Batch ``b`` of an arena, as a future: ``result()`` waits until its rows have landed
-    and hands its arrays over (``BatchArena.take``); asking again after a failed read
+    """Batch ``batch`` of an arena at generation ``generation`` (the arena's when the
+    future was made), as a future: ``result()`` waits until its rows have landed and hands
+    its arrays over (``BatchArena.take``), once.
+
+    Valid until the fetch is reset (a new epoch, a restore, an error's rewind,
+    ``close()``); futures of one generation may be resolved in any order. A stale one
+    raises ``StaleFuture``, never another batch's rows; asking again after a failed read
     raises that error again."""
 
-    __slots__ = ("arena", "batch")
+    __slots__ = ("arena", "batch", "generation")
 
-    def __init__(self, arena: BatchArena, batch: int) -> None:
-        self.arena, self.batch = arena, batch
+    def __init__(self, arena: BatchArena, batch: int, generation: int) -> None:
+        self.arena, self.batch, self.generation = arena, batch, generation
 
     def result(self) -> dict[str, np.ndarray]:
-        return self.arena.take(self.batch)
+        return self.arena.take(self.batch, self.generation)
+
+    def __repr__(self) -> str:
+        return f"BatchFuture(batch={self.batch}, generation={self.generation})"
 
 
 class BatchArena:
     """Batch buffers by batch number, filled by the decode threads or workers.
 
     ``expect(b, n)`` announces batch ``b`` (``n`` rows, every key of the layout), whose
-    memory its first write takes (``arrays_of``); ``done(b, k, generation)`` counts ``k``
-    row writes, ``fail`` a read that will not land; ``take(b)`` (through ``future(b)``)
-    waits until all have landed (so a batch is handed out as soon as it is complete, not
-    when the window around it is), hands it over and forgets every earlier batch (skipped
-    on resume: complete, so their memory may be recycled).
+    memory its first write takes (``arrays_of``; ``rows`` takes it now); ``landed(b, k,
+    generation)`` counts ``k`` row writes, ``fail`` a read that will not land;
+    ``take(b)`` (through ``future(b)``) waits until all have landed (so a batch is handed
+    out as soon as it is complete, not when the window around it is) and hands batch ``b``
+    over, whatever the order: the other batches stay. A batch announced and never taken
+    (none in the standard graph: a restore's skipped draws and a dropped short batch are
+    never announced) is forgotten at the next ``clear``.
     """
 
     def __init__(self, layout: BatchLayout, pool: BufferPool,
@@ -96,7 +129,6 @@ class BatchArena:
         # Batch numbers restart every epoch and restore: reads from before a clear() carry
         # the old generation, so they can never count into (or fail) a new batch.
         self.generation = 0
-        self._skip = 0  # draws of the next window prepared that were delivered before
         self._tables: dict[tuple[int, int], SlotTable] = {}  # ``slot_table``'s, by shape
         self.wait_s = 0.0  # consumer time blocked in take() (the fetch's, in LoaderStats)
 
@@ -179,28 +211,19 @@ class BatchArena:
                                  "restore")
             return self._arrays(got)
 
-    def skip_next(self, draws: int) -> None:
-        """The next window prepared (the head window of a restore) had its first ``draws``
-        draws delivered before the checkpoint: they are not read again."""
-        self._skip = int(draws)
-
-    def take_skip(self) -> int:
-        skip, self._skip = self._skip, 0
-        return skip
-
     def hold(self, b: int, reads: int) -> None:
         """``reads`` copies will read rows of batch ``b`` (a chunk decoded there feeds other
         slots too): ``b`` is not handed out, and then changed in place by a transform or the
-        user, before they are done (each counted by ``done``)."""
+        user, before they are done (each counted by ``landed``)."""
         with self._lock:
             self._batches[b].remaining += reads
 
-    def done(self, b: int, writes: int, generation: int) -> None:
+    def landed(self, b: int, writes: int, generation: int) -> None:
         """``writes`` row writes of batch ``b`` landed (for reads of ``generation``)."""
-        self.done_many({b: writes}, generation)
+        self.landed_many({b: writes}, generation)
 
-    def done_many(self, writes: dict[int, int], generation: int) -> None:
-        """``done`` for every batch of ``writes`` (batch -> row writes), under one lock; a
+    def landed_many(self, writes: dict[int, int], generation: int) -> None:
+        """``landed`` for every batch of ``writes`` (batch -> row writes), under one lock; a
         batch cleared meanwhile (a new epoch or a restore) is not counted."""
         with self._lock:
             if generation != self.generation:
@@ -212,6 +235,7 @@ class BatchArena:
                     got.remaining -= n
                     if got.remaining <= 0:
                         got.finish()
+
 
     def fail(self, batches: list[int], error: BaseException, generation: int) -> None:
         """The reads for ``batches`` failed: ``take`` raises ``error`` for each."""
@@ -225,35 +249,53 @@ class BatchArena:
                     got.finish()
 
     def future(self, b: int) -> BatchFuture:
-        """Batch ``b`` (announced by ``expect``) as a future the fetch yields downstream."""
-        return BatchFuture(self, b)
+        """Batch ``b`` (announced by ``expect``) as a future the fetch yields downstream,
+        of this generation (called on the training thread, as ``clear`` is)."""
+        return BatchFuture(self, b, self.generation)
 
-    def take(self, b: int) -> dict[str, np.ndarray]:
-        """Wait for batch ``b``'s rows, then hand its arrays over (see the class)."""
+    def _stale(self, b: int, generation: int) -> StaleFuture:
+        """The error for a future of batch ``b`` of ``generation`` that cannot take it
+        (under ``_lock``)."""
+        if generation != self.generation:
+            return StaleFuture(
+                f"batch {b} of generation {generation} is gone: the fetch was reset since its "
+                f"future was yielded (the arena is at generation {self.generation}, where "
+                f"batch {b} names another batch). A future cannot be held across a reset (a new "
+                "epoch, a restore, an error's rewind, close()): resolve it before, or use "
+                "the batches the fetch yields after")
+        return StaleFuture(f"batch {b} of generation {generation} was handed over already: "
+                           "a future's result() hands its batch over once")
+
+    def take(self, b: int, generation: int | None = None) -> dict[str, np.ndarray]:
+        """Wait for batch ``b``'s rows, then hand its arrays over (see the class); of
+        ``generation`` (a future's; ``None``: the current one), else ``StaleFuture``."""
+        gen = self.generation if generation is None else generation
         with self._lock:
-            got = self._batches.get(b)
-        if got is None:
-            raise StaleBatch(f"batch {b} of generation {self.generation} is not being "
-                             "decoded: it was taken already, or the fetch was reset (a new "
-                             "epoch, a restore) since it was yielded")
+            got = self._batches.get(b) if gen == self.generation else None
+            if got is None:
+                raise self._stale(b, gen)
         if not got.complete:
             t0 = time.perf_counter()
-            got.wait()
+            got.wait()  # let through by its last write, a failure, or a clear()
             self.wait_s += time.perf_counter() - t0
-        if got.error is not None:
-            raise got.error  # kept: asking again raises again
         with self._lock:
-            self._batches.pop(b, None)
-            for old in [k for k in self._batches if k < b]:
-                del self._batches[old]
+            if self._batches.get(b) is not got:  # cleared while waiting, or taken
+                raise self._stale(b, gen)
+            if got.error is not None:
+                raise got.error  # kept: asking again raises again
+            del self._batches[b]
             return self._arrays(got)  # allocated by its writes (every row has one)
 
     def clear(self) -> None:
-        """Forget every batch (new epoch, restore, error). Reads still running on pool
-        threads may write into them, so their memory is never recycled, only freed."""
+        """Forget every batch (new epoch, restore, error, close) and start a new generation.
+        Reads still running on pool threads may write into them, so their memory is never
+        recycled, only freed; a consumer waiting on one of them is let through (its
+        ``take`` raises ``StaleFuture``)."""
         with self._lock:
             stale, self._batches = self._batches, {}
             self.generation += 1
+            for filling in stale.values():
+                filling.finish()
         for filling in stale.values():
             for a in (filling.arrays or {}).values():
                 self.pool.disown(a)

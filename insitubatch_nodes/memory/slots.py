@@ -1,6 +1,8 @@
-"""One variable's part of a batch slot, and the one function that writes a decoded sample
-into it: the decode threads (``fetch.jobs``) and the decode workers (``workers.child``)
-execute the same (selection in the decoded chunk -> selection in the batch) pairs.
+"""One variable's part of a batch slot, and the one slot filler: where a stripe decodes
+(``stripe_target``) and how each slot's row is copied out of it (``fill_slots``,
+``write_slot``). The decode threads (``fetch.jobs``) and the decode workers
+(``workers.child``) run the same functions, so they execute the same (selection in the
+decoded chunk -> selection in the batch) pairs.
 
 A variable that fills its whole slot in the batch's dtype is decoded straight into it (the
 slot is a plain array); one split across channels (some levels of an ARCO-ERA5 variable,
@@ -10,7 +12,7 @@ scratch and each of its parts copied out (``SplitSlot``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,3 +138,24 @@ def write_slot(dst: Slot, sample: np.ndarray) -> None:
         dst.fill(sample)
     else:
         np.copyto(dst, sample)
+
+
+def stripe_target(dsts: Sequence[Slot], shape: tuple[int, ...], dtype: np.dtype,
+                  scratch: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
+    """Where a stripe of ``shape`` and ``dtype`` filling slots ``dsts`` decodes: straight
+    into its first slot when the stripe is one sample and that slot a plain array (the
+    variable fills it whole in its own dtype, ``is_direct``); else ``scratch(shape,
+    dtype)`` (a thread's reused buffer, or a fresh one), each slot's row copied out of it
+    afterwards (``fill_slots``)."""
+    first = dsts[0]
+    if shape[0] == 1 and isinstance(first, np.ndarray):
+        return first
+    return scratch(shape, dtype)
+
+
+def fill_slots(stripe: np.ndarray, rows: Iterable[int], dsts: Sequence[Slot]) -> None:
+    """Copy row ``rows[k]`` of the decoded ``stripe`` into slot ``dsts[k]``; the slot the
+    stripe was decoded into (``stripe_target``) holds it already."""
+    for r, dst in zip(rows, dsts, strict=True):
+        if dst is not stripe:
+            write_slot(dst, stripe[r : r + 1])

@@ -224,8 +224,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
 
     def close(self) -> None:
         """Cancel in-flight reads and stop the loop thread and decode pool now; iterating
-        again starts them again (``shutdown`` is final)."""
+        again starts them again (``shutdown`` is final). In place, the batches yielded are
+        forgotten with them: a future still held raises ``StaleFuture`` (a consumer waiting
+        on one is let through) instead of waiting for reads that will never land."""
         self._cancel_all()
+        if self.arena is not None:
+            self.arena.clear()
         self._loop.stop()
         self._path.stop()
 
@@ -263,7 +267,6 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         epoch.cancel()
         if self.arena is not None:
             self.arena.clear()
-            self.arena.skip_next(skip)  # the restored head window's draws delivered before
         self._hold.reset()
         self._hold.draws = skip + (self.batch_size or 0)
         epoch.error = None
@@ -345,8 +348,10 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         """Start fetching ``plan``'s window: its queue entry."""
         if plan.slots is not None and self.arena is not None:
             # Handed on as submitted: its batches go out at once and the gather waits on
-            # each (BatchArena.future), so a batch is used as soon as its rows are in.
-            return Entry(self._path.submit(plan, lt), snap, plan)
+            # each (BatchArena.future), so a batch is used as soon as its rows are in. A
+            # restore's head window reads none of the draws delivered before (the cut's
+            # skip, handed to the window submitted first after the reset).
+            return Entry(self._path.submit(plan, lt, self._cut.submit_skip()), snap, plan)
         if self._path.all_cached(plan):
             # read whole from the local chunk cache: straight to the pool as well
             return Entry(self._submit_cached(plan, lt), snap, None)
@@ -391,7 +396,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
                 raise StopIteration
             fut, snap, plan = head
             assert plan is not None, "an in-place fetch queues windows with batch slots"
-            BatchCut.check_skip(plan, cut.skip, type(self).__name__)
+            cut.check_head(plan, type(self).__name__)
             self._hold.drawn(plan)
             self._before_delivery()
             self._epoch.queue.popleft()

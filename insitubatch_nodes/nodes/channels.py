@@ -3,87 +3,148 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, UnknownNameError
 from ..memory.layout import Channel
+from ..sampling.geometry import VariableGeometry
+from ..store.channel_names import level_index, level_label, split_channel
 from ..store.source import Source
+from ..store.statistics import GRID_DIMS
 from .transform import TransformNode
 
 
 def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) -> list[Channel]:
-    """``["t2m", "z", ("t", 850)]`` -> channels: a name alone is the variable (every level
-    of it, in the order of its level coordinate, when it has a level axis) or a label of a
-    labelled axis (an anemoi dataset's ``2t``), a pair picks one level by coordinate value
-    (the variable's second dimension, e.g. ``level``). The order given is the channel
-    order."""
-    out = []
+    """``["t2m", "z", ("t", 850), "t@500"]`` -> channels: a name alone is the variable
+    (every level of it, in the order of its level coordinate, when it has a level axis) or a
+    label of a labelled axis (an anemoi dataset's ``2t``); ``(name, level)`` or
+    ``"name@level"`` picks one level by coordinate value (the variable's second dimension,
+    e.g. ``level``): 500, 500.0 and "500" all pick a stored 500, named ``"t@500"`` as
+    stored. The order given is the channel order. Refused, naming the entry and what to
+    write instead: a channel given twice, a variable given whole beside one of its levels,
+    a static field (``static=`` serves those), a level or name the store lacks."""
+    out: list[Channel] = []
     shapes = set()
     labelled = {label: (var, k) for var in source.variables for k, label in
                 enumerate(var.labels or ()) if label not in source.names}
+    known = set(source.names) | set(labelled)
+    given: dict[tuple[str, int | None], Any] = {}  # (variable, index) -> the entry naming it
+    whole: dict[str, Any] = {}  # variable with levels given whole -> the entry
+    picked: dict[str, Any] = {}  # variable with a level picked -> the first such entry
     for item in channels:
-        name, level = (item, None) if isinstance(item, str) else (item[0], item[1])
+        name, level = split_channel(item, known)
         if level is None and name in labelled:  # an anemoi variable: a label of "data"
             var, k = labelled[name]
-            out.append(Channel(var.name, k, name))
+            chs = [Channel(var.name, k, name)]
             shapes.add(var.sample_shape[1:][-2:])
-            continue
-        if level is not None and name in labelled:
+        elif level is not None and name in labelled:
             raise ConfigError(f"channel {item!r}: {name!r} is a label of "
                              f"{labelled[name][0].name!r} (one channel already), so it takes "
                              f"no level; give it alone: {name!r}")
-        if name not in source.names and labelled:
-            raise UnknownNameError(f"unknown channel {name!r}; variables: {list(source.names)}, "
-                                   f"named channels: {list(labelled)}")
-        var = source.variable(name)
-        if level is None:
-            # A (level, y, x) sample gives a channel per level, a single level included
-            # (as a whole channel its (1, y, x) rows did not fit the (y, x) slot).
-            if len(var.sample_shape) > 2:
-                if len(var.sample_shape) != 3:
-                    raise ConfigError(f"stacking the levels of {name!r} needs samples shaped "
-                                     f"(level, y, x); its dims are {var.dimension_names}")
-                dim = var.dimension_names[1] if var.dimension_names else "level"
-                labels: list[Any] = list(range(var.sample_shape[0]))  # no coordinate: indices
-                if dim is not None:
-                    with contextlib.suppress(KeyError, ValueError):
-                        labels = source.coordinate(dim).tolist()
-                out += [Channel(name, k, f"{name}@{v}") for k, v in enumerate(labels)]
-                shapes.add(var.sample_shape[1:])
-                continue
-            if len(var.sample_shape) != 2:  # channels stack on the axis before (y, x)
-                raise ConfigError(f"stacking {name!r} into channels needs samples shaped "
-                                 f"(y, x) or (level, y, x); its samples are "
-                                 f"{var.sample_shape} (dims {var.dimension_names}); serve "
-                                 "it on its own (leave it out of channels=)")
-            out.append(Channel(name, label=name))
+        else:
+            _check_served(source, item, name, labelled)
+            var = source.variable(name)
+            chs = (_whole(source, var) if level is None else [_level(source, var, item, level)])
             shapes.add(var.sample_shape[-2:])
-            continue
-        if not var.dimension_names or len(var.shape) < 3:
-            raise ConfigError(f"variable {name!r} has no level dimension to pick {level!r} from")
-        if len(var.sample_shape) != 3:  # _stack selects the level 3 axes from the end
-            raise ConfigError(f"picking level {level!r} of {name!r} needs samples shaped "
-                             f"(level, y, x); its dims are {var.dimension_names}")
-        dim = var.dimension_names[1]
-        if dim is None:
-            raise UnknownNameError(f"the level dimension of {name!r} has no name (dims "
-                                   f"{var.dimension_names}), so no coordinate to pick "
-                                   f"{level!r} from")
-        values = source.coordinate(dim)
-        hits = np.flatnonzero(values == level)
-        if hits.size != 1:
-            raise UnknownNameError(f"{dim}={level!r} is not a level of {name!r}; levels: "
-                                   f"{values.tolist()}")
-        out.append(Channel(name, int(hits[0]), f"{name}@{level}"))
-        shapes.add(var.sample_shape[1:][-2:])
+            if len(var.sample_shape) == 3:  # a variable with levels
+                mine, theirs = (whole, picked) if level is None else (picked, whole)
+                if name in theirs:
+                    w, lv = (item, theirs[name]) if level is None else (theirs[name], item)
+                    raise ConfigError(
+                        f"channels= gives {w!r} whole (every level) and {lv!r}, one of its "
+                        f"levels, which would then be two channels: give {w!r} alone for "
+                        f"every level, or only the levels to keep, e.g. [{lv!r}, ...]")
+                mine.setdefault(name, item)
+        for ch in chs:
+            key = (ch.variable, ch.index)
+            if key in given:
+                first = given[key]
+                again = ("given twice" if first == item
+                         else f"the same channel as {first!r}")
+                raise ConfigError(f"channel {item!r} ({ch.label}) is {again}: give each "
+                                 f"channel once")
+            given[key] = item
+        out += chs
     if len(shapes) > 1:
         raise ConfigError(f"channels must share their spatial shape, got {sorted(shapes)}")
     return out
+
+
+def _check_served(source: Source, item: Any, name: str,
+                  labelled: Mapping[str, tuple[VariableGeometry, int]]) -> None:
+    """Refuse a channel naming no variable served: a static field (to give as
+    ``static=``), a store's variable left out of ``variables=``, or no name there."""
+    if name in source.names:
+        return
+    if name in source.static:
+        raise ConfigError(f"channel {item!r}: {name!r} is a static field (no "
+                         f"{source.sample_dim or 'sample'} axis), not a variable: serve it "
+                         f"with static=ib.open_static(source, [{name!r}]) (batch key "
+                         f"'static/{name}'), not in channels=")
+    have = f"variables: {list(source.names)}"
+    if labelled:
+        have += f", named channels: {list(labelled)}"
+    if source.static:
+        have += f"; static fields (static=): {list(source.static)}"
+    stored = source.group is not None and name in source.group.array_keys()
+    why = (f"; {name!r} is in the store but not in open_source(variables=...): add it there"
+           if stored and source.variables_given else "")
+    raise UnknownNameError(f"unknown channel {item!r}: {name!r} is not a variable served by "
+                           f"{source.url}; {have}{why}")
+
+
+def _whole(source: Source, var: VariableGeometry) -> list[Channel]:
+    """The channels of ``var`` named alone: one, or one per level."""
+    name = var.name
+    # A (level, y, x) sample gives a channel per level, a single level included
+    # (as a whole channel its (1, y, x) rows did not fit the (y, x) slot).
+    if len(var.sample_shape) > 2:
+        if len(var.sample_shape) != 3:
+            raise ConfigError(f"stacking the levels of {name!r} needs samples shaped "
+                             f"(level, y, x); its dims are {var.dimension_names}")
+        dim = var.dimension_names[1] if var.dimension_names else "level"
+        labels: list[Any] = list(range(var.sample_shape[0]))  # no coordinate: indices
+        if dim is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                labels = source.coordinate(dim).tolist()
+        return [Channel(name, k, level_label(name, v)) for k, v in enumerate(labels)]
+    if len(var.sample_shape) != 2:  # channels stack on the axis before (y, x)
+        raise ConfigError(f"stacking {name!r} into channels needs samples shaped "
+                         f"(y, x) or (level, y, x); its samples are "
+                         f"{var.sample_shape} (dims {var.dimension_names}); serve "
+                         "it on its own (leave it out of channels=)")
+    return [Channel(name, label=name)]
+
+
+def _level(source: Source, var: VariableGeometry, item: Any, level: Any) -> Channel:
+    """The channel of ``item``, level ``level`` of ``var``, matched by value."""
+    name = var.name
+    if not var.dimension_names or len(var.shape) < 3:
+        raise ConfigError(f"channel {item!r}: variable {name!r} has no level dimension to "
+                         f"pick {level!r} from (dims {var.dimension_names}); give it alone: "
+                         f"{name!r}")
+    if len(var.sample_shape) != 3:  # _stack selects the level 3 axes from the end
+        raise ConfigError(f"channel {item!r}: picking level {level!r} of {name!r} needs "
+                         f"samples shaped (level, y, x); its dims are {var.dimension_names}"
+                         + (f": give it alone, {name!r}" if len(var.sample_shape) == 2
+                            and var.dimension_names[-1] in GRID_DIMS else ""))
+    dim = var.dimension_names[1]
+    if dim is None:
+        raise UnknownNameError(f"the level dimension of {name!r} has no name (dims "
+                               f"{var.dimension_names}), so no coordinate to pick "
+                               f"{level!r} from")
+    values = source.coordinate(dim)
+    k = level_index(values, level)
+    if k is None:
+        raise UnknownNameError(f"channel {item!r}: {dim}={level!r} is not a level of "
+                               f"{name!r}; levels: {values.tolist()} (write e.g. "
+                               f"({name!r}, {values.tolist()[0]!r}) or "
+                               f"{level_label(name, values[0])!r})")
+    return Channel(name, k, level_label(name, values[k]))
 
 
 class StackChannelsNode(TransformNode[dict[str, torch.Tensor]]):

@@ -12,7 +12,8 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, UnknownNameError
 from ..store.arrays import array_in
-from ..store.source import Source, discover
+from ..store.discovery import discover
+from ..store.source import Source
 from ..store.storage import explain, open_url
 from .transform import TransformNode
 

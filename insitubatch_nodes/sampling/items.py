@@ -55,7 +55,21 @@ class DecodedWindow:
 class ArraysFuture(Protocol):
     """A batch's arrays by batch key, being written by the decode threads or workers:
     ``result()`` waits until every row has landed (raising the read's error if one
-    failed), as ``concurrent.futures.Future.result`` does."""
+    failed, again at every ask), as ``concurrent.futures.Future.result`` does, and hands
+    the arrays over once (the fetch's is a ``memory/arena.BatchFuture``).
+
+    The rules for a stage of one's own that holds these futures:
+
+    - A future is valid until the fetch is reset: a new epoch (``iter()``), a restore
+      (``load_state_dict``), the rewind after an error, ``close()``. Batch numbers restart
+      at a reset, so it names its generation: ``result()`` on a stale one raises
+      ``memory.arena.StaleFuture`` (a ``StaleBatch``, a ``RuntimeError``), naming the
+      batch and both generations, and never returns another batch's rows. Resolve futures
+      before the reset, or drop them.
+    - Futures of one generation may be resolved in any order: taking one hands over that
+      batch only. A future never resolved keeps its batch's memory until the next reset.
+    - ``result()`` hands the batch over once; asking again raises ``StaleFuture``.
+    """
 
     def result(self) -> dict[str, np.ndarray]: ...
 
@@ -64,7 +78,9 @@ class ArraysFuture(Protocol):
 class DecodedBatch:
     """One batch decoded in place, yielded by the fetch in plan order as soon as every
     chunk it needs is submitted: its rows' sample indices (ascending: rows are sorted) and
-    its arrays, still being written (``arrays.result()`` waits for them)."""
+    its arrays, still being written (``arrays.result()`` waits for them, row ``k`` holding
+    sample ``sample_index[k]``). ``arrays`` is valid until the fetch is reset and may be
+    resolved in any order among the batches yielded since (``ArraysFuture``)."""
 
     sample_index: np.ndarray
     arrays: ArraysFuture

@@ -112,7 +112,7 @@ class StateFingerprint:
     # (states saved before 2026-11-29 carry it; it is read and ignored). A gathered state
     # resumes in place exactly, its resume point being one of the same batch edges; one
     # that is not (a batch size changed on the gather path) is refused by the fetch, naming
-    # the offset (``fetch.batches.BatchCut.check_skip``).
+    # the offset (``fetch.batches.BatchCut.check_head``).
     in_place: bool | None = None
     # The anchors kept: indices ≡ phase (mod every) (sampling.every); None in older states.
     every: int | None = None

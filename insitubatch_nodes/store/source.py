@@ -20,12 +20,13 @@ from ..errors import ConfigTypeError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
 from .arrays import array_in
+from .discovery import check_chosen, dimension_names, discover
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 _NUMERIC_KINDS = "biufc"
 # zarr's ZarrUserWarning for numcodecs codecs in a v3 array (message prefix)
 NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
-__all__ = ["Discovery", "Source", "discover", "open_icechunk", "open_source", "redact_url"]
+__all__ = ["Source", "open_icechunk", "open_source", "redact_url"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +55,10 @@ class Source:
     # loader serves them (only them) as ``batch["data"]``.
     selection: tuple[str, ...] | None = None
     format: str = "zarr"  # or "anemoi"
+    # Whether ``variables=`` named the variables. Discovered ones (``open_source(url)``)
+    # are what the store offers, not what was asked for: ``channels=`` then narrows the
+    # source to the channels' variables (``Source.narrowed``), so nothing else is read.
+    variables_given: bool = False
 
     def coordinate(self, dim: str) -> np.ndarray:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables."""
@@ -91,100 +96,20 @@ class Source:
         """Decoded bytes of one sample over all variables."""
         return sum(v.sample_nbytes for v in self.variables)
 
-
-def _is_coordinate(name: str, arr: zarr.Array) -> bool:
-    dims = _dimension_names(arr)
-    return dims is not None and name in dims
-
-
-def _dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
-    dims = getattr(arr.metadata, "dimension_names", None)
-    if dims is None:
-        # zarr v2 arrays written by xarray keep their dims in an attribute.
-        attr = arr.attrs.get("_ARRAY_DIMENSIONS")
-        if not attr:
-            return None
-        if isinstance(attr, str):  # one name, not a list of letters (xarray reads it so)
-            return (attr,)
-        if not isinstance(attr, (list, tuple)) or not all(
-                d is None or isinstance(d, str) for d in attr):
-            raise StoreError(f"the _ARRAY_DIMENSIONS attribute of array {arr.name!r} is "
-                             f"{attr!r}, not a list of dimension names")
-        dims = attr
-    return tuple(dims)
-
-
-# Preferred names for the sample dimension when several dimensions lead equally many arrays.
-_SAMPLE_DIM_NAMES = ("time", "valid_time", "date", "dates", "sample")
-
-
-@dataclass(frozen=True)
-class Discovery:
-    """What ``open_source`` found in a group with no ``variables=``: the sample dimension,
-    the arrays served along it, the static fields without it, and why others were left out."""
-
-    sample_dim: str | None
-    served: tuple[str, ...]
-    static: tuple[str, ...]
-    skipped: tuple[tuple[str, str], ...]  # (array, why)
-
-    def why_skipped(self) -> str:
-        return "; ".join(f"{n}: {why}" for n, why in self.skipped)
-
-
-def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) -> Discovery:
-    """Sort a group's arrays as WeatherBench2 / ARCO-ERA5 (xarray) stores lay them out.
-
-    The sample dimension, unless given, is the dimension that leads the most data arrays
-    (ties: ``time`` and its usual spellings first). Arrays led by it are served; numeric
-    arrays without it are static fields; coordinates (an array named like one of its own
-    dimensions), scalars, non-numeric arrays and arrays with the sample dimension elsewhere
-    than first are left out, each with the reason.
-    """
-    skipped: list[tuple[str, str]] = []
-    data: dict[str, zarr.Array] = {}
-    for name, arr in sorted(arrays.items()):
-        if arr.ndim < 1:
-            skipped.append((name, "a scalar"))
-        elif _is_coordinate(name, arr):
-            continue
-        elif np.dtype(arr.dtype).kind not in _NUMERIC_KINDS:
-            skipped.append((name, f"dtype {arr.dtype} cannot become a tensor"))
-        else:
-            data[name] = arr
-    dims = {n: _dimension_names(a) for n, a in data.items()}
-    if sample_dim is None:
-        leading: dict[str, int] = {}
-        for d in dims.values():
-            if d and d[0] is not None:
-                leading[d[0]] = leading.get(d[0], 0) + 1
-        if leading:
-            best = max(leading.values())
-            ties = sorted(k for k, c in leading.items() if c == best)
-            preferred = [k for k in _SAMPLE_DIM_NAMES if k in ties]
-            sample_dim = preferred[0] if preferred else ties[0]
-    if sample_dim is None:  # no dimension names anywhere: every array, as stored
-        return Discovery(None, tuple(data), (), tuple(skipped))
-    served, static, unnamed = [], [], []
-    for name, d in dims.items():
-        if d is None:
-            unnamed.append(name)
-        elif d[0] == sample_dim:
-            served.append(name)
-        elif sample_dim in d:
-            skipped.append((name, f"{sample_dim!r} is not its first dimension {d}"))
-        else:
-            static.append(name)
-    # Arrays without dimension names (zarr v3 written without them) are served when their
-    # first axis is as long as the sample axis of the named ones.
-    lengths = {data[n].shape[0] for n in served}
-    for name in unnamed:
-        if data[name].shape[0] in lengths:
-            served.append(name)
-        else:
-            skipped.append((name, f"no dimension names and {data[name].shape[0]} steps, "
-                                  f"not {sorted(lengths)}"))
-    return Discovery(sample_dim, tuple(sorted(served)), tuple(static), tuple(skipped))
+    def narrowed(self, names: Sequence[str]) -> Source:
+        """This source serving only ``names`` (in the store's order), on the same sample
+        grid (so a split manifest made for this source fits it): what a loader with
+        ``channels=`` reads when the variables were discovered, not named."""
+        keep = set(names)
+        unknown = sorted(keep - set(self.names))
+        if unknown:
+            raise UnknownNameError(f"variable(s) {unknown} are not served by {self.url}; "
+                                   f"served: {list(self.names)}")
+        if keep == set(self.names):
+            return self
+        at = [i for i, n in enumerate(self.names) if n in keep]
+        return replace(self, variables=tuple(self.variables[i] for i in at),
+                       arrays=tuple(self.arrays[i] for i in at), variables_given=True)
 
 
 def open_source(
@@ -262,6 +187,7 @@ def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | Non
     if sample_dim not in ds.dims:
         raise StoreError(f"sample_dim {sample_dim!r} is not a dimension of the dataset; "
                          f"dimensions: {list(ds.dims)}")
+    given = variables is not None
     if variables is None:
         variables = [n for n, v in ds.data_vars.items() if v.dims[:1] == (sample_dim,)]
     bad = [n for n in variables if n in ds.data_vars and ds[n].dims[:1] != (sample_dim,)]
@@ -277,7 +203,7 @@ def _from_xarray(ds: Any, variables: Sequence[str] | None, sample_dim: str | Non
     _check_as_stored(ds, src)
     if sample_dim in ds.coords:
         src = replace(src, sample_coord=np.asarray(ds[sample_dim].values))
-    return src
+    return replace(src, variables_given=given)
 
 
 def _check_as_stored(ds: Any, src: Source) -> None:
@@ -388,14 +314,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
         if isinstance(variables, str):
             variables = [variables]
         chosen = list(variables)
-        missing = [n for n in chosen if n not in arrays]
-        if missing:
-            raise UnknownNameError(
-                f"unknown variable(s) {missing} in {display!r}; variables that exist: "
-                f"{sorted(arrays)}"
-            )
-        if len(set(chosen)) != len(chosen):
-            raise StoreError(f"variables lists a name twice: {chosen}")
+        check_chosen(arrays, chosen, display, sample_dim)
 
     geoms: list[VariableGeometry] = []
     opened: list[zarr.Array] = []
@@ -410,7 +329,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
             )
         if arr.ndim < 1:
             raise StoreError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
-        dims = _dimension_names(arr)
+        dims = dimension_names(arr)
         if sample_dim is not None and dims is not None and dims[0] != sample_dim:
             raise StoreError(
                 f"variable {name!r} has dimensions {dims}; the sample dimension {sample_dim!r} "
@@ -434,7 +353,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
     return Source(url=display, variables=tuple(geoms), grid=grid, arrays=tuple(opened),
                   sample_dim=sample_dim, snapshot_id=snapshot_id,
                   sample_coord=_sample_coordinate(group, sample_dim, n), group=group,
-                  static=static)
+                  static=static, variables_given=variables is not None)
 
 
 def _geometry(name: str, arr: zarr.Array, dims: tuple[str | None, ...] | None,
@@ -459,4 +378,4 @@ def _describe_anemoi(group: zarr.Group, display: str, variables: Sequence[str] |
     return Source(url=display, variables=(geom,), grid=grid, arrays=(arr,),
                   sample_dim=layout.dimension_names[0], snapshot_id=snapshot_id,
                   sample_coord=layout.dates, group=group, missing=layout.missing,
-                  selection=chosen, format="anemoi")
+                  selection=chosen, format="anemoi", variables_given=variables is not None)

@@ -1,8 +1,10 @@
 """Normalization statistics streamed over a split, once, chunk by chunk.
 
-Per variable: mean, std, min and max, reduced over every axis except the ones named in
-``keep_dims`` (e.g. ``level`` for per-level channels). Sums are combined per chunk with
-Chan's parallel formula in float64, so the result matches numpy on the whole split.
+Per variable: mean, std, min and max, reduced over the sample axis and the grid, per
+element of every other dim (a level, an anemoi dataset's variable axis) unless
+``keep_dims`` says which to keep (``()`` pools everything into one value). Sums are
+combined per chunk with Chan's parallel formula in float64, so the result matches numpy on
+the whole split.
 Missing values (NaN, as ERA5's sea-surface temperature over land) are left out: the
 statistics are those of the finite values (numpy's ``nanmean``/``nanstd``), and the
 fraction of values left out is recorded; a variable with no finite value is an error.
@@ -25,6 +27,7 @@ from ..errors import StoreError, UnknownNameError
 from ..sampling.windows import chunks_touching
 from .anemoi import stored_statistics
 from .arrays import array_in
+from .channel_names import level_index, split_channel
 from .source import Source
 from .splits import SplitManifest
 
@@ -67,18 +70,19 @@ class VariableStats:
                    count=int(d["count"]), nan_fraction=float(d.get("nan_fraction", 0.0)),
                    coords=tuple(d.get("coords", ())))
 
-    def at(self, coord: str) -> tuple[float, float]:
-        """(mean, std) at the kept coordinate written ``coord`` (``"500"`` of ``"z@500"``)."""
+    def at(self, coord: Any) -> tuple[float, float]:
+        """(mean, std) at the kept coordinate ``coord`` (``"500"`` of ``"z@500"``, or 500),
+        matched by value as channels are: 500, 500.0 and "500" find a stored 500."""
         if len(self.kept_dims) != 1:
             raise UnknownNameError(f"statistics of {self.name!r} keep dims {list(self.kept_dims)}, "
                                    f"so {self.name}@{coord} names no single row; compute them with "
                                    "keep_dims=[<the level dim>]")
         written = [str(c) for c in self.coords]
-        if coord not in written:
+        k = level_index(np.asarray(self.coords), coord) if self.coords else None
+        if k is None:
             raise UnknownNameError(f"{self.name}@{coord}: {coord!r} is not a {self.kept_dims[0]} "
                                    f"these statistics of {self.name!r} hold; they hold "
                                    f"{written or f'{np.size(self.mean)} rows without coordinates'}")
-        k = written.index(coord)
         return float(np.ravel(self.mean)[k]), float(np.ravel(self.std)[k])
 
 
@@ -96,15 +100,19 @@ class Stats:
         raise UnknownNameError(f"no statistics for {name!r}; have "
                                f"{[v.name for v in self.variables]}")
 
-    def mean_std(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Per-channel mean and std (float64, one per name, in the order given) for channel
-        names as ``loader.channel_names`` has them: ``"t2m"``, ``"z@500"`` (a level of
-        statistics kept per level), an anemoi label such as ``"2t"``."""
+    def mean_std(self, names: Sequence[str | tuple[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel mean and std (float64, one per name, in the order given) for channels
+        named as ``channels=`` takes them and ``loader.channel_names`` gives them: ``"t2m"``,
+        ``"z@500"`` or ``("z", 500)`` (a level of statistics kept per level, matched by
+        value), an anemoi label such as ``"2t"``."""
         means, stds = [], []
+        have = {v.name for v in self.variables}
         for name in names:
-            var, sep, coord = name.partition("@")
-            if sep:
+            var, coord = split_channel(name, have)
+            if coord is not None:
                 m, s = self[var].at(coord)
+            elif var not in have and (row := self._labelled(var)) is not None:
+                m, s = row.at(var)  # an anemoi label, a row of "data" kept per variable
             else:
                 v = self[var]
                 if np.size(v.mean) != 1:
@@ -116,7 +124,15 @@ class Stats:
             stds.append(s)
         return np.asarray(means, dtype=np.float64), np.asarray(stds, dtype=np.float64)
 
-    def denormalize(self, x: ArrayT, names: Sequence[str]) -> ArrayT:
+    def _labelled(self, label: str) -> VariableStats | None:
+        """The statistics kept over a labelled axis (an anemoi dataset's ``data`` along its
+        variables) that hold ``label`` as one of their rows."""
+        for v in self.variables:
+            if len(v.kept_dims) == 1 and label in v.coords and isinstance(label, str):
+                return v
+        return None
+
+    def denormalize(self, x: ArrayT, names: Sequence[str | tuple[str, Any]]) -> ArrayT:
         """``x`` (a prediction, channels on axis -3: ``(..., C, y, x)``, C = ``len(names)``)
         back in the store's units: ``x * std + mean`` per channel, undoing the default
         "mean-std" scheme (``loader.denormalize`` undoes whichever scheme the loader used).
@@ -146,12 +162,45 @@ class Stats:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+# Dims that are a grid's (pooled by default): as WeatherBench2, ARCO-ERA5, anemoi and the
+# usual model outputs name them.
+GRID_DIMS = frozenset({"lat", "lon", "latitude", "longitude", "y", "x", "rlat", "rlon",
+                       "cell", "cells", "ncells", "ncol", "values", "node", "nodes", "point",
+                       "points", "grid", "station", "stations"})
+# Ensemble members are draws of one field: pooled by default, as anemoi pools them.
+ENSEMBLE_DIMS = frozenset({"ensemble", "member", "number", "realization"})
+
+
+def default_kept_dims(dims: Sequence[str | None]) -> tuple[str, ...]:
+    """The dims of a variable ``compute_stats`` keeps by default (its dims, the sample dim
+    first): every named dim of a sample that is neither the grid nor an ensemble axis. The
+    grid is the dims named as one (``GRID_DIMS``: latitude, longitude, y, x, cell, values,
+    ...) or, when none is, the last two dims of the sample (the last, for a 1-D sample).
+    So a ``(time, level, latitude, longitude)`` variable keeps ``level``, anemoi's
+    ``(time, variable, ensemble, cell)`` keeps ``variable``, ``(time, lat, lon)`` none."""
+    sample = list(dims[1:])
+    grid = [d in GRID_DIMS for d in sample]
+    if not any(grid):
+        grid = [i >= len(sample) - 2 for i in range(len(sample))]
+    return tuple(d for d, g in zip(sample, grid, strict=True)
+                 if d is not None and not g and d not in ENSEMBLE_DIMS)
+
+
 def compute_stats(source: Source, manifest: SplitManifest, split: str = "train", *,
-                  variables: Sequence[str] | None = None, keep_dims: Sequence[str] = (),
-                  progress: bool = True) -> Stats:
-    """Stream ``split`` once and return mean/std/min/max per variable (and kept dim)."""
+                  variables: Sequence[str] | None = None,
+                  keep_dims: Sequence[str] | None = None, progress: bool = True) -> Stats:
+    """Stream ``split`` once and return mean/std/min/max per variable, per element of the
+    dims kept: by default (``keep_dims=None``) every dim of a variable's samples but the
+    grid and an ensemble axis (``default_kept_dims``: levels, anemoi's variable axis), so
+    each channel is normalized on its own; ``keep_dims=()`` pools each variable into one
+    value, ``keep_dims=["level"]`` keeps the dims named (those a variable has).
+    ``variables`` (default: every variable served) may name channels' variables only."""
     manifest.check_source(source)
+    if isinstance(keep_dims, str):
+        keep_dims = (keep_dims,)
     names = list(variables) if variables is not None else list(source.names)
+    for name in names:
+        source.variable(name)  # an unknown name before the long pass
     # The store's missing dates (anemoi's missing_dates) hold no data: the loader never
     # serves them, and their fill values (NaN) made every statistic NaN.
     ids = np.setdiff1d(manifest.chunk_ids(split), chunks_touching(source.missing, source.grid))
@@ -163,16 +212,21 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     for name in names:
         g = source.variable(name)
         dims = g.dimension_names or tuple(f"dim_{i}" for i in range(len(g.shape)))
+        keep = default_kept_dims(g.dimension_names or ()) if keep_dims is None else keep_dims
         # a kept dim is one named in keep_dims: a str, never an unnamed (None) dim
-        kept_at = {i: d for i, d in enumerate(dims) if i > 0 and d is not None and d in keep_dims}
+        kept_at = {i: d for i, d in enumerate(dims) if i > 0 and d is not None and d in keep}
         axes = tuple(i for i in range(len(g.shape)) if i not in kept_at)
         kept_names = tuple(kept_at.values())
         plans.append((name, source.arrays[source.names.index(name)], axes, kept_names))
-        if len(kept_names) == 1 and kept_names[0] not in coords:
-            try:
-                coords[kept_names[0]] = tuple(source.coordinate(kept_names[0]).tolist())
-            except (KeyError, ValueError):
-                coords[kept_names[0]] = ()
+        if len(kept_names) == 1:
+            dim = kept_names[0]
+            if g.labels is not None and list(dims).index(dim) == 1:
+                coords[name] = tuple(g.labels)  # anemoi: the variable axis's names
+            else:
+                try:
+                    coords[name] = tuple(source.coordinate(dim).tolist())
+                except (KeyError, ValueError):
+                    coords[name] = ()
     acc: dict[str, Moments] = {}
     it: Iterable[int] = ids.tolist()
     if progress:
@@ -199,8 +253,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
                                  np.sqrt(np.asarray(m2) / np.asarray(n)), np.asarray(lo),
                                  np.asarray(hi), count,
                                  nan_fraction=float(1.0 - count / max(1, total)),
-                                 coords=coords.get(kept_names[0], ()) if len(kept_names) == 1
-                                 else ()))
+                                 coords=coords.get(name, ())))
     return Stats(split, tuple(out))
 
 

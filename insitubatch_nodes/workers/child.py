@@ -15,14 +15,13 @@ import asyncio
 import os
 import select
 import signal
+import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,9 +32,10 @@ from ..io.partial.ranges import PartSpec
 from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
-from ..memory.slots import Slot, SlotTable, SlotWhere, write_slot
+from ..memory.slots import Slot, SlotTable, SlotWhere, fill_slots, stripe_target
 from ..sampling.geometry import VariableGeometry
 from . import wire
+from .deadlines import StatusPage
 from .jobs import OFFSET, STRIPE, VAR, Target, read_starts
 from .shared_memory import Segment, array_at, map_segment
 from .wire import GROUP, PICKLE, Table, decode_job
@@ -78,10 +78,13 @@ Read = tuple[int, int, tuple[Target, ...]]
 Places = list[tuple[int, int, Table, list[int]]]
 
 # Messages (``wire``), training process -> worker: the setup, then ("segment", index, nbytes)
-# followed by its descriptor (SCM_RIGHTS), ("table", number, keys) and jobs as integers (their
-# places and ``targets``, ``jobs.ReadJob``); the socket closing is the stop. Worker ->
-# training process: ("ready",); a job done as integers, or ("done", id, read times) when
-# the read counters go along; ("error", id, exception); ("fatal", text) when it cannot start.
+# followed by its descriptor (SCM_RIGHTS on one byte: ``wire.recv_fd``), ("table", number,
+# keys) and jobs as integers (their places and ``targets``, ``jobs.ReadJob``); the socket
+# closing is the stop. Worker -> training process: ("ready",); a job done as integers, or
+# ("done", id, read times) when the read counters go along; ("error", id, exception);
+# ("fatal", text) when it cannot start. Beside the socket, the worker's status page
+# (``deadlines.StatusPage``): the job it runs and since when, written at each job's start
+# and end, read by the engine's deadlines.
 
 _SCRATCH = ThreadBuffer()
 # How often a worker's read counters (store/decode seconds, retries, cache hits) reach the
@@ -130,10 +133,11 @@ class Worker:
 
     def _read_local(self, read: Read, arrays: dict[int, dict[str, np.ndarray]]) -> None:
         reader, dsts = self.readers[read[0]], self._targets(read, arrays)
-        buf = _decode_target(reader, dsts, _SCRATCH.array)
+        geom = reader.geom
+        buf = stripe_target(dsts, geom.stripe_shape, geom.dtype, _SCRATCH.array)
         reader.read_local_retrying([read[1]], [buf], self.setup.retry,
                                    part=self.parts[read[0]])
-        _fill_slots(read[2], dsts, buf)
+        fill_slots(buf, (t[0] for t in read[2]), dsts)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -151,11 +155,11 @@ class Worker:
         async def one(read: Read) -> None:
             # a buffer per stripe: reads interleave on this loop (no scratch survives them)
             reader, dsts = self.readers[read[0]], self._targets(read, arrays)
-            buf = _decode_target(reader, dsts, np.empty)
+            buf = stripe_target(dsts, reader.geom.stripe_shape, reader.geom.dtype, np.empty)
             async with gate:
                 await reader.read(read[1], buf, loop, pool, self.setup.retry,
                                   part=self.parts[read[0]])
-            _fill_slots(read[2], dsts, buf)
+            fill_slots(buf, (t[0] for t in read[2]), dsts)
 
         tasks = [asyncio.ensure_future(one(rd)) for rd in reads]
         try:
@@ -167,31 +171,12 @@ class Worker:
             raise
 
 
-def _decode_target(reader: StripeReader, dsts: list[Slot],
-                   scratch: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
-    """Where a stripe decodes: a one-sample stripe straight into its first slot when it
-    fills it whole; one of several samples, or split across channels, into
-    ``scratch(shape, dtype)``."""
-    first = dsts[0]
-    if reader.geom.sample_chunk == 1 and isinstance(first, np.ndarray):
-        return first
-    return scratch(reader.geom.stripe_shape, reader.geom.dtype)
-
-
 def _reads(targets: np.ndarray) -> list[Read]:
     """A job's ``targets`` rows as reads: (variable, stripe, its slots)."""
     rows = targets.tolist()
     bounds = [*read_starts(targets).tolist(), len(rows)]
     return [(rows[a][VAR], rows[a][STRIPE], tuple(tuple(r[OFFSET:]) for r in rows[a:z]))
             for a, z in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def _fill_slots(targets: tuple[Target, ...], dsts: list[Slot], buf: np.ndarray) -> None:
-    """Copy each target's row of the decoded stripe ``buf`` into its slot (the slot ``buf``
-    is, when it is one, already holds it)."""
-    for (off, _, _, _), dst in zip(targets, dsts, strict=True):
-        if dst is not buf:
-            write_slot(dst, buf[off : off + 1])
 
 
 def _sendable(e: BaseException) -> BaseException:
@@ -222,20 +207,51 @@ def _send(conn: Connection, msg: tuple) -> None:
         raise _Gone from None
 
 
+def _seam(name: str) -> str | None:
+    """Tests only: ``INSITUBATCH_TEST_<name>``, a fault on demand (``_before_ready``,
+    ``_jobs``); unset in use."""
+    return os.environ.get("INSITUBATCH_TEST_" + name) or None
+
+
+def _first() -> bool:
+    """Tests only: with ``INSITUBATCH_TEST_ONCE=path`` a seam acts in one worker alone,
+    the first to create ``path``; without it, in every worker."""
+    path = _seam("ONCE")
+    if path is None:
+        return True
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _kill_stripe() -> tuple[int, int] | None:
     """Tests only: ``INSITUBATCH_TEST_KILL_STRIPE="v:s"`` makes a worker kill itself
     (SIGKILL) when a job reads stripe ``s`` of variable ``v``, as a chunk that crashes
     its decoder would."""
-    text = os.environ.get("INSITUBATCH_TEST_KILL_STRIPE")
+    text = _seam("KILL_STRIPE")
     if not text:
         return None
     v, s = text.split(":")
     return int(v), int(s)
 
 
+def _before_ready() -> None:
+    """Tests only: ``INSITUBATCH_TEST_EXIT_BEFORE_READY=path`` makes a worker exit (status
+    3) before it says ready while ``path`` exists, as a start that fails;
+    ``INSITUBATCH_TEST_STOP_BEFORE_READY=1`` makes it stop itself (SIGSTOP) there, as a
+    worker frozen at its start."""
+    path = _seam("EXIT_BEFORE_READY")
+    if path is not None and os.path.exists(path):
+        os._exit(3)
+    if _seam("STOP_BEFORE_READY") and _first():
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _start(conn: Connection) -> Worker | None:
     """The worker, set up from the first message; ``None`` when that failed (the error
-    went back as "fatal": the engine fails every window with it)."""
+    went back as "fatal": the engine starts it once more, then fails the windows)."""
     import pickle
 
     try:
@@ -249,32 +265,38 @@ def _start(conn: Connection) -> Worker | None:
         return None
 
 
-def serve(conn: Connection) -> None:
-    """Run jobs from ``conn`` until it closes. Losing the socket at any point, setup
-    included (the training process closed it, shut down, was collected or exited), ends
-    the worker quietly: nobody is left to report to, and a traceback would only alarm."""
+def serve(conn: Connection, status: StatusPage) -> None:
+    """Run jobs from ``conn`` until it closes, saying on ``status`` which one runs. Losing
+    the socket at any point, setup included (the training process closed it, shut down,
+    was collected or exited), ends the worker quietly: nobody is left to report to, and a
+    traceback would only alarm."""
     try:
         worker = _start(conn)
         if worker is not None:
+            _before_ready()
+            status.idle()
             _send(conn, ("ready",))
-            _jobs(conn, worker)
+            _jobs(conn, worker, status)
     except _Gone:
         return
 
 
-def _jobs(conn: Connection, worker: Worker) -> None:
-    """The job loop: segments to map, key tables, jobs to run and answer, until the socket
-    ends. Answers go back in groups (``wire``: one wake-up of the training process for
-    ``GROUP`` jobs): a job's answer waits while another job waits in the socket, up to
-    ``GROUP`` answers, unless it is urgent or an error."""
+def _jobs(conn: Connection, worker: Worker, status: StatusPage) -> None:
+    """The job loop: segments to map, key tables, jobs to run and answer, in the order
+    sent, until the socket ends. Each job's start and end go on the status page (the
+    engine's deadlines and blame: ``deadlines``). Answers go back in groups (``wire``: one
+    wake-up of the training process for ``GROUP`` jobs): a job's answer waits while
+    another job waits in the socket, up to ``GROUP`` answers, unless it is urgent or an
+    error."""
     import pickle
 
-    kill = _kill_stripe()
+    kill, pause = _kill_stripe(), float(_seam("JOB_SLEEP_S") or 0)
     tables: dict[int, Table] = {}
     waiting = select.poll()  # is a message in the socket? (Connection.poll builds a selector)
     waiting.register(conn.fileno(), select.POLLIN)
     pending: list[bytes] = []  # answers not sent yet
     sent = time.perf_counter()  # read counters go back every TIMES_EVERY_S, not every job
+    sock: socket.socket | None = None  # the socket again, for descriptors (``wire.recv_fd``)
     while True:
         try:
             data = conn.recv_bytes()
@@ -282,10 +304,14 @@ def _jobs(conn: Connection, worker: Worker) -> None:
             raise _Gone from None
         if data[0] != PICKLE:
             ident, urgent, places, targets = decode_job(data, tables)
-            if kill is not None and any(
-                    (v, s) == kill for v, s in targets[:, [VAR, STRIPE]].tolist()):
+            status.took(ident)
+            if kill is not None and any((v, s) == kill for v, s in targets[
+                    :, [VAR, STRIPE]].tolist()) and _first():
                 os.kill(os.getpid(), signal.SIGKILL)
+            if pause:
+                time.sleep(pause)
             answer, sent, failed = _run(worker, ident, targets, places, sent)
+            status.idle()
             pending.append(answer)
             if urgent or failed or len(pending) >= GROUP or not waiting.poll(0):
                 _write(conn, b"".join(pending))
@@ -296,8 +322,10 @@ def _jobs(conn: Connection, worker: Worker) -> None:
             tables[msg[1]] = msg[2]
         elif msg[0] == "segment":
             _, index, nbytes = msg
+            if sock is None:
+                sock = socket.socket(fileno=os.dup(conn.fileno()))
             try:
-                fd = recv_handle(conn)
+                fd = wire.recv_fd(sock)
             except (EOFError, OSError):
                 raise _Gone from None
             worker.segments[index] = map_segment(index, fd, nbytes)
@@ -331,15 +359,19 @@ def _run(worker: Worker, ident: int, targets: np.ndarray, places: Places,
 
 
 def main(argv: list[str]) -> int:
+    """``child FD STATUS_FD``: the socket to the training process, and the status page."""
     # Ctrl-C in a terminal reaches the whole process group: the training process decides
     # (it closes our socket); a worker killed by it would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(argv[1]))
+    status = StatusPage(int(argv[2]))
+    os.close(int(argv[2]))  # the mapping stays
     try:
-        serve(conn)
+        serve(conn, status)
     finally:
         conn.close()
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -12,23 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 import numpy as np
 
 from ..memory.arena import BatchArena
+from ..sampling.cuts import WORKER_LIMITS, cut_jobs
 from ..sampling.plan import KeptSlots, ReadPlan, kept_slots
 
 # the columns of a job's ``targets``: one row per slot a stripe fills
 VAR, STRIPE, OFFSET, BATCH, ROW, STEP = range(6)
 # (row of the stripe, batch, row of the batch, time step): one slot a stripe fills
 Target = tuple[int, int, int, int]
-
-# decoded bytes a job writes, at most (about): every job costs the training process a few
-# tens of microseconds (a WB2 sample of 9.6 MB: 16 MB jobs, 61-81 us a sample on the engine
-# thread; 64 MB, 30-37 us), and a window's first batch is split across the workers anyway
-JOB_BYTES = 64 << 20
-JOB_READS = 256  # stripes a job reads, at most
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -70,13 +64,14 @@ def read_starts(targets: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(change) + 1))
 
 
-def _expect(plan: ReadPlan, arena: BatchArena) -> tuple[KeptSlots, list[int]]:
-    """The window's kept slots, and the batches they feed (expected in the arena here).
-    Kept draws are in draw order, so their batches are one ascending run (each batch
-    between the first and the last has a draw here): a range, not a set of them."""
+def _expect(plan: ReadPlan, arena: BatchArena, skip: int) -> tuple[KeptSlots, list[int]]:
+    """The window's kept slots (without a restore's first ``skip`` draws), and the batches
+    they feed (expected in the arena here). Kept draws are in draw order, so their batches
+    are one ascending run (each batch between the first and the last has a draw here): a
+    range, not a set of them."""
     slots = plan.slots
     assert slots is not None, "an in-place window has batch slots"
-    kept = kept_slots(plan, arena.take_skip())
+    kept = kept_slots(plan, skip)
     b = kept.batch
     batches = list(range(int(b[0]), int(b[-1]) + 1)) if b.size else []
     for k in batches:
@@ -136,7 +131,7 @@ def _one_slot_each(kept: KeptSlots, n_vars: int, batch_size: int) -> np.ndarray:
 
 def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
                    sample_chunks: Sequence[int], row_bytes: Sequence[int],
-                   stripe_nbytes: Sequence[int]) -> WorkerWindow:
+                   stripe_nbytes: Sequence[int], skip: int = 0) -> WorkerWindow:
     """Where every stripe of an in-place window goes, cut into jobs. Each (sample, step) a
     kept draw reads is a slot (batch, row, step), as ``schedule.batch_slots`` placed it;
     every variable's stripe holding that sample fills its part of the slot. A stripe is read
@@ -146,8 +141,9 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
     sample's variables together), so the window's first batches complete first.
 
     ``sample_chunks[v]``: samples per stripe of variable ``v``; ``row_bytes[v]``: the bytes
-    it writes into one slot; ``stripe_nbytes[v]``: the decoded bytes of one of its stripes."""
-    kept, batches = _expect(plan, arena)
+    it writes into one slot; ``stripe_nbytes[v]``: the decoded bytes of one of its stripes;
+    ``skip``: the draws of a restore's head window delivered before, not read."""
+    kept, batches = _expect(plan, arena, skip)
     if not kept.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return WorkerWindow(plan, [], batches, arena.generation)
     n_vars = len(sample_chunks)
@@ -156,16 +152,18 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
         # a stripe per slot and variable: the common case, cut with the fewest numpy calls
         assert plan.slots is not None
         t = _one_slot_each(kept, n_vars, plan.slots.batch_size)
-        cuts = _cut_slots(t[::n_vars, BATCH], n_vars, sum(row_bytes), workers)
+        # a job per batch, the first split across the workers (``sampling.cuts``)
+        nbytes = np.asarray(row_bytes, dtype=np.int64)[t[:, VAR]]
+        cuts = cut_jobs(nbytes, workers, WORKER_LIMITS, t[:, BATCH])
         return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
                             arena.generation)
     t, starts = _in_slot_order(_targets(kept, sample_chunks))
     var = t[starts, VAR]
     nbytes = np.asarray(row_bytes, dtype=np.int64)[var] * np.diff(np.append(starts, len(t)))
-    if all(n == 1 for n in sample_chunks):
-        cuts = _cut_by_batch(t[starts, BATCH], nbytes, workers)
-    else:
-        cuts = _cut_even(nbytes, workers)
+    if all(n == 1 for n in sample_chunks):  # a job per batch, the first split
+        cuts = cut_jobs(nbytes, workers, WORKER_LIMITS, t[starts, BATCH])
+    else:  # a stripe feeds many batches: the window one run, about two jobs a worker
+        cuts = cut_jobs(nbytes, 2 * workers, WORKER_LIMITS)
     jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, workers)
     return WorkerWindow(plan, jobs, batches, arena.generation)
 
@@ -231,50 +229,3 @@ def _counted(job: np.ndarray, key: np.ndarray, n_jobs: int) -> list[dict[int, in
     for k, c in zip(keys.tolist(), counts.tolist(), strict=True):
         out[k // span][k % span] = c
     return out
-
-
-def _cut_by_batch(first_batch: np.ndarray, nbytes: np.ndarray, workers: int) -> list[int]:
-    """One sample per chunk: a job per batch (every worker on its own batch: a batch goes
-    out as soon as its job is done), the window's first batch split across the workers so
-    it is complete as early as it can be; at most ``JOB_READS`` / ``JOB_BYTES`` a job.
-    Returns the stripe indices where jobs start, and the end."""
-    n = len(first_batch)
-    bounds = [0, *(np.flatnonzero(first_batch[1:] != first_batch[:-1]) + 1).tolist(), n]
-    total = [0, *np.cumsum(nbytes).tolist()]
-    return _cut_runs(bounds, [total[z] - total[a] for a, z in pairwise(bounds)],
-                     workers)
-
-
-def _cut_slots(batch: np.ndarray, n_vars: int, slot_bytes: int, workers: int) -> list[int]:
-    """``_cut_by_batch`` of a window of one stripe per slot and variable (rows: slot-major,
-    ``batch`` the slots' batches, ascending): the batches' bounds found on the slots, not
-    on every row, and their bytes counted (each slot's variables write ``slot_bytes``)."""
-    edges = np.flatnonzero(batch[1:] != batch[:-1]) + 1
-    bounds = [0, *(edges * n_vars).tolist(), batch.size * n_vars]
-    return _cut_runs(bounds, [(z - a) // n_vars * slot_bytes
-                              for a, z in pairwise(bounds)], workers)
-
-
-def _cut_runs(bounds: list[int], run_bytes: list[int], workers: int) -> list[int]:
-    """The job cuts of rows in batch runs ``[bounds[i], bounds[i + 1])`` of ``run_bytes[i]``
-    decoded bytes: a job a run, the first split across the workers, none over
-    ``JOB_READS`` stripes or ``JOB_BYTES``."""
-    cuts = [0]
-    for i in range(len(bounds) - 1):
-        a, z = bounds[i], bounds[i + 1]
-        parts = max(workers if i == 0 else 1, -(-run_bytes[i] // JOB_BYTES),
-                    -(-(z - a) // JOB_READS))
-        if parts > 1:
-            size = -(-(z - a) // min(z - a, parts))
-            cuts += range(a + size, z, size)
-        cuts.append(z)
-    return cuts
-
-
-def _cut_even(nbytes: np.ndarray, workers: int) -> list[int]:
-    """Several samples per chunk: a stripe feeds many batches, so jobs are cut evenly in
-    the order of the first batch each stripe feeds, about two per worker (more for big
-    windows: ``JOB_BYTES`` / ``JOB_READS``)."""
-    n = len(nbytes)
-    parts = min(n, max(2 * workers, -(-int(nbytes.sum()) // JOB_BYTES), -(-n // JOB_READS)))
-    return [k * n // parts for k in range(parts + 1)]

@@ -31,15 +31,17 @@ class Task(NamedTuple):
 
 
 class WorkerError(InsitubatchError, RuntimeError):
-    """A decode worker process could not start, or died twice running the same job: the
-    message names them (number, pid, exit status) and the window and batches affected."""
+    """A decode worker process could not start (twice in a row), or two died running the
+    same job: the message names each death (number, pid, how it ended) and, for a job, its
+    stripes and the window and batches affected."""
 
 
 @dataclass(eq=False)
 class WindowRun:
     """A window on the workers: the future-like object the fetch node keeps (``cancel``,
-    ``settle``, ``done``), as ``fetch.jobs.DirectWindow`` is for the decode threads.
-    ``settled`` is a condition on the engine's lock: every count below changes under it."""
+    ``settle``, ``finished``, also named ``done``), as ``fetch.jobs.DirectWindow`` is for
+    the decode threads. ``settled`` is a condition on the engine's lock: every count below
+    changes under it."""
 
     window: WorkerWindow
     engine: Engine
@@ -57,7 +59,9 @@ class WindowRun:
 
     def settle(self) -> None:
         """After ``cancel``: wait until no worker writes for this window any more, so its
-        batches' memory can be given to the window that replaces it."""
+        batches' memory can be given to the window that replaces it. Bounded whatever the
+        workers do: a worker that holds a job past ``fetch.worker_timeout_s`` (frozen,
+        stuck) is killed and its jobs released (``deadlines``)."""
         with self.settled:
             self.waiting += 1
             try:
@@ -65,21 +69,13 @@ class WindowRun:
             finally:
                 self.waiting -= 1
 
-    def done(self) -> bool:
+    def finished(self) -> bool:
+        """No worker will write for this window any more: every job done, or it was
+        cancelled or failed and nothing of it is out."""
         return self.left == 0 or ((self.cancelled or self.failed is not None) and self.out == 0)
+
+    done = finished  # the name the fetch's windows share (``Future.done``, ``DirectWindow``)
 
 
 def few(items: list) -> str:
     return str(items[:16]) + (f" and {len(items) - 16} more" if len(items) > 16 else "")
-
-
-def died_twice(task: Task, second: str) -> WorkerError:
-    """The error of a job whose worker died, and whose second worker died too."""
-    w = task.run.window
-    stripes = task.job.stripes()
-    return WorkerError(
-        f"insitubatch: two decode workers died running the same job: {task.died}, then "
-        f"{second}, both while reading stripes {few(stripes)} (variable, sample-axis "
-        f"chunk) of the window of chunks {list(w.plan.chunk_ids)[:8]} into batches "
-        f"{sorted(task.job.writes)[:8]}; it is not run a third time (a chunk that kills its "
-        "decoder? workers=0 reads it in this process and shows its error)")

@@ -7,7 +7,9 @@ index array and its places cost the engine thread more than everything else it d
 job. A payload whose first byte is 0x80 is a pickle (every pickle of protocol 2 or more
 starts so): the setup, a segment, a table of batch keys, a read error, read counters.
 
-Engine -> worker, per job: ``JOB`` (tag, id, urgent, batches, target rows), then per batch
+Engine -> worker, in one ordered byte stream: the setup (a pickle), then as needed a
+segment (a pickle naming it, then ``FD_BYTE`` carrying its descriptor: ``send_fd``), a key
+table (a pickle), and per job: ``JOB`` (tag, id, urgent, batches, target rows), then per batch
 the integers (batch, rows, table, then a segment and an offset per key of that table), then
 the job's ``targets`` (``jobs.ReadJob``) as int64 rows. Worker -> engine, per job done:
 ``DONE`` (tag, id); a job's error, read counters and the start-up messages are pickles.
@@ -21,14 +23,20 @@ job waits in its socket, or at once for an ``urgent`` job (the first batch of a 
 error). Batches then also complete in groups, so the training thread waits for one in
 ``GROUP`` only. Groups of 4 (credit 5) took the engine thread from 4.4-5.5 to 3.4-3.8 us of
 CPU per sample against pairs (credit 3) on t2m one step per chunk, 2 workers, 2-core VM
-(``benchmarks.profile_workers``, the two credits interleaved; docs/benchmarks.md).
+(``benchmarks.profile_workers``, the two credits interleaved; docs/benchmarks.md). A
+healthy worker is so silent for up to ``GROUP`` jobs: its deadlines time each job from
+when it took it, read from its status page, not its silence (``deadlines``).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import struct
 
 import numpy as np
+
+from ..errors import InsitubatchError
 
 FRAME = struct.Struct("!i")  # multiprocessing.connection's length prefix
 JOB = struct.Struct("<qqqqq")  # TAG_JOB, job id, urgent, batches placed, target rows
@@ -39,6 +47,9 @@ PICKLE = 0x80  # the first byte of a pickle (protocol >= 2)
 CREDIT = 5  # jobs a worker holds at a time
 GROUP = CREDIT - 1  # answers a worker sends together (see above)
 COLUMNS = 6  # of a job's targets (``jobs.VAR`` .. ``jobs.STEP``)
+# The one byte a segment's descriptor rides on (SCM_RIGHTS), right after the segment's
+# message: its value is the count of descriptors, as ``multiprocessing.reduction`` sends them.
+FD_BYTE = b"\x01"
 
 # A table of batch keys: (key, shape after the rows, dtype string) per array of a batch,
 # in the order of the (segment, offset) pairs of a batch's place.
@@ -78,6 +89,30 @@ def done(ident: int) -> bytes:
     return FRAME.pack(DONE.size) + DONE.pack(TAG_DONE, ident)
 
 
-def framed(payload: bytes) -> bytes:
+def framed(payload: bytes | memoryview) -> bytes:
     """``payload`` with its length before it, as ``Connection.send_bytes`` writes it."""
     return FRAME.pack(len(payload)) + payload
+
+
+def send_fd(sock: socket.socket, fd: int) -> None:
+    """Pass descriptor ``fd`` on ``FD_BYTE``, the next byte of the stream (one
+    ``sendmsg``: on a non-blocking socket it goes whole or raises ``BlockingIOError``)."""
+    socket.send_fds(sock, [FD_BYTE], [fd])
+
+
+class WireError(InsitubatchError, OSError):
+    """The socket ended where a descriptor was due, or carried something else: the other
+    end is gone or out of step (a worker then stops, as on any lost socket)."""
+
+
+def recv_fd(sock: socket.socket) -> int:
+    """The descriptor riding on the next byte of ``sock`` (``send_fd``). The byte must be
+    read alone, with room for the descriptor: a plain read over it would close it."""
+    msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if not msg:
+        raise WireError("the socket ended before a descriptor")
+    if len(fds) != 1 or msg != FD_BYTE:
+        for fd in fds:
+            os.close(fd)
+        raise WireError(f"expected one descriptor on {FD_BYTE!r}, got {len(fds)} on {msg!r}")
+    return fds[0]
