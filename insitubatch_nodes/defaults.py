@@ -176,34 +176,52 @@ def _unsendable(source: Source) -> str | None:
 def resolve_workers(source: Source, f: FetchConfig, in_place_possible: bool) -> int:
     """``fetch.workers`` as a number of processes: ``"auto"`` by ``default_workers`` wherever
     the loader can decode in place (every layout but ``decode="gpu"``, object stores with
-    several samples per chunk included: the worker makes their copies), saying in one INFO
-    line why it keeps the threads. A source whose arrays do not pickle cannot reach a
-    worker: an error when workers were asked for."""
+    several samples per chunk included: the worker makes their copies), saying what it chose
+    in one INFO line: worker processes or decode threads, how many, and why. A source whose
+    arrays do not pickle cannot reach a worker: an error when workers were asked for."""
     if isinstance(f.workers, int):
         auto, workers = False, f.workers
     else:  # "auto": the one string ``FetchConfig`` takes
         auto, workers = True, default_workers(in_place_possible)
-    if workers:
-        unsendable = _unsendable(source)
-        if unsendable is not None and not auto:
-            raise ConfigError(f"fetch.workers={workers}: {unsendable}. Use workers=0 (decode "
-                             "threads in this process).")
-        if unsendable is not None:
-            log.info("insitubatch: decode threads, not worker processes: %s", unsendable)
-            workers = 0
-    elif auto:
-        log.info("insitubatch: decode threads, not worker processes: %s",
-                 _why_threads(in_place_possible))
-    return workers
+    unsendable = _unsendable(source) if workers else None
+    if unsendable is not None and not auto:
+        raise ConfigError(f"workers={workers} (fetch.workers): {unsendable}. Use workers=0 "
+                         "(decode threads in this process).")
+    if not auto:
+        return workers
+    if unsendable is None and workers:
+        cores = cores_per_rank()
+        log.info("insitubatch: decode worker processes, workers='auto' chose %d: %s cores per "
+                 "rank%s, at or above the %d from which worker processes start; one core is "
+                 "left to the training process%s", workers, cores, _cores_from(),
+                 WORKERS_FROM_CORES, f"; at most {MAX_WORKERS} workers"
+                 if workers == MAX_WORKERS < cores - 1 else "")
+        return workers
+    threads = f.decode_threads or default_decode_threads(
+        in_place_possible and (bool(f.in_place) or _in_place_by_default(source))
+        and _one_sample_per_chunk(source))
+    log.info("insitubatch: decode threads, not worker processes: workers='auto' chose %d "
+             "decode threads in this process: %s", threads,
+             unsendable or _why_threads(in_place_possible))
+    return 0
+
+
+def _cores_from() -> str:
+    """Where the cores per rank were read from, for the INFO line on ``workers="auto"``."""
+    given = os.environ.get(CORES_ENV)
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")
+    where = f" ({CORES_ENV}={given}" if given else " (this process's CPU affinity"
+    return where + (f" over LOCAL_WORLD_SIZE={ranks} ranks)" if ranks else ")")
 
 
 def _why_threads(in_place_possible: bool) -> str:
     """Why ``workers="auto"`` kept the decode threads (for the INFO line)."""
     if not in_place_possible:
-        return "this loader does not decode into its batches (decode='gpu' or in_place=False)"
+        return ("this loader does not decode into its batches (decode='gpu' or "
+                "in_place=False), which worker processes do")
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         return "a free-threaded Python (no GIL to escape; processes not measured there)"
-    return (f"{cores_per_rank()} cores per rank; worker processes start from "
+    return (f"{cores_per_rank()} cores per rank{_cores_from()}; worker processes start from "
             f"{WORKERS_FROM_CORES} (below that they are not measured faster than the threads)")
 
 
@@ -251,12 +269,14 @@ def resolve_in_place(source: Source, f: FetchConfig, decoder: FrameDecoder | Non
     saying why not."""
     why_not = _not_in_place(decoder)
     if f.in_place and why_not:
-        raise ConfigError(f"fetch.in_place=True, but this loader cannot decode into its "
-                         f"batches: {why_not}. Leave in_place=None to decide per store.")
+        raise ConfigError(f"in_place=True (fetch.in_place), but this loader cannot decode "
+                         f"into its batches: {why_not}. Leave in_place=None to decide per "
+                         "store.")
     asked = f.workers if f.workers != "auto" else 0
     if asked and (why_not or f.in_place is False):
-        raise ConfigError(f"fetch.workers={asked} decode straight into batches in shared memory, "
-                         f"which this loader cannot: {why_not or 'fetch.in_place=False'}. Use "
+        raise ConfigError(f"workers={asked} (fetch.workers): worker processes decode straight "
+                         f"into batches in shared memory, which this loader cannot: "
+                         f"{why_not or 'in_place=False (fetch.in_place) was given'}. Use "
                          "workers=0 (decode threads) or workers='auto'.")
     return f.in_place is not False and why_not is None and (
         bool(f.in_place) or bool(asked) or _in_place_by_default(source))

@@ -99,6 +99,8 @@ class StoreReport:
     sample_axis: str | None = None
     coordinates: dict[str, str] | None = None  # other 1-D coordinates: name -> values
     static: tuple[str, ...] = ()  # fields without the sample axis (open_static)
+    # the channels asked for, by name: the figures above are then a loader's given them
+    channels: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -367,8 +369,9 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
     ``variables=`` selection counts as such), how much of each chunk they read, and the
     figures of what a loader with them reads (only the channels' variables, where
     ``open_source`` discovered the variables)."""
-    if channels and not source.variables_given:
-        source = source.narrowed([c.variable for c in resolve_channels(source, channels)])
+    chosen = resolve_channels(source, channels) if channels else []
+    if chosen and not source.variables_given:
+        source = source.narrowed([c.variable for c in chosen])
     parts = _channel_parts(source, channels)
     variables = tuple(inspect_variable(a, g, source.url, sample_objects, part)
                       for a, g, part in zip(source.arrays, source.variables, parts,
@@ -379,7 +382,8 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
                        samples_per_chunk=source.grid.chunk_size, n_chunks=source.grid.n_chunks,
                        sample_nbytes=source.sample_nbytes, variables=variables,
                        recommendation=rec, sample_axis=_sample_axis(source),
-                       coordinates=_coordinates(source), static=tuple(source.static))
+                       coordinates=_coordinates(source), static=tuple(source.static),
+                       channels=tuple(c.label or c.variable for c in chosen))
 
 
 def _mb(n: float | None) -> str:
@@ -392,9 +396,14 @@ def _mb(n: float | None) -> str:
 
 
 def format_report(r: StoreReport) -> str:
+    served = ("all variables" if not r.channels else
+              "the variables a loader given these channels reads: "
+              + ", ".join(v.name for v in r.variables))
     lines = [f"store {r.url}",
              f"  {r.n_samples} samples along the sample axis, {_mb(r.sample_nbytes)} per sample "
-             f"(all variables); loader chunks of {r.samples_per_chunk} samples: {r.n_chunks}"]
+             f"({served}); loader chunks of {r.samples_per_chunk} samples: {r.n_chunks}"]
+    if r.channels:
+        lines.append(f"  channels: {', '.join(r.channels)}")
     if r.sample_axis:
         lines.append(f"  {r.sample_axis}")
     for name, values in (r.coordinates or {}).items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -262,3 +263,129 @@ def test_inspect_sample_shows_dates_and_plots_a_map_north_up(capsys, tmp_path):
     assert "value 1959-01-01T18:00:00" in out
     assert "sea_surface_temperature, shape (12, 24), latitude up x longitude across" in out
     assert png.stat().st_size > 1000
+
+
+# -- inspect --channels on a WeatherBench2-like store written by xarray ---------------------
+WB2_LEVELS = [50, 500, 850, 1000]
+
+
+@pytest.fixture(scope="module")
+def wb2_like(tmp_path_factory) -> tuple[Path, Any]:
+    """temperature on 4 levels (a ``level`` coordinate), two surface fields beside it, a
+    static land_sea_mask; one step a chunk, as xarray writes WeatherBench2."""
+    import numpy as np
+    import pandas as pd
+    import xarray as xr
+
+    rng = np.random.default_rng(5)
+    time = pd.date_range("2020-01-01", periods=12, freq="6h")
+    lat, lon = np.linspace(90, -90, 5), np.arange(0, 360, 45.0)
+    shape = (12, len(WB2_LEVELS), 5, 8)
+    ds = xr.Dataset(
+        {"temperature": (("time", "level", "latitude", "longitude"),
+                         (200 + rng.standard_normal(shape)
+                          + 10 * np.arange(4)[None, :, None, None]).astype("float32")),
+         "2m_temperature": (("time", "latitude", "longitude"),
+                            (280 + rng.standard_normal((12, 5, 8))).astype("float32")),
+         "mean_sea_level_pressure": (("time", "latitude", "longitude"),
+                                     (1e5 + rng.standard_normal((12, 5, 8))).astype("float32")),
+         "land_sea_mask": (("latitude", "longitude"),
+                           (rng.random((5, 8)) > 0.5).astype("float32"))},
+        coords={"time": time, "level": np.array(WB2_LEVELS, "int64"), "latitude": lat,
+                "longitude": lon})
+    enc = {v: {"chunks": (1, *ds[v].shape[1:])} for v in ds.data_vars if v != "land_sea_mask"}
+    path = tmp_path_factory.mktemp("wb2like") / "wb2.zarr"
+    ds.to_zarr(path, zarr_format=2, consolidated=True, encoding=enc)
+    return path, ds
+
+
+def _one_line(err: str) -> str:
+    """The error alone: one line on stderr (no usage, no traceback)."""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(("channels", "words"), [
+    (["temperature@501"], ["'temperature@501'", "levels: [50, 500, 850, 1000]"]),
+    (["temperatur@500"], ["'temperatur@500'", "'temperatur'", "'2m_temperature'",
+                          "'temperature'"]),
+    (["land_sea_mask"], ["'land_sea_mask'", "static field"]),
+    (["temperature", "temperature@500"], ["'temperature'", "'temperature@500'", "whole"]),
+    (["temperature@500", "temperature@500.0"], ["'temperature@500.0'", "same channel"]),
+])
+@pytest.mark.parametrize("sample", [False, True], ids=["report", "sample"])
+def test_inspect_channel_mistakes_are_one_line(capsys, wb2_like, channels, words, sample):
+    """A bad --channels entry (a level or variable the store lacks, a static field, a
+    channel twice) exits 2 with one line naming it and what is valid, never a traceback,
+    for the report and --sample alike."""
+    argv = ["inspect", str(wb2_like[0]), "--channels", *channels]
+    err = _one_line(_fails(capsys, argv + (["--sample", "2"] if sample else [])))
+    assert err.startswith("insitubatch inspect: error: --channels: ")
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_a_missing_store_is_one_line(capsys, tmp_path):
+    err = _one_line(_fails(capsys, ["inspect", str(tmp_path / "nope.zarr")]))
+    assert "nope.zarr" in err
+
+
+def _report(capsys, argv: list[str]) -> dict:
+    assert cli.main(argv + ["--json", "--batch-size", "4"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspect_figures_follow_channels(capsys, wb2_like):
+    """With --channels the figures are a loader's given them: only the channels' variables
+    read (bytes per sample, the resident bound as build_loader computes it); --variables
+    naming more keeps them, as the loader does."""
+    import insitubatch_nodes as ib
+
+    url = str(wb2_like[0])
+    chans = ["temperature@500", "2m_temperature"]
+    whole = _report(capsys, ["inspect", url])
+    picked = _report(capsys, ["inspect", url, "--channels", *chans])
+    assert whole["channels"] == [] and picked["channels"] == chans
+    assert [v["name"] for v in whole["variables"]] == ["2m_temperature",
+                                                       "mean_sea_level_pressure", "temperature"]
+    assert [v["name"] for v in picked["variables"]] == ["2m_temperature", "temperature"]
+    assert whole["sample_nbytes"] == (4 + 1 + 1) * 5 * 8 * 4  # every level of temperature
+    assert picked["sample_nbytes"] == (4 + 1) * 5 * 8 * 4  # a level decodes from its chunk
+    only_t = _report(capsys, ["inspect", url, "--channels", "temperature@850"])
+    assert [v["name"] for v in only_t["variables"]] == ["temperature"]
+    assert only_t["sample_nbytes"] == 4 * 5 * 8 * 4
+    rec_t, rec_all = only_t["recommendation"], whole["recommendation"]
+    assert rec_t["block_chunks"] == rec_all["block_chunks"]
+    assert (rec_t["resident_bound_bytes"] < picked["recommendation"]["resident_bound_bytes"]
+            < rec_all["resident_bound_bytes"])
+    src = ib.open_source(url)
+    m = ib.split_by_chunk(src, fractions=(1.0,), names=("store",))
+    with ib.build_loader(src, m, "store", batch_size=4, channels=["temperature@850"],
+                         block_chunks=rec_t["block_chunks"]) as ld:
+        assert ld.resident_bound == rec_t["resident_bound_bytes"]
+    given = _report(capsys, ["inspect", url, "--variables", "temperature", "2m_temperature",
+                             "--channels", "temperature@850"])
+    assert given["sample_nbytes"] == picked["sample_nbytes"]  # named: served beside
+    assert cli.main(["inspect", url, "--channels", "temperature@850"]) == 0
+    text = capsys.readouterr().out
+    assert "(the variables a loader given these channels reads: temperature)" in text
+    assert "  channels: temperature@850" in text
+
+
+def test_inspect_sample_serves_the_channels(capsys, wb2_like):
+    """--sample with --channels shows the stacked channels the loader serves for it, in
+    the order given, and nothing else of the store."""
+    path, ds = wb2_like
+    assert cli.main(["inspect", str(path), "--sample", "3", "--channels", "2m_temperature",
+                     "temperature@1000", "--json"]) == 0
+    keys = {k["key"]: k for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert set(keys) == {"channels", "sample_index", "time"}
+    want = [ds["2m_temperature"].values[3], ds["temperature"].sel(level=1000).values[3]]
+    got = keys["channels"]
+    assert got["shape"] == [2, 5, 8]
+    assert got["min"] == pytest.approx(min(float(w.min()) for w in want))
+    assert got["max"] == pytest.approx(max(float(w.max()) for w in want))
+    assert cli.main(["inspect", str(path), "--sample", "3", "--json"]) == 0
+    keys = {k["key"] for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert {"temperature", "2m_temperature"} <= keys and "channels" not in keys

@@ -68,3 +68,57 @@ def test_a_budget_picks_the_window_without_the_executor(tmp_path):
             assert len({int(i) for b in ld for i in b["sample_index"]}) == 600
     with pytest.raises(ConfigError, match="memory_budget"):  # below even that: named
         ib.build_loader(src, m, "train", workers=1, batch_size=8, memory_budget=fits // 4)
+
+
+def _auto_lines(caplog, monkeypatch, src, cores, **fetch):
+    """The INFO lines ``workers="auto"`` logs on ``cores`` cores per rank."""
+    from insitubatch_nodes.config import FetchConfig
+
+    monkeypatch.setenv(defaults.CORES_ENV, str(cores))
+    caplog.clear()
+    f = FetchConfig(workers="auto", **fetch)
+    with caplog.at_level("INFO", logger="insitubatch_nodes"):
+        workers = defaults.resolve_workers(src, f, defaults.in_place_possible(f, None))
+    return workers, [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+
+
+def test_auto_says_what_it_chose(tmp_path, monkeypatch, caplog):
+    """``workers="auto"`` logs one INFO line whichever way it goes: worker processes or
+    decode threads, how many, and why (the cores per rank and the threshold; or why
+    threads). An explicit count logs nothing."""
+    from insitubatch_nodes.config import FetchConfig
+
+    src, _ = _t2m_store(tmp_path)
+    monkeypatch.setattr(defaults, "WORKERS_FROM_CORES", 4)  # conftest turns "auto" off
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    workers, lines = _auto_lines(caplog, monkeypatch, src, 4)
+    assert workers == 3 and len(lines) == 1, lines
+    assert lines[0].startswith("insitubatch: decode worker processes, workers='auto' chose 3:")
+    assert "4 cores per rank (INSITUBATCH_CORES=4)" in lines[0]
+    assert "the 4 from which worker processes start" in lines[0]
+    workers, lines = _auto_lines(caplog, monkeypatch, src, 2)
+    assert workers == 0 and len(lines) == 1, lines
+    threads = defaults.default_decode_threads(True)  # one sample a chunk, in place
+    assert lines[0].startswith("insitubatch: decode threads, not worker processes: "
+                               f"workers='auto' chose {threads} decode threads")
+    assert "2 cores per rank" in lines[0] and "start from 4" in lines[0]
+    workers, lines = _auto_lines(caplog, monkeypatch, src, 8, in_place=False, decode_threads=3)
+    assert workers == 0 and len(lines) == 1, lines
+    assert "chose 3 decode threads" in lines[0] and "in_place=False" in lines[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="insitubatch_nodes"):
+        assert defaults.resolve_workers(src, FetchConfig(workers=2), True) == 2
+    assert not caplog.records
+
+
+def test_in_place_errors_name_the_keywords(tmp_path):
+    """The refusals speak build_loader's keywords (workers=, in_place=), the config field
+    in parentheses."""
+    import insitubatch_nodes as ib
+
+    src, m = _t2m_store(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        ib.build_loader(src, m, "train", workers=2, in_place=False)
+    msg = str(e.value)
+    assert msg.startswith("workers=2 (fetch.workers): ") and "in_place=False" in msg
+    assert "fetch.in_place=False" not in msg

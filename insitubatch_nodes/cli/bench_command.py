@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .open_store import open_store
+from .open_store import fail, open_store
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -65,12 +65,12 @@ def bench_channels(parser: argparse.ArgumentParser, source: Any,
     chosen = tuple(source.names) if names == ["all"] else tuple(names)
     unknown = [n for n in chosen if n not in source.names]
     if unknown:
-        parser.error(f"--channels {' '.join(unknown)}: not served here; choose from "
+        fail(parser, f"--channels {' '.join(unknown)}: not served here; choose from "
                      f"{', '.join(source.names)} (or all)")
     geoms = [source.variable(n) for n in chosen]
     kinds = {(str(g.dtype), tuple(g.sample_shape[-2:])) for g in geoms}
     if len(kinds) > 1:
-        parser.error(f"--channels {' '.join(chosen)}: the variables differ in dtype or grid "
+        fail(parser, f"--channels {' '.join(chosen)}: the variables differ in dtype or grid "
                      f"({', '.join(f'{g.name} {g.dtype} {g.sample_shape}' for g in geoms)}); "
                      "stack variables of one dtype on one grid")
     return chosen

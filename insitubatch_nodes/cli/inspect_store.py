@@ -10,32 +10,32 @@ import argparse
 import json
 from typing import Any
 
-from .open_store import open_store
+from .open_store import INPUT_ERRORS, fail, message, open_store
 from .plot_sample import plot_sample
 
 
-def channel_picks(names: list[str] | None) -> list[str | tuple[str, Any]] | None:
-    """``["t2m", "z@500"]`` as ``build_loader(channels=)`` takes them: a level by its
-    coordinate value (a number where it reads as one)."""
+def check_channels(parser: argparse.ArgumentParser, source: Any,
+                   names: list[str] | None) -> list[str] | None:
+    """``--channels`` as ``build_loader(channels=)`` takes them (``t2m``, ``z@500``: a level
+    by its coordinate value), checked against the store first: an unknown variable or
+    level, a static field, a channel given twice exit 2 in one line naming the entry and
+    what is valid."""
     if not names:
         return None
-    out: list[str | tuple[str, Any]] = []
-    for name in names:
-        var, at, level = name.partition("@")
-        if not at:
-            out.append(name)
-            continue
-        try:
-            value: Any = float(level) if "." in level else int(level)
-        except ValueError:
-            value = level
-        out.append((var, value))
-    return out
+    from ..nodes.channels import resolve_channels
+
+    try:
+        resolve_channels(source, names)
+    except INPUT_ERRORS as e:
+        fail(parser, f"--channels: {message(e)}")
+    return names
 
 
 def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Print the store's report (text or JSON), or with ``--sample`` one sample of it; the
-    time steps (``--history``/``--lead``) are checked first, so a bad one exits 2."""
+    time steps (``--history``/``--lead``) and ``--channels`` are checked first, so a bad one
+    exits 2 in one line. With ``--channels`` the figures are those of a loader given them
+    (only their variables read, where ``--variables`` does not name others)."""
     from ..inspection import format_report, inspect_source
 
     source = open_store(parser, args.url, args.variables)
@@ -49,12 +49,17 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             parser.error(f"--history/--lead: {e}")
     if args.sample is None and (args.plot is not None or args.plot_key is not None):
         parser.error("--plot/--plot-key need --sample I: the sample to plot")
+    channels = check_channels(parser, source, args.channels)
     if args.sample is not None:
-        return inspect_sample(parser, args, source, steps)
-    report = inspect_source(source, quality=args.quality, memory_budget=args.memory,
-                            batch_size=args.batch_size, prefetch_windows=args.prefetch_windows,
-                            sample_objects=args.sample_objects, steps=steps,
-                            channels=channel_picks(args.channels))
+        return inspect_sample(parser, args, source, steps, channels)
+    try:
+        report = inspect_source(source, quality=args.quality, memory_budget=args.memory,
+                                batch_size=args.batch_size,
+                                prefetch_windows=args.prefetch_windows,
+                                sample_objects=args.sample_objects, steps=steps,
+                                channels=channels)
+    except INPUT_ERRORS as e:
+        fail(parser, message(e))
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
@@ -63,9 +68,10 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
 
 def inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, source: Any,
-                    steps: Any) -> int:
+                   steps: Any, channels: list[str] | None = None) -> int:
     """``inspect --sample I``: sample I over the whole store as ``SampleDataset`` (so as the
-    loader) serves it, key by key; ``--plot`` draws one of its fields."""
+    loader) serves it, key by key, with ``--channels`` stacked into ``channels`` as the
+    loader stacks them; ``--plot`` draws one of its fields."""
     import numpy as np
 
     from ..dataset import SampleDataset, summarize_sample
@@ -73,11 +79,11 @@ def inspect_sample(parser: argparse.ArgumentParser, args: argparse.Namespace, so
 
     try:
         ds = SampleDataset(source, split_by_chunk(source, (1.0,), names=("store",)), "store",
-                           steps=steps)
+                           steps=steps, channels=channels)
         sample = ds[ds.index_of(args.sample)]
-    except (KeyError, ValueError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        parser.error(f"--sample {args.sample}: {msg}")
+    except (KeyError, ValueError, *INPUT_ERRORS) as e:
+        fail(parser, f"--sample {args.sample}: {message(e)}")
+    source = ds.source  # with --channels over discovered variables: only theirs
     where = f"sample {args.sample} of {source.url}"
     if source.sample_coord is not None and source.sample_dim is not None:
         value = source.sample_coord[args.sample]

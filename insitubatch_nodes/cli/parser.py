@@ -118,9 +118,12 @@ def inspect_parser(sub: Any) -> None:
     i.add_argument("--lead", type=int, nargs="+", default=None, metavar="STEP",
                    help="target steps after the last input (with --history; default 1)")
     i.add_argument("--channels", nargs="+", metavar="NAME[@LEVEL]", default=None,
-                   help="the channels a model takes (z@500 picks one level by its coordinate "
-                        "value): report how much of each chunk they read (blosc blocks, "
-                        "bytes)")
+                   help="the channels a model takes, as build_loader(channels=) takes them "
+                        "(z@500 picks one level by its coordinate value): the figures are "
+                        "then those of a loader given them (only their variables read, "
+                        "unless --variables names more) and say how much of each chunk they "
+                        "read (blosc blocks, bytes); with --sample, the sample's stacked "
+                        "'channels' as the loader serves them")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.add_argument("--sample", type=nonneg_int, default=None, metavar="I",
                    help="show sample I (its global index; with --history/--lead the anchor) "
