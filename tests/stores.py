@@ -75,6 +75,13 @@ def stores_on_s3(folder: Path, stores: dict[str, list[Var]],
         yield server, data
 
 
+def write_x_y(path: Path) -> dict[str, np.ndarray]:
+    """160 samples of one sample per chunk: x (float32, 4x3) and y (int16, 3): the store the
+    worker fault and recovery tests run on."""
+    return write_store(path, [Var("x", (160, 4, 3), (1, 4, 3), compressors=BLOSC),
+                              Var("y", (160, 3), (1, 3), dtype="int16")])
+
+
 def write_weather(path: Path, steps_per_chunk: int) -> Path:
     """A small ERA5-like store: t2m (80, 6, 8) and z (80, 3, 6, 8) on levels 500, 850 and
     1000, ``steps_per_chunk`` time steps per chunk, blosc."""

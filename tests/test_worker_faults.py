@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from stores import BLOSC, Var, write_store
+from stores import Var, write_store, write_x_y
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.workers import deadlines, wire
@@ -89,8 +89,7 @@ def thaw():
 def store(tmp_path_factory):
     """160 samples of one sample per chunk: x (float32) and y (int16)."""
     path = tmp_path_factory.mktemp("faults") / "s.zarr"
-    write_store(path, [Var("x", (160, 4, 3), (1, 4, 3), compressors=BLOSC),
-                       Var("y", (160, 3), (1, 3), dtype="int16")])
+    write_x_y(path)
     src = ib.open_source(path)
     return src, ib.split_by_chunk(src, (1.0,))
 

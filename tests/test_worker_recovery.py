@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stores import BLOSC, Var, write_store
+from stores import BLOSC, Var, write_store, write_x_y
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.workers import engine as engine_module
@@ -58,8 +58,7 @@ def assert_batches_equal(got, want):
 def store(tmp_path_factory):
     """160 samples of one sample per chunk: x (float32) and y (int16)."""
     path = tmp_path_factory.mktemp("recovery") / "s.zarr"
-    write_store(path, [Var("x", (160, 4, 3), (1, 4, 3), compressors=BLOSC),
-                       Var("y", (160, 3), (1, 3), dtype="int16")])
+    write_x_y(path)
     src = ib.open_source(path)
     return path, src, ib.split_by_chunk(src, (1.0,))
 
