@@ -30,13 +30,9 @@ from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, NormalizeNode, 
 from .nodes.state import copy_state, shutdown_source
 from .state.checkpoint import (
     Resumed,
-    check_snapshot,
-    check_state_fingerprint,
-    check_top_level,
+    check_loader_state,
     fingerprint_of_nodes,
-    loadable_state,
     rank_state,
-    read_format,
 )
 from .state.fingerprint import StateFingerprint
 from .store.source import Source
@@ -333,10 +329,10 @@ class InSituLoader(Loader):
         """Apply a state at the next ``iter()``: one rank's own state, or the output of
         ``merge_rank_states`` (any world size).
 
-        Checked now, before anything is read: a malformed state (a field missing, retyped,
-        negative or out of range) is one ``ValueError`` naming the field and node, and a
-        state saved by a loader built differently (another manifest, split, seed, sample
-        grid, rank or shuffle) one naming each differing field. Only changes that keep the
+        Checked now, before anything is read: a malformed state (fields missing, retyped,
+        negative or out of range) or one saved by a loader built differently (another
+        manifest, split, seed, sample grid, rank or shuffle) is one ``StateError`` naming
+        every such field (``state/problems.py``). Only changes that keep the
         rest of the epoch exactly-once (``batch_size`` unless decoding in place,
         ``drop_last``) pass, and only with ``allow_state_change=True``. Formats 1 and 2 (no
         fingerprint) load with a warning.
@@ -349,12 +345,10 @@ class InSituLoader(Loader):
         except (TypeError, ValueError) as e:
             raise StateError(f"a loader state is plain JSON data (from state_dict()); this "
                              f"one is not: {e}") from None
-        check_top_level(state_dict)
-        fmt = read_format(state_dict)
-        check_snapshot(state_dict, self.snapshot_id, self.allow_snapshot_change)
-        check_state_fingerprint(state_dict, fmt, self.fingerprint, self._fingerprint_from_nodes,
-                                self.allow_state_change)
-        state_dict, resumed = loadable_state(self.nodes(), state_dict, fmt)
+        state_dict, resumed = check_loader_state(
+            self.nodes(), state_dict, snapshot_id=self.snapshot_id,
+            allow_snapshot_change=self.allow_snapshot_change, fingerprint=self.fingerprint,
+            from_nodes=self._fingerprint_from_nodes, allow_state_change=self.allow_state_change)
         shuffle = first_node(self.nodes(), ShuffleBufferNode)
         if (resumed is not None and shuffle is not None and self.restart_on_stop_iteration
                 and resumed.finished(shuffle.batch_size, shuffle.drop_last)):

@@ -170,11 +170,14 @@ def test_a_level_written_any_way_is_one_channel_named_as_stored(wb2):
      r"gives 'temperature' whole \(every level\) and 'temperature@850'"),
     (["land_sea_mask"], ValueError,
      r"channel 'land_sea_mask': 'land_sea_mask' is a static field \(no time axis\).*"
-     r"static=ib.open_static\(source, \['land_sea_mask'\]\)"),
+     r"static=ib.open_static\(source, \['land_sea_mask'\]\).*on the command line, static "
+     r"fields are not channels"),
     ([("temperature", 501)], KeyError,
      r"channel \('temperature', 501\): level=501 is not a level of 'temperature'; levels: "
      r"\[50, 500, 850, 1000\] \(write e.g. \('temperature', 50\) or 'temperature@50'\)"),
-    (["temperature@501"], KeyError, r"level='501' is not a level of 'temperature'"),
+    (["temperature@501"], KeyError,
+     r"channel 'temperature@501': level=501 is not a level of 'temperature'; levels: "
+     r"\[50, 500, 850, 1000\] \(write e.g. 'temperature@50' or \('temperature', 50\)\)"),
     (["temperatur@500"], KeyError,
      r"unknown channel 'temperatur@500': 'temperatur' is not a variable served.*variables: "
      r"\['2m_temperature', 'geopotential', .*static fields \(static=\): \['land_sea_mask'\]"),

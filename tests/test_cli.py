@@ -307,10 +307,10 @@ def _one_line(err: str) -> str:
 
 
 @pytest.mark.parametrize(("channels", "words"), [
-    (["temperature@501"], ["'temperature@501'", "levels: [50, 500, 850, 1000]"]),
+    (["temperature@501"], ["'temperature@501'", "level=501 is", "levels: [50, 500, 850, 1000]"]),
     (["temperatur@500"], ["'temperatur@500'", "'temperatur'", "'2m_temperature'",
                           "'temperature'"]),
-    (["land_sea_mask"], ["'land_sea_mask'", "static field"]),
+    (["land_sea_mask"], ["'land_sea_mask'", "static field", "static fields are not channels"]),
     (["temperature", "temperature@500"], ["'temperature'", "'temperature@500'", "whole"]),
     (["temperature@500", "temperature@500.0"], ["'temperature@500.0'", "same channel"]),
 ])

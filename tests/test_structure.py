@@ -107,7 +107,8 @@ def test_no_import_cycle():
 # layer and the layers below, never one above. An entry names a sub-package or one module
 # of it ("state.checkpoint"); a module's layer is that of its most specific entry.
 LAYERS = [
-    {"errors", "sampling", "memory", "metrics", "state.fingerprint", "state.ranks"},
+    {"errors", "sampling", "memory", "metrics", "state.fingerprint", "state.problems",
+     "state.ranks"},
     {"io", "workers", "store"},
     {"config", "defaults"},
     {"fetch"},

@@ -84,7 +84,8 @@ def _check_served(source: Source, item: Any, name: str,
         raise ConfigError(f"channel {item!r}: {name!r} is a static field (no "
                          f"{source.sample_dim or 'sample'} axis), not a variable: serve it "
                          f"with static=ib.open_static(source, [{name!r}]) (batch key "
-                         f"'static/{name}'), not in channels=")
+                         f"'static/{name}'), not in channels= (on the command line, static "
+                         "fields are not channels: leave it out of --channels)")
     have = f"variables: {list(source.names)}"
     if labelled:
         have += f", named channels: {list(labelled)}"
@@ -140,10 +141,14 @@ def _level(source: Source, var: VariableGeometry, item: Any, level: Any) -> Chan
     values = source.coordinate(dim)
     k = level_index(values, level)
     if k is None:
-        raise UnknownNameError(f"channel {item!r}: {dim}={level!r} is not a level of "
-                               f"{name!r}; levels: {values.tolist()} (write e.g. "
-                               f"({name!r}, {values.tolist()[0]!r}) or "
-                               f"{level_label(name, values[0])!r})")
+        # "t@501" (a command line's form) shows its level as written, not as the string
+        # split off it; the example follows the form the entry used.
+        written = isinstance(item, str)
+        pair, label = f"({name!r}, {values.tolist()[0]!r})", level_label(name, values[0])
+        raise UnknownNameError(f"channel {item!r}: {dim}={level if written else repr(level)} "
+                               f"is not a level of {name!r}; levels: {values.tolist()} "
+                               f"(write e.g. "
+                               f"{f'{label!r} or {pair}' if written else f'{pair} or {label!r}'})")
     return Channel(name, k, level_label(name, values[k]))
 
 

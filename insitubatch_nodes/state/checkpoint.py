@@ -33,7 +33,8 @@ from ..nodes import (
 from ..nodes.chunk_permute import parse_history
 from ..nodes.state import Resumable, require_count, require_dict
 from ..sampling.schedule import Resumption
-from .fingerprint import StateFingerprint, check_fingerprint
+from .fingerprint import StateFingerprint, check_fingerprint, parse_fingerprint
+from .problems import StateProblems
 from .ranks import (
     ELASTIC_KEY,
     FINGERPRINT_KEY,
@@ -86,42 +87,50 @@ def state_progress(nodes: list[BaseNode], root_state: dict[str, Any]) -> dict[st
     return None
 
 
-def check_top_level(state: dict[str, Any]) -> None:
+def check_top_level(state: dict[str, Any], problems: StateProblems) -> bool:
     """A rank's state has ``root`` (a dict) and ``num_yielded`` (a count), a merged one
-    ``elastic``; both may have the format, snapshot and fingerprint. Anything else is a
-    ValueError naming the field."""
+    ``elastic``; both may have the format, snapshot and fingerprint. Each problem is added
+    to ``problems``, naming the field; True when the node states can be read on."""
     elastic = ELASTIC_KEY in state
     known = ({ELASTIC_KEY} if elastic else
              {LoaderIterator.ROOT_KEY, LoaderIterator.NUM_YIELDED_KEY, PROGRESS_KEY})
     known |= {FORMAT_KEY, SNAPSHOT_KEY, FINGERPRINT_KEY}
     unknown = sorted(set(state) - known)
     if unknown:
-        raise StateError(
+        problems.add(
             f"loader state has unknown field(s) {unknown} (a {'merged' if elastic else 'rank'} "
             f"state has {sorted(known)}): load a state saved by state_dict() or "
             "merge_rank_states")
     if elastic:
-        return
+        return True
     if LoaderIterator.ROOT_KEY not in state:
-        raise StateError(
+        problems.add(
             f"loader state has no field {LoaderIterator.ROOT_KEY!r} (a rank's state, from "
             f"state_dict()) nor {ELASTIC_KEY!r} (a merged state, from merge_rank_states); it "
             f"has {sorted(state)}")
-    require_dict(state, LoaderIterator.ROOT_KEY, "loader")
-    require_count(state, LoaderIterator.NUM_YIELDED_KEY, "loader")
+        readable = False
+    else:
+        readable = problems.check(require_dict, state, LoaderIterator.ROOT_KEY,
+                                  "loader") is not None
+    problems.check(require_count, state, LoaderIterator.NUM_YIELDED_KEY, "loader")
+    return readable
 
 
-def parse_elastic(el: Any) -> tuple[int, list[Resumption]]:
-    """(epoch, history) of a merged state's ``elastic`` field, checked field by field."""
+def parse_elastic(el: Any, problems: StateProblems) -> tuple[int, list[Resumption]] | None:
+    """(epoch, history) of a merged state's ``elastic`` field, checked field by field;
+    ``None`` with each problem added to ``problems``."""
     if not isinstance(el, dict) or sorted(el) != ["epoch", "history"]:
-        raise StateError(f"loader state field {ELASTIC_KEY!r} must be "
-                         f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
-    epoch = require_count(el, "epoch", f"loader {ELASTIC_KEY!r}")
-    history = list(parse_history(el["history"], f"loader state field '{ELASTIC_KEY}.history'"))
-    if not history:
-        raise StateError(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
-                         "state records at least the resume that made it")
-    return epoch, history
+        problems.add(f"loader state field {ELASTIC_KEY!r} must be "
+                     f"{{'epoch': ..., 'history': [...]}}, got {el!r}")
+        return None
+    epoch = problems.check(require_count, el, "epoch", f"loader {ELASTIC_KEY!r}")
+    history = problems.check(parse_history, el["history"],
+                             f"loader state field '{ELASTIC_KEY}.history'")
+    if history is not None and not history:
+        problems.add(f"loader state field '{ELASTIC_KEY}.history' is empty: a merged "
+                     "state records at least the resume that made it")
+        return None
+    return None if epoch is None or history is None else (epoch, list(history))
 
 
 @dataclass(frozen=True)
@@ -138,35 +147,53 @@ class Resumed:
         return self.left < batch_size if drop_last else self.left == 0
 
 
-def check_root_state(nodes: list[BaseNode], root_state: Any,
+def check_root_state(nodes: list[BaseNode], root_state: Any, problems: StateProblems,
                      ) -> tuple[dict[str, Any], Resumed] | None:
     """Check ``root_state`` against the graph before anything is read: every nested state
     a dict, counters integers >= 0, the scheduler's position within its epoch's windows and
-    the draws taken within the head window's. Errors name the node and field. Returns the
-    progress ``state_progress`` reads and where it resumes (the draws of the state's epoch
-    on this rank, an elastic history included); ``None`` without the standard stages."""
+    the draws taken within the head window's. Each problem is added to ``problems``, naming
+    the node and field. Returns the progress ``state_progress`` reads and where it resumes
+    (the draws of the state's epoch on this rank, an elastic history included); ``None``
+    without the standard stages or after a problem."""
     offset = None
     d = root_state
-    resumed = None
     owner = ShuffleBufferNode.__name__  # the stage whose offset counts (place_offset)
     for node in nodes:
         if isinstance(node, (ShuffleBufferNode, AsyncFetchNode)):
-            got = require_count(d, node.OFFSET_KEY, node)
+            got = problems.check(require_count, d, node.OFFSET_KEY, node)
             if got:
                 owner = type(node).__name__
-            offset = (offset or 0) + got
+            offset = (offset or 0) + (got or 0)
         if isinstance(node, ChunkPermuteNode):
-            schedule = node.check_state(d, offset, owner)
-            epoch, pos, _ = node.parse_state(d)
-            taken = sum(w.n_final for w in schedule.windows[:pos]) + (offset or 0)
-            resumed = Resumed(epoch, schedule.target, schedule.target - taken)
-            break
+            resumed = _check_permute_state(node, d, offset, owner, problems)
+            progress = state_progress(nodes, root_state) if resumed is not None else None
+            return None if progress is None or resumed is None else (progress, resumed)
         key = _nested_key(node)
         if key is None:
             return None  # a foreign node nests its upstream's state its own way
-        d = require_dict(d, key, node)
-    progress = state_progress(nodes, root_state)
-    return None if progress is None or resumed is None else (progress, resumed)
+        d = problems.check(require_dict, d, key, node)
+        if d is None:
+            return None
+    return None
+
+
+def _check_permute_state(node: ChunkPermuteNode, d: dict[str, Any], offset: int | None,
+                         owner: str, problems: StateProblems) -> Resumed | None:
+    """The scheduler's fields, each checked; then, if the whole state has no other problem
+    (the schedule it is checked against is this loader's, and the draws counted above are
+    sound), its position and the head window's draws against the schedule they resume."""
+    problems.check(require_count, d, node.EPOCH_KEY, node)
+    problems.check(require_count, d, node.POSITION_KEY, node)
+    problems.check(parse_history, d.get(node.HISTORY_KEY, []),
+                   f"{type(node).__name__} state field {node.HISTORY_KEY!r}")
+    if len(problems):
+        return None
+    schedule = problems.check(node.check_state, d, offset, owner)
+    if schedule is None:
+        return None
+    epoch, pos, _ = node.parse_state(d)
+    taken = sum(w.n_final for w in schedule.windows[:pos]) + (offset or 0)
+    return Resumed(epoch, schedule.target, schedule.target - taken)
 
 
 _PROGRESS_FIELDS = {"epoch": "ChunkPermuteNode state field 'epoch'",
@@ -338,54 +365,86 @@ def check_snapshot(state: dict[str, Any], snapshot_id: str | None,
         )
 
 
-def check_state_fingerprint(state: dict[str, Any], fmt: int,
+def check_state_fingerprint(state: dict[str, Any], fmt: int | None,
                             fingerprint: StateFingerprint | None, from_nodes: bool,
-                            allow_change: bool) -> None:
+                            allow_change: bool, problems: StateProblems) -> None:
     """Pop the state's fingerprint and compare it with the loader's (``state/fingerprint.py``);
-    states of formats 1 and 2 have none and load with a warning, as do a hand-built
-    graph's (``from_nodes``: its fingerprint was read off its nodes). Call it from
-    ``load_state_dict`` itself: the warning points at that method's caller."""
+    each problem is added to ``problems``. States of formats 1 and 2 have none and load
+    with a warning, as do a hand-built graph's (``from_nodes``: its fingerprint was read
+    off its nodes); ``fmt`` is ``None`` when the state's format is not one this version
+    reads. The warning points at ``load_state_dict``'s caller."""
     raw = state.pop(FINGERPRINT_KEY, None)
     if fingerprint is None:
         return  # a graph without the standard stages: nothing to compare with
     if raw is None:
+        if fmt is None:
+            return  # read_format named the format; without it, nothing to say here
         # A hand-built graph's states carried no fingerprint before it was read off the
         # nodes: those load with the warning below.
         if fmt >= 3 and not from_nodes:
-            raise StateError(
+            problems.add(
                 f"loader state has no field {FINGERPRINT_KEY!r}, which every format-"
                 f"{fmt} state saved by build_loader has: load a state saved by "
                 "state_dict() or merge_rank_states")
+            return
         warnings.warn(
             f"this loader state has format {fmt}, which records no fingerprint, so it "
             "cannot be checked against this loader (manifest, split, seed, ranks, "
             "shuffle): make sure it was saved by a loader built the same way. "
             "state_dict() after resuming gives a checked (format 3) state.",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)
         return
-    saved = StateFingerprint.from_json(raw, merged=ELASTIC_KEY in state)
-    check_fingerprint(saved, fingerprint, allow_change)
+    saved = parse_fingerprint(raw, ELASTIC_KEY in state, problems)
+    if saved is not None:
+        problems.check(check_fingerprint, saved, fingerprint, allow_change)
 
 
 def loadable_state(nodes: list[BaseNode], state: dict[str, Any], fmt: int,
-                   ) -> tuple[dict[str, Any], Resumed | None]:
+                   problems: StateProblems) -> tuple[dict[str, Any], Resumed | None]:
     """A checked state (top level, format, snapshot and fingerprint popped) as the rank
     state torchdata's ``Loader`` loads: a merged state becomes the graph state that starts
     its epoch, a format-1 state is upgraded, and the progress must agree with the node
-    states. Also where it resumes on this rank; ``None`` without the stages."""
+    states; each problem is added to ``problems``. Also where it resumes on this rank;
+    ``None`` without the stages (or after a problem)."""
     progress = state.pop(PROGRESS_KEY, None)
     if ELASTIC_KEY in state:
-        epoch, history = parse_elastic(state[ELASTIC_KEY])
-        state = {LoaderIterator.ROOT_KEY: elastic_root_state(nodes, epoch, history),
-                 LoaderIterator.NUM_YIELDED_KEY: 0}
+        parsed = parse_elastic(state[ELASTIC_KEY], problems)
+        root = None if parsed is None else problems.check(elastic_root_state, nodes, *parsed)
+        if root is None:
+            return state, None
+        state = {LoaderIterator.ROOT_KEY: root, LoaderIterator.NUM_YIELDED_KEY: 0}
     else:
         if fmt == 1:
             upgrade_v1(nodes, state[LoaderIterator.ROOT_KEY])
         if fmt < 4:
             upgrade_v3(nodes, state[LoaderIterator.ROOT_KEY])
         place_offset(nodes, state[LoaderIterator.ROOT_KEY])
-    checked = check_root_state(nodes, state[LoaderIterator.ROOT_KEY])
-    found = checked[0] if checked is not None else None
-    if progress is not None and found is not None and progress != found:
-        raise StateError(progress_mismatch(progress, found))
+    checked = check_root_state(nodes, state[LoaderIterator.ROOT_KEY], problems)
+    if progress is not None and checked is not None and progress != checked[0]:
+        problems.add(progress_mismatch(progress, checked[0]))
+    elif progress is not None and checked is None and not isinstance(progress, dict):
+        problems.add(f"loader state field {PROGRESS_KEY!r} must be a dict with fields "
+                     f"{sorted(_PROGRESS_FIELDS)}, got {progress!r}")
     return state, (None if checked is None else checked[1])
+
+
+def check_loader_state(nodes: list[BaseNode], state: dict[str, Any], *,
+                       snapshot_id: str | None, allow_snapshot_change: bool,
+                       fingerprint: StateFingerprint | None, from_nodes: bool,
+                       allow_state_change: bool) -> tuple[dict[str, Any], Resumed | None]:
+    """``load_state_dict``'s checks of a state (plain JSON data, a copy: fields are
+    popped): its top level, format, snapshot, fingerprint and node states. Every problem
+    found is named in one ``StateError`` (``state/problems.py``); checking stops only
+    where it cannot go on (no node states to read, a format this version cannot read, a
+    merged state's history unreadable). Returns the rank state torchdata's ``Loader``
+    loads and where it resumes (``loadable_state``)."""
+    problems = StateProblems()
+    readable = check_top_level(state, problems)
+    fmt = problems.check(read_format, state)
+    problems.check(check_snapshot, state, snapshot_id, allow_snapshot_change)
+    check_state_fingerprint(state, fmt, fingerprint, from_nodes, allow_state_change, problems)
+    resumed = None
+    if readable and fmt is not None:
+        state, resumed = loadable_state(nodes, state, fmt, problems)
+    problems.raise_any()
+    return state, resumed

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import StateError
 from ..sampling.schedule import UNEVEN_POLICIES
+from .problems import StateProblems
 
 # Fields whose change leaves the rest of the epoch exactly-once: the counters count windows
 # and draws, never batches, so another batch size (or drop_last) only cuts the remaining
@@ -126,39 +127,12 @@ class StateFingerprint:
     @classmethod
     def from_json(cls, obj: object, *, merged: bool) -> StateFingerprint:
         """Parse a state's fingerprint; a field missing, extra or of the wrong type is a
-        ValueError naming it (a merged state has no rank fields)."""
-        if not isinstance(obj, Mapping):
-            raise StateError(f"loader state field 'fingerprint' must be a dict, got {obj!r}")
-        want = {f.name: f for f in dataclasses.fields(cls)
-                if not (merged and f.name in RANK_FIELDS)}
-        missing = sorted(set(want) - set(obj) - set(OPTIONAL_FIELDS))
-        extra = sorted(set(obj) - set(want))
-        if missing or extra:
-            kind = "a merged" if merged else "a rank's"
-            raise StateError(
-                f"loader state field 'fingerprint' of {kind} state has "
-                f"{'no fields ' + str(missing) if missing else ''}"
-                f"{' and ' if missing and extra else ''}"
-                f"{'unknown fields ' + str(extra) if extra else ''} (expected {sorted(want)}); "
-                "load a state saved by state_dict() or merge_rank_states")
-        values = {}
-        for name in want:
-            if name not in obj:  # an optional field an older state lacks
-                continue
-            v = obj[name]
-            field_kind = _FIELD_KINDS[name]
-            ok = (isinstance(v, bool) if field_kind is bool else
-                  isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                  if field_kind is int else isinstance(v, str))
-            if not ok:
-                what = "an integer >= 0" if field_kind is int else field_kind.__name__
-                raise StateError(f"loader state field 'fingerprint.{name}' must be {what}, "
-                                 f"got {v!r}")
-            values[name] = v
-        if values["uneven"] not in UNEVEN_POLICIES:
-            raise StateError(f"loader state field 'fingerprint.uneven' must be one of "
-                             f"{UNEVEN_POLICIES}, got {values['uneven']!r}")
-        return cls(**values)
+        ValueError naming each (a merged state has no rank fields)."""
+        problems = StateProblems()
+        fingerprint = parse_fingerprint(obj, merged, problems)
+        problems.raise_any()
+        assert fingerprint is not None
+        return fingerprint
 
     def merged(self) -> StateFingerprint:
         """The fingerprint of a merged state: the same, without rank and world size."""
@@ -184,6 +158,46 @@ class StateFingerprint:
 _FIELD_KINDS: dict[str, type] = {
     f.name: {"str": str, "bool": bool, "int": int}[str(f.type).split(" |")[0]]
     for f in dataclasses.fields(StateFingerprint)}
+
+
+def parse_fingerprint(obj: object, merged: bool,
+                      problems: StateProblems) -> StateFingerprint | None:
+    """A state's fingerprint, or ``None`` with each field missing, extra or of the wrong
+    type (or value) added to ``problems`` (a merged state has no rank fields)."""
+    if not isinstance(obj, Mapping):
+        problems.add(f"loader state field 'fingerprint' must be a dict, got {obj!r}")
+        return None
+    before = len(problems)
+    want = [f.name for f in dataclasses.fields(StateFingerprint)
+            if not (merged and f.name in RANK_FIELDS)]
+    missing = sorted(set(want) - set(obj) - set(OPTIONAL_FIELDS))
+    extra = sorted(set(obj) - set(want))
+    if missing or extra:
+        kind = "a merged" if merged else "a rank's"
+        problems.add(
+            f"loader state field 'fingerprint' of {kind} state has "
+            f"{'no fields ' + str(missing) if missing else ''}"
+            f"{' and ' if missing and extra else ''}"
+            f"{'unknown fields ' + str(extra) if extra else ''} (expected {sorted(want)}); "
+            "load a state saved by state_dict() or merge_rank_states")
+    values = {}
+    for name in want:
+        if name not in obj:  # missing (named above), or optional and an older state's
+            continue
+        v = obj[name]
+        field_kind = _FIELD_KINDS[name]
+        ok = (isinstance(v, bool) if field_kind is bool else
+              isinstance(v, int) and not isinstance(v, bool) and v >= 0
+              if field_kind is int else isinstance(v, str))
+        if not ok:
+            what = "an integer >= 0" if field_kind is int else field_kind.__name__
+            problems.add(f"loader state field 'fingerprint.{name}' must be {what}, got {v!r}")
+        elif name == "uneven" and v not in UNEVEN_POLICIES:
+            problems.add(f"loader state field 'fingerprint.uneven' must be one of "
+                         f"{UNEVEN_POLICIES}, got {v!r}")
+        else:
+            values[name] = v
+    return None if len(problems) > before else StateFingerprint(**values)
 
 
 def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
