@@ -115,3 +115,29 @@ def state_after(loader: Any, batches: int, epochs: int = 0) -> dict[str, Any]:
     for _ in range(batches):
         next(it)
     return json.loads(json.dumps(loader.state_dict()))
+
+
+def write_wb2_like(path: Path, n_times: int = 24, levels: tuple[int, ...] = (50, 500, 850, 1000),
+                   seed: int = 3) -> Path:
+    """A small WeatherBench2-like store as xarray writes it (Zarr v2, consolidated):
+    ``temperature`` (time, level, latitude, longitude) on ``levels`` with a ``level``
+    coordinate, ``2m_temperature`` (time, latitude, longitude), a static ``land_sea_mask``;
+    6-hourly from 2020-01-01, 5x8 grid, one step a chunk."""
+    import pandas as pd
+    import xarray as xr
+
+    rng = np.random.default_rng(seed)
+    lat, lon = np.linspace(90, -90, 5), np.arange(0, 360, 45.0)
+    shape = (n_times, len(levels), 5, 8)
+    ds = xr.Dataset(
+        {"temperature": (("time", "level", "latitude", "longitude"),
+                         (200 + 10 * rng.standard_normal(shape)).astype("float32")),
+         "2m_temperature": (("time", "latitude", "longitude"),
+                            (280 + 5 * rng.standard_normal((n_times, 5, 8))).astype("float32")),
+         "land_sea_mask": (("latitude", "longitude"),
+                           (rng.random((5, 8)) > 0.5).astype("float32"))},
+        coords={"time": pd.date_range("2020-01-01", periods=n_times, freq="6h"),
+                "level": np.array(levels, dtype="int64"), "latitude": lat, "longitude": lon})
+    enc = {v: {"chunks": (1, *ds[v].shape[1:])} for v in ("temperature", "2m_temperature")}
+    ds.to_zarr(path, zarr_format=2, consolidated=True, encoding=enc)
+    return path

@@ -103,3 +103,61 @@ def test_resume_without_a_checkpoint_is_a_clear_usage_error(tmp_path, recipe):
     assert res.returncode == 2, res.stderr  # argparse's usage error, not a traceback
     assert f"--resume: there is no checkpoint at {str(missing)!r}" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.fixture(scope="module")
+def wb2_like(tmp_path_factory):
+    from stores import write_wb2_like
+
+    return write_wb2_like(tmp_path_factory.mktemp("wb2") / "wb2.zarr", n_times=48)
+
+
+WB2_CHANNELS = ["--channels", "temperature@500", "2m_temperature"]
+
+
+def test_train_resume_recipe_on_a_store_with_levels(wb2_like, tmp_path, capsys):
+    """Not the demo's names: a level and a surface field of a WB2-like store, stopped and
+    resumed; the recipe's ``main`` in this process."""
+    train_resume = _recipe("train_resume")
+    args = ["--store", str(wb2_like), "--checkpoint", str(tmp_path / "ck.pt"), "--every", "1",
+            "--epochs", "2", *WB2_CHANNELS]
+    train_resume.main([*args, "--stop-after", "1"])
+    first = capsys.readouterr().out
+    assert "channels ['temperature@500', '2m_temperature']" in first
+    assert "stopping after 1 steps" in first
+    train_resume.main([*args, "--resume"])
+    # 90% of 48 one-step chunks: 43 samples, 2 batches of 32 an epoch; 2 epochs: 4 steps
+    second = capsys.readouterr().out
+    assert "resumed at step 1" in second and "done: 4 steps" in second
+
+
+def test_lightning_recipe_on_a_store_with_levels(wb2_like, tmp_path):
+    """The Lightning recipe on a WB2-like store's level and surface field; its progress
+    bar shows the epoch's batches (43 samples, 3 batches of 16) and a finite epoch count."""
+    pytest.importorskip("lightning")
+    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "lightning_datamodule.py"),
+                          "--store", str(wb2_like), "--checkpoint", str(tmp_path / "l.ckpt"),
+                          "--max-steps", "4", *WB2_CHANNELS], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert "saved" in out and "at step 4" in out
+    bar = re.findall(r"Epoch (\d+)/(-?\d+)\D+?(\d+)/(\d+)", out)
+    assert bar and all(total == "3" and last == "1" for _, last, _, total in bar), bar[-3:]
+
+
+@pytest.mark.parametrize("recipe", ["train_resume", "lightning_datamodule"])
+def test_a_misspelled_channel_is_a_usage_error_before_anything_is_read(wb2_like, tmp_path,
+                                                                       capsys, recipe):
+    module = _recipe(recipe)
+    ckpt = tmp_path / "ck.pt"
+    with pytest.raises(SystemExit) as e:
+        module.main(["--store", str(wb2_like), "--checkpoint", str(ckpt), "--channels",
+                     "temperature@501", "2m_temperature"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"{Path(sys.argv[0]).name}: error: --channels: ")
+    assert "'temperature@501'" in line and "levels: [50, 500, 850, 1000]" in line
+    # nothing written: no split manifest, no checkpoint
+    assert list(tmp_path.iterdir()) == []
