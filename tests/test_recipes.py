@@ -161,3 +161,18 @@ def test_a_misspelled_channel_is_a_usage_error_before_anything_is_read(wb2_like,
     assert "'temperature@501'" in line and "levels: [50, 500, 850, 1000]" in line
     # nothing written: no split manifest, no checkpoint
     assert list(tmp_path.iterdir()) == []
+
+
+def test_forecast_recipe_on_a_store_with_levels(wb2_like, tmp_path, capsys):
+    """The forecast recipe with levels from the command line, in this process: it trains
+    on them; a misspelled level is a usage error before the statistics' pass."""
+    forecast = _recipe("forecast")
+    args = ["--store", str(wb2_like), "--epochs", "1", "--batch-size", "4"]
+    with pytest.raises(SystemExit) as bad:
+        forecast.main(args + ["--channels", "temperature@501", "2m_temperature"])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "temperature@501" in err.strip().splitlines()[-1]
+    forecast.main(args + WB2_CHANNELS)
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("epoch")]
+    assert len(lines) == 1 and "val loss" in lines[0]
