@@ -173,12 +173,20 @@ def _unsendable(source: Source) -> str | None:
     return None
 
 
-def resolve_workers(source: Source, f: FetchConfig, in_place_possible: bool) -> int:
+def decode_threads(f: FetchConfig, source: Source, in_place: bool) -> int:
+    """The decode threads a loader runs: ``fetch.decode_threads``, or the default for its
+    path (``default_decode_threads``: one sample per chunk decoded in place, or not)."""
+    return f.decode_threads or default_decode_threads(in_place and _one_sample_per_chunk(source))
+
+
+def resolve_workers(source: Source, f: FetchConfig, in_place_possible: bool,
+                    threads: int) -> int:
     """``fetch.workers`` as a number of processes: ``"auto"`` by ``default_workers`` wherever
     the loader can decode in place (every layout but ``decode="gpu"``, object stores with
     several samples per chunk included: the worker makes their copies), saying what it chose
-    in one INFO line: worker processes or decode threads, how many, and why. A source whose
-    arrays do not pickle cannot reach a worker: an error when workers were asked for."""
+    in one INFO line: worker processes or decode threads (``threads``: the loader's, if it
+    keeps them), how many, and why. A source whose arrays do not pickle cannot reach a
+    worker: an error when workers were asked for."""
     if isinstance(f.workers, int):
         auto, workers = False, f.workers
     else:  # "auto": the one string ``FetchConfig`` takes
@@ -197,9 +205,6 @@ def resolve_workers(source: Source, f: FetchConfig, in_place_possible: bool) -> 
                  WORKERS_FROM_CORES, f"; at most {MAX_WORKERS} workers"
                  if workers == MAX_WORKERS < cores - 1 else "")
         return workers
-    threads = f.decode_threads or default_decode_threads(
-        in_place_possible and (bool(f.in_place) or _in_place_by_default(source))
-        and _one_sample_per_chunk(source))
     log.info("insitubatch: decode threads, not worker processes: workers='auto' chose %d "
              "decode threads in this process: %s", threads,
              unsendable or _why_threads(in_place_possible))

@@ -24,6 +24,7 @@ from torchdata.nodes import BaseNode
 
 from .config import LoaderConfig, SampleConfig
 from .defaults import (
+    decode_threads,
     every_steps,
     in_place_possible,
     resolve_in_place,
@@ -90,6 +91,7 @@ class Resolved:
     layout: BatchLayout | None  # where each variable lands in a host-gathered batch
     in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
     workers: int  # decode worker processes (0: decode threads in this process)
+    decode_threads: int  # the decode pool's threads (``defaults.decode_threads``)
 
 
 def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
@@ -261,7 +263,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     layout = (build_layout(source.variables, channels, channels_key) if decoder is None
               else None)
     in_place = resolve_in_place(source, f, decoder)
-    workers = resolve_workers(source, f, in_place_possible(f, decoder))
+    workers = resolve_workers(source, f, in_place_possible(f, decoder),
+                              decode_threads(f, source, in_place))
     in_place = in_place or workers > 0  # "auto" workers decode in place
     block_chunks, run_chunks, prefetch = _window(source, config, grid, steps, in_place,
                                                  workers)
@@ -279,6 +282,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place, workers=workers,
+        decode_threads=decode_threads(f, source, in_place and layout is not None),
     )
 
 
@@ -431,7 +435,7 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     shared, pool, arena = _memory(resolved, ledger, ops if staged else None)
     fetch = AsyncFetchNode(node, source, max_inflight=f.max_inflight,
                            prefetch_windows=resolved.prefetch_windows,
-                           decode_threads=f.decode_threads, ledger=ledger, pool=pool,
+                           decode_threads=resolved.decode_threads, ledger=ledger, pool=pool,
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
                            batch_size=s.batch_size, prefetch_next_epoch=f.prefetch_next_epoch,
                            workers=resolved.workers, shared=shared, cache=f.cache,

@@ -77,8 +77,10 @@ def _auto_lines(caplog, monkeypatch, src, cores, **fetch):
     monkeypatch.setenv(defaults.CORES_ENV, str(cores))
     caplog.clear()
     f = FetchConfig(workers="auto", **fetch)
+    possible = defaults.in_place_possible(f, None)
+    threads = defaults.decode_threads(f, src, possible)
     with caplog.at_level("INFO", logger="insitubatch_nodes"):
-        workers = defaults.resolve_workers(src, f, defaults.in_place_possible(f, None))
+        workers = defaults.resolve_workers(src, f, possible, threads)
     return workers, [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
 
 
@@ -98,7 +100,15 @@ def test_auto_says_what_it_chose(tmp_path, monkeypatch, caplog):
     assert "the 4 from which worker processes start" in lines[0]
     workers, lines = _auto_lines(caplog, monkeypatch, src, 2)
     assert workers == 0 and len(lines) == 1, lines
-    threads = defaults.default_decode_threads(True)  # one sample a chunk, in place
+    # the count said is the loader's own: its fetch runs that many decode threads
+    import insitubatch_nodes as ib
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="insitubatch_nodes"), \
+            ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train") as ld:
+        threads = ld.node(ib.AsyncFetchNode).decode_threads
+    said = [r.getMessage() for r in caplog.records if "workers='auto' chose" in r.getMessage()]
+    assert said == lines, (said, lines)
     assert lines[0].startswith("insitubatch: decode threads, not worker processes: "
                                f"workers='auto' chose {threads} decode threads")
     assert "2 cores per rank" in lines[0] and "start from 4" in lines[0]
@@ -107,7 +117,7 @@ def test_auto_says_what_it_chose(tmp_path, monkeypatch, caplog):
     assert "chose 3 decode threads" in lines[0] and "in_place=False" in lines[0]
     caplog.clear()
     with caplog.at_level("INFO", logger="insitubatch_nodes"):
-        assert defaults.resolve_workers(src, FetchConfig(workers=2), True) == 2
+        assert defaults.resolve_workers(src, FetchConfig(workers=2), True, 1) == 2
     assert not caplog.records
 
 

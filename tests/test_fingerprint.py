@@ -103,7 +103,7 @@ def test_malformed_states_are_one_value_error(store, bad, match):
             split_samples(m, "train")
 
 
-def _node_state(state, key):
+def node_state(state, key):
     """The deepest stage state holding ``key`` (the offset: the fetch's, decoding in place)."""
     d, found = state["root"], None
     while isinstance(d, dict):
@@ -122,7 +122,7 @@ def _node_state(state, key):
 def test_out_of_range_node_fields_are_refused(store, field, value, match):
     src, m = store
     state, _ = saved_after(src, m)
-    _node_state(state, field)[field] = value
+    node_state(state, field)[field] = value
     state.pop("progress")  # else the progress/node mismatch is found first
     with ib.build_loader(src, m, "train", **KW) as ld, pytest.raises(ValueError, match=match):
         ld.load_state_dict(state)

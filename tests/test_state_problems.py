@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 from stores import Var, write_store
+from test_fingerprint import node_state
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.state.fingerprint import StateFingerprint
@@ -36,15 +37,6 @@ def saved(store):
         return ld.state_dict()
 
 
-def _node_state(state, key):
-    """The deepest stage state holding ``key``."""
-    d, found = state["root"], None
-    while isinstance(d, dict):
-        found = d if key in d else found
-        d = d.get("source")
-    return found
-
-
 def _refused(store, state, **kw):
     src, m = store
     with ib.build_loader(src, m, "train", **{**KW, **kw}) as ld:
@@ -72,16 +64,16 @@ def _each_once(lines, patterns):
 def test_two_independent_problems_are_named_in_one_error(store, saved):
     bad = copy.deepcopy(saved)
     bad["extra"] = 1
-    _node_state(bad, "epoch")["epoch"] = -1
+    node_state(bad, "epoch")["epoch"] = -1
     lines = _problems(_refused(store, bad))
     assert len(lines) == 2
     _each_once(lines, [UNKNOWN, EPOCH])
 
 
-def test_three_and_four_problems_top_level_fingerprint_and_node_state(store, saved):
+def test_three_and_four_problems_top_level_fingerprint_andnode_state(store, saved):
     bad = copy.deepcopy(saved)
     bad["extra"] = 1
-    _node_state(bad, "epoch")["epoch"] = -1
+    node_state(bad, "epoch")["epoch"] = -1
     bad["fingerprint"]["seed"] = "zero"
     lines = _problems(_refused(store, bad))
     assert len(lines) == 3
@@ -95,8 +87,8 @@ def test_three_and_four_problems_top_level_fingerprint_and_node_state(store, sav
 def test_every_bad_fingerprint_field_and_node_counter_is_named(store, saved):
     bad = copy.deepcopy(saved)
     bad["fingerprint"].update(seed=-1, drop_last="no", uneven="sometimes")
-    _node_state(bad, "offset")["offset"] = 1.5
-    _node_state(bad, "position")["position"] = "2"
+    node_state(bad, "offset")["offset"] = 1.5
+    node_state(bad, "position")["position"] = "2"
     lines = _problems(_refused(store, bad))
     _each_once(lines, [r"'fingerprint.seed' must be an integer >= 0, got -1",
                        r"'fingerprint.drop_last' must be bool, got 'no'",
@@ -127,7 +119,7 @@ def test_a_missing_root_is_named_beside_the_other_top_level_problems(store, save
 
 def test_one_problem_keeps_its_own_message(store, saved):
     bad = copy.deepcopy(saved)
-    _node_state(bad, "epoch")["epoch"] = -1
+    node_state(bad, "epoch")["epoch"] = -1
     message = _refused(store, bad)
     assert message.startswith("ChunkPermuteNode state field 'epoch' must be an integer >= 0")
     assert "problems" not in message

@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 from stores import Var, write_store, write_x_y
+from test_worker_recovery import assert_batches_equal, engine_of, rows, wait_ready
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.workers import deadlines, wire
@@ -29,31 +29,8 @@ KW = dict(batch_size=4, block_chunks=16, seed=7, prefetch_windows=4)
 SLACK_S = 8.0  # "a few seconds" on a shared 2-core machine: starts, imports, a reset
 
 
-def engine_of(loader):
-    return loader.node(ib.AsyncFetchNode).engine
-
-
-def rows(batch) -> dict:
-    return {k: v.numpy().copy() for k, v in batch.items()}
-
-
 def samples(batches) -> list[int]:
     return sorted(int(i) for b in batches for i in b["sample_index"])
-
-
-def assert_batches_equal(got, want):
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys()
-        for k in g:
-            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
-
-
-def wait_ready(engine, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while not all(p.ready for p in engine.procs):
-        assert time.monotonic() < deadline, "the workers did not get ready"
-        time.sleep(0.01)
 
 
 def warnings_of(caplog) -> list[str]:
