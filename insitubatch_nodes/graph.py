@@ -49,7 +49,7 @@ from .nodes import (
     ShuffleBufferNode,
     SplitNode,
 )
-from .nodes.channels import resolve_channels
+from .nodes.channels import resolve_channels, served_by
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .sampling.geometry import SampleGrid
 from .sampling.permute import resolve_rank
@@ -282,7 +282,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place, workers=workers,
-        decode_threads=decode_threads(f, source, in_place and layout is not None),
+        decode_threads=decode_threads(f, source, in_place),
     )
 
 
@@ -323,8 +323,7 @@ def _stacking(source: Source, sm: SampleConfig,
     only the channels' variables, so the others are neither read nor in the batch;
     variables named in ``open_source(variables=)`` are all served, beside the channels."""
     channels = tuple(resolve_channels(source, sm.channels)) if sm.channels else None
-    if channels and not source.variables_given:
-        source = source.narrowed([ch.variable for ch in channels])
+    source = served_by(source, channels or ())
     key = CHANNELS_KEY
     if source.selection is not None:
         if channels:

@@ -112,8 +112,8 @@ def _patch_stage(source: Source, sm: SampleConfig) -> Stage:
                          f"grid, but their last {k} dims differ: {shapes}; open the "
                          "variables of one grid (open_source(variables=...))")
     spatial = next(iter(shapes.values()))
-    # the size checked against the grid here, in the plan (before any worker starts), and
-    # the patch corners computed once
+    # the size checked against the grid here, in the plan, before any worker starts
+    # (PatchNode, given the shape, computes its corners once when it is built)
     patch_origins(spatial, size, sm.patch_stride)
     return Stage(lambda n: PatchNode(n, size, sm.patch_stride, spatial_shape=spatial),
                  PatchNode.keeps_batch_memory)

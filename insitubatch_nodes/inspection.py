@@ -25,8 +25,8 @@ from .io.partial.blocks import Whole, plan_frame
 from .io.partial.ranges import PartSpec
 from .io.reader import StripeReader
 from .memory.budget import largest_block_chunks, parse_bytes, resident_bound
-from .memory.layout import build_layout
-from .nodes.channels import resolve_channels
+from .memory.layout import Channel, build_layout
+from .nodes.channels import resolve_channels, served_by
 from .sampling.quality import recommend_block_chunks, shuffle_quality
 from .sampling.windows import SampleWindow, default_run_chunks
 from .store.source import Source
@@ -126,13 +126,11 @@ def _measure_sizes(reader: StripeReader, samples: int) -> tuple[list[int], int]:
     return sizes, missing
 
 
-def _channel_parts(source: Source, channels: Sequence[str | tuple[str, Any]] | None,
-                   ) -> list[PartSpec | None]:
-    """Per variable, what ``channels`` take of its samples (``None``: all of it)."""
-    picks = channels if channels else source.selection
-    if not picks:
+def _channel_parts(source: Source, channels: Sequence[Channel]) -> list[PartSpec | None]:
+    """Per variable, what ``channels`` (resolved) take of its samples (``None``: all)."""
+    if not channels:
         return [None] * len(source.variables)
-    layout = build_layout(source.variables, resolve_channels(source, picks))
+    layout = build_layout(source.variables, channels)
     return [PartSpec.for_slot(tuple((pl.key, None, pl) for pl in pls), g.sample_shape)
             for pls, g in zip(layout.placements, source.variables, strict=True)]
 
@@ -370,9 +368,9 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
     figures of what a loader with them reads (only the channels' variables, where
     ``open_source`` discovered the variables)."""
     chosen = resolve_channels(source, channels) if channels else []
-    if chosen and not source.variables_given:
-        source = source.narrowed([c.variable for c in chosen])
-    parts = _channel_parts(source, channels)
+    source = served_by(source, chosen)
+    picks = chosen or (resolve_channels(source, source.selection) if source.selection else [])
+    parts = _channel_parts(source, picks)
     variables = tuple(inspect_variable(a, g, source.url, sample_objects, part)
                       for a, g, part in zip(source.arrays, source.variables, parts,
                                             strict=True))

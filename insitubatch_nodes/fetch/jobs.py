@@ -400,10 +400,7 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
     lazy = LazyRows(arena, s.where, arena.generation) if unique else None
     if grouped:  # every variable of a few samples a task (items: a sample's together)
         row_bytes = np.asarray([arena.layout.row_nbytes(v) for v in range(n_vars)])
-        if n_vars == 1:
-            nbytes, runs = np.full(src.size, row_bytes[0]), batch[src]
-        else:
-            nbytes, runs = np.tile(row_bytes, src.size), np.repeat(batch[src], n_vars)
+        nbytes, runs = np.tile(row_bytes, src.size), np.repeat(batch[src], n_vars)
         cuts = cut_jobs(nbytes, threads, THREAD_LIMITS, runs)
         jobs = [items[a:z] for a, z in pairwise(cuts)]
     else:

@@ -18,6 +18,15 @@ from ..store.statistics import GRID_DIMS
 from .transform import TransformNode
 
 
+def served_by(source: Source, channels: Sequence[Channel]) -> Source:
+    """The source a loader given ``channels`` serves: where ``open_source`` discovered the
+    variables (none named), only the channels' variables, so no other is read; else the
+    source as opened (variables named are served beside the channels)."""
+    if channels and not source.variables_given:
+        return source.narrowed([c.variable for c in channels])
+    return source
+
+
 def resolve_channels(source: Source, channels: Sequence[str | tuple[str, Any]]) -> list[Channel]:
     """``["t2m", "z", ("t", 850), "t@500"]`` -> channels: a name alone is the variable
     (every level of it, in the order of its level coordinate, when it has a level axis) or a

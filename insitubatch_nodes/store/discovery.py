@@ -14,7 +14,7 @@ import zarr
 
 from ..errors import StoreError, UnknownNameError
 
-_NUMERIC_KINDS = "biufc"
+NUMERIC_KINDS = "biufc"  # dtype kinds that become tensors
 
 
 def is_coordinate(name: str, arr: zarr.Array) -> bool:
@@ -73,7 +73,7 @@ def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) ->
             skipped.append((name, "a scalar"))
         elif is_coordinate(name, arr):
             continue
-        elif np.dtype(arr.dtype).kind not in _NUMERIC_KINDS:
+        elif np.dtype(arr.dtype).kind not in NUMERIC_KINDS:
             skipped.append((name, f"dtype {arr.dtype} cannot become a tensor"))
         else:
             data[name] = arr

@@ -20,10 +20,9 @@ from ..errors import ConfigTypeError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
 from .arrays import array_in
-from .discovery import check_chosen, dimension_names, discover
+from .discovery import NUMERIC_KINDS, check_chosen, dimension_names, discover
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
-_NUMERIC_KINDS = "biufc"
 # zarr's ZarrUserWarning for numcodecs codecs in a v3 array (message prefix)
 NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
 __all__ = ["Source", "open_icechunk", "open_source", "redact_url"]
@@ -321,7 +320,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
     for name in chosen:
         arr = arrays[name]
         dtype = np.dtype(arr.dtype)
-        if dtype.kind not in _NUMERIC_KINDS:
+        if dtype.kind not in NUMERIC_KINDS:
             raise ConfigTypeError(
                 f"variable {name!r} in {display!r} has dtype {dtype} ({arr.dtype!r}); only "
                 "numeric dtypes (bool, integers, floats, complex) can become tensors. Leave it "

@@ -128,7 +128,7 @@ class Stats:
         """The statistics kept over a labelled axis (an anemoi dataset's ``data`` along its
         variables) that hold ``label`` as one of their rows."""
         for v in self.variables:
-            if len(v.kept_dims) == 1 and label in v.coords and isinstance(label, str):
+            if len(v.kept_dims) == 1 and label in v.coords:
                 return v
         return None
 
@@ -199,8 +199,6 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     if isinstance(keep_dims, str):
         keep_dims = (keep_dims,)
     names = list(variables) if variables is not None else list(source.names)
-    for name in names:
-        source.variable(name)  # an unknown name before the long pass
     # The store's missing dates (anemoi's missing_dates) hold no data: the loader never
     # serves them, and their fill values (NaN) made every statistic NaN.
     ids = np.setdiff1d(manifest.chunk_ids(split), chunks_touching(source.missing, source.grid))
@@ -209,8 +207,9 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     # (name, array, axes reduced over, names of the dims kept)
     plans: list[tuple[str, zarr.Array, tuple[int, ...], tuple[str, ...]]] = []
     coords: dict[str, tuple[Any, ...]] = {}
+    by_dim: dict[str, tuple[Any, ...]] = {}  # a coordinate read once, whoever keeps it
     for name in names:
-        g = source.variable(name)
+        g = source.variable(name)  # an unknown name: refused here, before the long pass
         dims = g.dimension_names or tuple(f"dim_{i}" for i in range(len(g.shape)))
         keep = default_kept_dims(g.dimension_names or ()) if keep_dims is None else keep_dims
         # a kept dim is one named in keep_dims: a str, never an unnamed (None) dim
@@ -223,10 +222,12 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
             if g.labels is not None and list(dims).index(dim) == 1:
                 coords[name] = tuple(g.labels)  # anemoi: the variable axis's names
             else:
-                try:
-                    coords[name] = tuple(source.coordinate(dim).tolist())
-                except (KeyError, ValueError):
-                    coords[name] = ()
+                if dim not in by_dim:
+                    try:
+                        by_dim[dim] = tuple(source.coordinate(dim).tolist())
+                    except (KeyError, ValueError):
+                        by_dim[dim] = ()
+                coords[name] = by_dim[dim]
     acc: dict[str, Moments] = {}
     it: Iterable[int] = ids.tolist()
     if progress:

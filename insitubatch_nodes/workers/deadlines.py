@@ -5,11 +5,11 @@ engine without a message or a wake-up of either side.
 ``memfd`` the engine makes and the worker inherits at its start, ``procs.start_worker``):
 two float64 cells, the id of the job it runs (``IDLE``, -1, between jobs) and
 ``time.monotonic()`` when it took that job or went idle. The worker writes them at each
-job's start and end with no system call (a store into its mapping; the clock is read
-through the vDSO); ``CLOCK_MONOTONIC`` is the same clock in every process of a Linux
-machine. The engine reads them only at its ticks (``WorkerEngine``, at most once a second)
-and when a worker died (``deaths``: the job it was running is the only one to blame). So
-the healthy path pays nothing per job on the training process: no answer per job, no
+job's start and end with no system call (a store into its mapping; the clock is read through
+the vDSO); ``CLOCK_MONOTONIC`` is the same clock in every process of a Linux machine. The
+engine reads them only at its ticks (``WorkerEngine``, every ``min(1 s, job_timeout_s /
+4)``) and when a worker died (``deaths``: the job it was running is the only one to blame).
+So the healthy path pays nothing per job on the training process: no answer per job, no
 timer, no wake-up.
 
 **The deadlines** (``overdue``), each ``fetch.worker_timeout_s`` (``job_timeout_s``):
@@ -102,7 +102,6 @@ class Watched(Protocol):
     ready: bool
     started: float  # when its process was started
     sent_at: float  # when the engine last gave it a job
-    killed: str | None
     status: StatusPage
 
     @property
@@ -112,9 +111,7 @@ class Watched(Protocol):
 def overdue(proc: Watched, now: float, job_timeout_s: float,
             start_timeout_s: float) -> str | None:
     """Why ``proc`` is to be killed now (the words go after "decode worker N (pid P)"),
-    or ``None``."""
-    if proc.killed is not None:  # killed already: its end is on its way
-        return None
+    or ``None``; the engine asks only of workers not killed yet."""
     if not proc.ready:
         waited = now - proc.started
         if waited > start_timeout_s:

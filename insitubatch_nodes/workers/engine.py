@@ -268,13 +268,9 @@ class WorkerEngine(Deaths):
             while self._send_round(self._pick()):
                 pass
         finally:
-            flush = self._sender.flush
             for proc in self.procs:  # (one a death here replaced has its setup to write)
                 if proc.outbox and not proc.writing and not proc.gone:
-                    try:
-                        flush(proc)
-                    except OSError:
-                        self._died(proc)
+                    self._flush(proc)
 
     def _pick(self) -> list[tuple[WorkerProc[Task], int, Task]]:
         """Under one lock, every job the ready workers' credit takes, each counted out and

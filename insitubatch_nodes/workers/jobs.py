@@ -153,7 +153,7 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
         assert plan.slots is not None
         t = _one_slot_each(kept, n_vars, plan.slots.batch_size)
         # a job per batch, the first split across the workers (``sampling.cuts``)
-        nbytes = np.asarray(row_bytes, dtype=np.int64)[t[:, VAR]]
+        nbytes = np.tile(np.asarray(row_bytes, dtype=np.int64), len(t) // n_vars)
         cuts = cut_jobs(nbytes, workers, WORKER_LIMITS, t[:, BATCH])
         return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
                             arena.generation)

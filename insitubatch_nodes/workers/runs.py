@@ -69,12 +69,11 @@ class WindowRun:
             finally:
                 self.waiting -= 1
 
-    def finished(self) -> bool:
+    def done(self) -> bool:
         """No worker will write for this window any more: every job done, or it was
-        cancelled or failed and nothing of it is out."""
+        cancelled or failed and nothing of it is out (``Future.done``, as the fetch's other
+        windows)."""
         return self.left == 0 or ((self.cancelled or self.failed is not None) and self.out == 0)
-
-    done = finished  # the name the fetch's windows share (``Future.done``, ``DirectWindow``)
 
 
 def few(items: list) -> str:
