@@ -12,7 +12,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, UnknownNameError
 from ..store.arrays import array_in
-from ..store.discovery import discover
+from ..store.discovery import discover, static_only
 from ..store.source import Source
 from ..store.storage import explain, open_url
 from .transform import TransformNode
@@ -25,7 +25,9 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
 
     ``url`` is a store (the data's own or a second one) or an opened ``Source``; without
     ``variables``, every static field found there is read (``Source.static``: the numeric
-    arrays without the sample dimension, as WeatherBench2 and ARCO-ERA5 keep them).
+    arrays without the sample dimension, as WeatherBench2 and ARCO-ERA5 keep them); in a
+    store of static fields only (an ERA5 invariants store, no time or sample axis
+    anywhere), every numeric array but the coordinates.
     """
     import zarr
 
@@ -43,8 +45,15 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
         display, found = opened.display, None
     have = sorted(group.array_keys())
     if variables is None:
+        arrays = None
         if found is None:  # only when asked: it opens every array of the group
-            found = discover(dict(group.arrays())).static
+            arrays = dict(group.arrays())
+            found = discover(arrays).static
+        if not found:
+            # A store of static fields only (an ERA5 invariants store): no array has a
+            # time or sample axis, so ``discover`` took a grid dim for the sample axis and
+            # left nothing static. Every numeric array that is not a coordinate is a field.
+            found = static_only(arrays if arrays is not None else dict(group.arrays()))
         if not found:
             raise ConfigError(f"no static fields (numeric arrays without the sample dimension) "
                              f"in {display}; arrays there: {have}. Name them: "

@@ -112,6 +112,43 @@ def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) ->
     return Discovery(sample_dim, tuple(sorted(served)), tuple(static), tuple(skipped))
 
 
+def is_time_like(dim: str, arrays: Mapping[str, zarr.Array]) -> bool:
+    """Whether ``dim`` is a time or sample axis: one of the usual names (``time``,
+    ``valid_time``, ``date``, ``dates``, ``sample``), or a dimension whose coordinate holds
+    datetimes (datetime64, or CF-encoded: units "<unit> since <date>")."""
+    if dim in _SAMPLE_DIM_NAMES:
+        return True
+    coord = arrays.get(dim)
+    if coord is None:
+        return False
+    if np.dtype(coord.dtype).kind == "M":
+        return True
+    units = coord.attrs.get("units")
+    return isinstance(units, str) and " since " in units
+
+
+def static_only(arrays: Mapping[str, zarr.Array]) -> tuple[str, ...]:
+    """The fields of a group that holds static fields only (an ERA5 invariants store:
+    ``lsm(latitude, longitude)``, ``z(latitude, longitude)`` and the 1-D coordinates):
+    every numeric array that is not a coordinate, when each of them names its dimensions
+    and none of those is a time or sample axis (``is_time_like``). Empty otherwise, so a
+    group with a sample axis keeps ``discover``'s reading, and one without dimension names
+    is not guessed at. ``discover`` itself still takes a leading dim as the sample axis
+    (``open_source`` can serve such a group along ``latitude``); ``open_static`` asks this
+    when ``discover`` finds no static field."""
+    fields = []
+    for name, arr in sorted(arrays.items()):
+        if arr.ndim < 1 or is_coordinate(name, arr):
+            continue
+        if np.dtype(arr.dtype).kind not in NUMERIC_KINDS:
+            continue
+        dims = dimension_names(arr)
+        if dims is None or any(d is None or is_time_like(d, arrays) for d in dims):
+            return ()
+        fields.append(name)
+    return tuple(fields)
+
+
 def what_is_there(arrays: Mapping[str, zarr.Array], sample_dim: str | None) -> str:
     """The group's arrays by kind, for an error: what can be served, the static fields,
     the coordinates."""
