@@ -394,3 +394,36 @@ def test_workers_serve_the_same_batches_as_threads_on_a_join(stores):
         got, want = epoch(w), epoch(t)
     same_batches(got, want)
     check_rows(got, xr.merge([stores["levels"][1], stores["single"][1]]), (*PL, *SL), n=48)
+
+
+# -- statistics and inspect --------------------------------------------------------------
+def test_statistics_of_a_join_and_of_a_concat_with_a_gap_are_xarrays(stores):
+    join = ib.join([open_(stores, "levels"), open_(stores, "single")])
+    merged = xr.merge([stores["levels"][1], stores["single"][1]])
+    stats = ib.compute_stats(join, ib.split_by_chunk(join, (1.0,)), progress=False)
+    t = stats["temperature"]  # per level, by default
+    assert t.kept_dims == ("level",) and t.coords == tuple(LEVELS.tolist())
+    grid = ("time", "latitude", "longitude")
+    want = merged["temperature"].astype("float64")
+    np.testing.assert_allclose(t.mean, want.mean(grid).values, rtol=1e-12)
+    np.testing.assert_allclose(t.std, want.std(grid).values, rtol=1e-10)
+    t2m = stats["2m_temperature"]
+    assert t2m.min == float(merged["2m_temperature"].min())
+    assert t2m.max == float(merged["2m_temperature"].max())
+    gap = ib.concat([open_(stores, "before-gap"), open_(stores, "after-gap")])
+    s = ib.compute_stats(gap, ib.split_by_chunk(gap, (1.0,)), progress=False)["2m_temperature"]
+    want = xr.concat([stores["before-gap"][1], stores["after-gap"][1]], dim="time")
+    assert np.isfinite(s.mean)  # the gap holds no data and is not counted
+    np.testing.assert_allclose(s.mean, want["2m_temperature"].astype("float64").mean().item(),
+                               rtol=1e-12)
+    assert s.count == want["2m_temperature"].size
+
+
+def test_inspect_lists_the_members(stores):
+    from insitubatch_nodes.inspection import format_report, inspect_source
+
+    src = ib.concat([open_(stores, "early"), open_(stores, "late")])
+    text = format_report(inspect_source(src, quality=None, sample_objects=2))
+    for m in src.members:
+        assert m.url in text
+    assert "48 samples" in text
