@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
     from .state.fingerprint import StateFingerprint
     from .state.ranks import merge_rank_states
     from .store.discovery import Discovery, discover
+    from .store.anemoi_spec import open_anemoi
+    from .store.compose import concat, join
+    from .store.served import Member
     from .store.source import Source, open_icechunk, open_source
     from .store.splits import SplitManifest, split_by_chunk, split_by_coordinate
     from .store.statistics import Stats, VariableStats, compute_stats, dataset_stats
@@ -132,6 +135,10 @@ _EXPORTS = {
     "discover": ".store.discovery",
     "open_icechunk": ".store.source",
     "open_source": ".store.source",
+    "Member": ".store.served",
+    "join": ".store.compose",
+    "concat": ".store.compose",
+    "open_anemoi": ".store.anemoi_spec",
     "SplitManifest": ".store.splits",
     "split_by_chunk": ".store.splits",
     "split_by_coordinate": ".store.splits",
@@ -175,5 +182,5 @@ __all__ = [
     "WorkerError", "ConfigTypeError", "LoaderUsageError", "LocalFileError",
     "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",
     "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "UsageTypeError",
-    "InternalError", "TestServerError",
+    "InternalError", "TestServerError", "join", "concat", "Member", "open_anemoi",
 ]

@@ -36,12 +36,13 @@ from .errors import (
 )
 from .graph import Resolved, resolve
 from .graph_stages import transform_stages
+from .io.composed_reader import open_reader
 from .io.loop_thread import LoopThread
-from .io.reader import StripeReader
 from .io.retry import RetryPolicy
 from .memory.budget import parse_bytes
 from .nodes import GatherNode
 from .sampling.items import BatchDraw, GatherPart
+from .store.composed_array import stored_arrays
 from .store.source import Source
 from .store.splits import SplitManifest
 
@@ -96,12 +97,13 @@ class _Process:
                 arrays = pickle.loads(pickle.dumps(arrays))
             except Exception:
                 arrays = source.arrays  # a store that cannot pickle: use it as it is
-        self.readers = tuple(StripeReader(a, g, source.url)
-                             for a, g in zip(arrays, source.variables, strict=True))
+        origins = [source.origin(i) for i in range(len(source.variables))]
+        self.readers = tuple(open_reader(a, g, url) for a, g, (url, _) in
+                             zip(arrays, source.variables, origins, strict=True))
         fetch = resolved.config.fetch
         if fetch.cache is not None:  # the loader's local chunk cache, shared with it
-            for reader in self.readers:
-                reader.use_cache(fetch.cache, source.snapshot_id)
+            for reader, (_, snapshot) in zip(self.readers, origins, strict=True):
+                reader.use_cache(fetch.cache, snapshot)
         self.retry = fetch.retry or RetryPolicy()
         self.cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.nbytes = self.hits = self.misses = 0
@@ -229,7 +231,7 @@ class SampleDataset(Dataset):
         # obstore's and icechunk's clients run on a runtime whose threads stay in the parent:
         # a forked worker hangs on its first read, even with fresh clients (measured)
         self._fork_safe = all(isinstance(a.store_path.store, _FORK_SAFE_STORES)
-                              for a in source.arrays)
+                              for arr in source.arrays for a in stored_arrays(arr))
         # what to give DataLoader(multiprocessing_context=...): None (fork) for local files
         self.multiprocessing_context: str | None = None if self._fork_safe else "forkserver"
         self._proc: _Process | None = _Process(source, self.resolved, self.cache_bytes,

@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .io.device_decode import FrameDecoder
 from .io.reader import groups_reads
 from .sampling.windows import SampleWindow, default_run_chunks
+from .store.composed_array import stored_arrays
 from .store.source import Source
 from .workers.engine import CREDIT
 
@@ -241,7 +242,8 @@ def _in_place_by_default(source: Source) -> bool:
     several samples per chunk on local files, where the scatter copy runs on the decode
     threads (measured: README "Speed"); a remote store's reads await on the event loop,
     which would make the copies there, so its windows are gathered as before."""
-    return _one_sample_per_chunk(source) or all(groups_reads(a) for a in source.arrays)
+    return _one_sample_per_chunk(source) or all(groups_reads(a) for arr in source.arrays
+                                                for a in stored_arrays(arr))
 
 
 def _not_in_place(decoder: FrameDecoder | None) -> str | None:

@@ -12,7 +12,7 @@ target, capped by the memory budget through the loader's own resident bound (the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,8 +27,10 @@ from .io.reader import StripeReader
 from .memory.budget import largest_block_chunks, parse_bytes, resident_bound
 from .memory.layout import Channel, build_layout
 from .nodes.channels import resolve_channels, served_by
+from .sampling.geometry import VariableGeometry
 from .sampling.quality import recommend_block_chunks, shuffle_quality
 from .sampling.windows import SampleWindow, default_run_chunks
+from .store.composed_array import ComposedArray
 from .store.source import Source
 
 READ_PATHS = {
@@ -101,6 +103,8 @@ class StoreReport:
     static: tuple[str, ...] = ()  # fields without the sample axis (open_static)
     # the channels asked for, by name: the figures above are then a loader's given them
     channels: tuple[str, ...] = ()
+    # a composed source (join, concat, period): each store it reads, described
+    members: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -371,9 +375,10 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
     source = served_by(source, chosen)
     picks = chosen or (resolve_channels(source, source.selection) if source.selection else [])
     parts = _channel_parts(source, picks)
-    variables = tuple(inspect_variable(a, g, source.url, sample_objects, part)
-                      for a, g, part in zip(source.arrays, source.variables, parts,
-                                            strict=True))
+    variables = tuple(inspect_variable(a, g, url, sample_objects, part)
+                      for arr, geom, part in zip(source.arrays, source.variables, parts,
+                                                 strict=True)
+                      for a, g, url in _stored(arr, geom, source.url))
     rec = (recommend(source, quality, memory_budget, batch_size, prefetch_windows,
                      steps=steps) if quality is not None else None)
     return StoreReport(url=source.url, n_samples=source.n_samples,
@@ -381,7 +386,18 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
                        sample_nbytes=source.sample_nbytes, variables=variables,
                        recommendation=rec, sample_axis=_sample_axis(source),
                        coordinates=_coordinates(source), static=tuple(source.static),
-                       channels=tuple(c.label or c.variable for c in chosen))
+                       channels=tuple(c.label or c.variable for c in chosen),
+                       members=tuple(m.describe() for m in source.members))
+
+
+def _stored(arr: zarr.Array | ComposedArray, geom: VariableGeometry,
+            url: str) -> list[tuple[zarr.Array, VariableGeometry, str]]:
+    """The stored arrays a served variable reads: a composed one's, each named for its
+    member, so the report shows every store's chunking and read path."""
+    if not isinstance(arr, ComposedArray):
+        return [(arr, geom, url)]
+    return [(a, replace(g, name=f"{geom.name} [member {m}]"), u)
+            for m, (a, g, u) in enumerate(zip(arr.arrays, arr.geoms, arr.urls, strict=True))]
 
 
 def _mb(n: float | None) -> str:
@@ -397,7 +413,7 @@ def format_report(r: StoreReport) -> str:
     served = ("all variables" if not r.channels else
               "the variables a loader given these channels reads: "
               + ", ".join(v.name for v in r.variables))
-    lines = [f"store {r.url}",
+    lines = [f"store {r.url}", *(f"  {m}" for m in r.members),
              f"  {r.n_samples} samples along the sample axis, {_mb(r.sample_nbytes)} per sample "
              f"({served}); loader chunks of {r.samples_per_chunk} samples: {r.n_chunks}"]
     if r.channels:

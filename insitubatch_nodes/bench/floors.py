@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import insitubatch_nodes as ib
+from insitubatch_nodes.io.composed_reader import Reader, open_reader
 from insitubatch_nodes.io.reader import StripeReader
 
 from .common import Run, usage, usage_extra
@@ -32,7 +33,7 @@ class _Floor:
     """What the floors share: their readers, the passes timed so far, and the best as a
     ``Run``."""
 
-    readers: list[StripeReader]
+    readers: list[Reader]
     seconds: list[float]
     usage: list[np.ndarray]
 
@@ -47,8 +48,8 @@ class _Floor:
                    cpu_s=float(self.usage[best][0]),
                    extra={**usage_extra(self.usage[best]), "mode": self.mode,
                           "all_seconds": self.seconds,
-                          "decoder": [r.decoder.chain if r.decoder else None
-                                      for r in self.readers]})
+                          "decoder": [r.decoder.chain if isinstance(r, StripeReader)
+                                      and r.decoder else None for r in self.readers]})
 
 
 class StripeFloor(_Floor):
@@ -62,8 +63,8 @@ class StripeFloor(_Floor):
 
     def __init__(self, source: ib.Source, chunk_ids: np.ndarray, threads: int,
                  max_inflight: int = 32) -> None:
-        self.readers = [StripeReader(a, g, source.url)
-                        for a, g in zip(source.arrays, source.variables, strict=True)]
+        self.readers = [open_reader(a, g, source.origin(i)[0]) for i, (a, g) in
+                        enumerate(zip(source.arrays, source.variables, strict=True))]
         self.local = all(r.mode == "local" for r in self.readers)
         self.jobs = _split_jobs(source, chunk_ids)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="floor")
@@ -137,8 +138,8 @@ class GatherFloor(_Floor):
 
     def __init__(self, source: ib.Source, chunk_ids: np.ndarray, threads: int,
                  block_chunks: int, batch_size: int, seed: int) -> None:
-        self.readers = [StripeReader(a, g, source.url)
-                        for a, g in zip(source.arrays, source.variables, strict=True)]
+        self.readers = [open_reader(a, g, source.origin(i)[0]) for i, (a, g) in
+                        enumerate(zip(source.arrays, source.variables, strict=True))]
         grid, geoms = source.grid, source.variables
         rng = np.random.default_rng(seed)
         ids = rng.permutation(np.asarray(chunk_ids, dtype=np.int64))

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ConfigError
+from ..io.composed_reader import Reader
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
@@ -27,12 +29,18 @@ from .submit import FetchContext, stripe_jobs
 log = logging.getLogger("insitubatch_nodes")
 
 
-def window_decoder_for(device_decode: FrameDecoder, readers: Sequence[StripeReader],
+def window_decoder_for(device_decode: FrameDecoder, readers: Sequence[Reader],
                        arrays: Sequence[Any], stats: FetchStats) -> WindowDecoder:
     """The device decoder of the variables whose chain the device decodes; one log line
     for each variable that stays on the CPU, saying why."""
     chains: dict[int, DeviceChain] = {}
-    for v, (reader, arr) in enumerate(zip(readers, arrays, strict=True)):
+    plain = [r for r in readers if isinstance(r, StripeReader)]
+    if len(plain) < len(readers):
+        composed = [r.geom.name for r in readers if not isinstance(r, StripeReader)]
+        raise ConfigError(f"variables {composed} are composed of several stored arrays (a "
+                          "join on other dates, a concat or a period), which the GPU decoder "
+                          "does not read: build the loader with fetch.device_decode=None")
+    for v, (reader, arr) in enumerate(zip(plain, arrays, strict=True)):
         chain = device_chain_for(arr)
         if isinstance(chain, HostOnly):
             log.warning("insitubatch: variable %r decodes on the CPU, not on %s: %s "
@@ -40,7 +48,7 @@ def window_decoder_for(device_decode: FrameDecoder, readers: Sequence[StripeRead
                         chain.reason, chain.chain)
         else:
             chains[v] = chain
-    decoder = WindowDecoder(device_decode, readers, chains)
+    decoder = WindowDecoder(device_decode, plain, chains)
     decoder.times = stats.read
     return decoder
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from ..io.composed_reader import Reader
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
-from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
@@ -99,7 +99,7 @@ class DirectWindow:
         return DecodedWindow(self.plan, arrays)
 
 
-def read_local_items(items: list[tuple[StripeReader, int, np.ndarray | Scatter]],
+def read_local_items(items: list[tuple[Reader, int, np.ndarray | Scatter]],
                       submitted: float | None) -> None:
     """Read and decode each ``(reader, stripe, out)`` on this pool thread, in order."""
     for reader, index, out in items:
@@ -183,7 +183,7 @@ class Scatter:
     keep: np.ndarray | None = None
     part: PartSpec | None = None  # the levels the slots take: only their blocks decoded
 
-    def target(self, reader: StripeReader, scratch: bool = True) -> np.ndarray:
+    def target(self, reader: Reader, scratch: bool = True) -> np.ndarray:
         """The buffer to decode the stripe into: the held one, else the slot filler's
         (``memory.slots.stripe_target``: its one slot, or this thread's scratch;
         ``scratch=False``: a fresh one, for reads that await on the event loop)."""
@@ -233,7 +233,7 @@ Ready = tuple[int, int, int, "np.ndarray | Scatter"]
 _SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
 
 
-def read_item(reader: StripeReader, index: int, out: np.ndarray | Scatter,
+def read_item(reader: Reader, index: int, out: np.ndarray | Scatter,
               submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
     """Read and decode one in-place item on this pool thread; with ``retry``, with its
     tries and error notes (an item alone in its task, or each of a failed group's)."""

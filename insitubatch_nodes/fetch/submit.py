@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..io.composed_reader import Reader
 from ..io.loop_thread import LoopThread
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
-from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool
@@ -43,7 +43,7 @@ class FetchContext:
     """What every submit path reads with: the node's readers, buffers, retries, counters
     and (in place) arena, fixed when the node is built."""
 
-    readers: tuple[StripeReader, ...]
+    readers: tuple[Reader, ...]
     pool: BufferPool
     retry: RetryPolicy
     stats: FetchStats

@@ -31,9 +31,9 @@ from ..fetch.thread_submit import ThreadSubmit
 from ..fetch.windows import Entry, EpochWindows, made
 from ..fetch.worker_submit import WorkerSubmit
 from ..io.chunk_cache import ChunkCache
+from ..io.composed_reader import Reader, open_reader
 from ..io.device_decode import FrameDecoder, WindowDecoder
 from ..io.loop_thread import LoopThread
-from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool, MemoryLedger
@@ -163,13 +163,14 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         self._cut = BatchCut()
 
     def _open_readers(self, dataset: Source,
-                      cache: ChunkCache | None) -> tuple[StripeReader, ...]:
-        readers = tuple(StripeReader(a, g, dataset.url)
-                        for a, g in zip(dataset.arrays, dataset.variables, strict=True))
-        for r in readers:
+                      cache: ChunkCache | None) -> tuple[Reader, ...]:
+        origins = [dataset.origin(i) for i in range(len(dataset.variables))]
+        readers = tuple(open_reader(a, g, url) for a, g, (url, _) in
+                        zip(dataset.arrays, dataset.variables, origins, strict=True))
+        for r, (_, snapshot) in zip(readers, origins, strict=True):
             r.count_into(self.stats.read)
             if cache is not None:
-                r.use_cache(cache, dataset.snapshot_id)
+                r.use_cache(cache, snapshot)
         return readers
 
     @property

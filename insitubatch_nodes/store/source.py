@@ -9,106 +9,24 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import zarr
 import zarr.storage
 
-from ..errors import ConfigTypeError, StoreError, UnknownNameError
+from ..errors import ConfigTypeError, StoreError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
 from .arrays import array_in
 from .discovery import NUMERIC_KINDS, check_chosen, dimension_names, discover
+from .served import Member, Source
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
 
 # zarr's ZarrUserWarning for numcodecs codecs in a v3 array (message prefix)
 NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
-__all__ = ["Source", "open_icechunk", "open_source", "redact_url"]
-
-
-@dataclass(frozen=True, eq=False)
-class Source:
-    """The variables to serve and their shared sample axis, plus the open zarr arrays.
-
-    ``url`` is for display and errors only: it never carries credentials.
-    """
-
-    url: str
-    variables: tuple[VariableGeometry, ...]
-    grid: SampleGrid
-    arrays: tuple[zarr.Array, ...] = field(repr=False)
-    sample_dim: str | None = None
-    snapshot_id: str | None = None  # icechunk snapshot the data was read from
-    # Values of the sample dimension's coordinate (datetime64[ns] or numbers), if it has one.
-    sample_coord: np.ndarray | None = field(default=None, repr=False)
-    group: zarr.Group | None = field(default=None, repr=False)
-    # Numeric arrays beside the variables without the sample dimension (a land-sea mask,
-    # orography): served whole by ``open_static``, never planned like data chunks.
-    static: tuple[str, ...] = ()
-    # Sample indices the store marks as missing (anemoi's ``missing_dates``): splits leave
-    # out every chunk holding one, so no sample or its time steps ever touch them.
-    missing: tuple[int, ...] = ()
-    # anemoi datasets: the variables chosen along ``data``'s variable axis, in order; the
-    # loader serves them (only them) as ``batch["data"]``.
-    selection: tuple[str, ...] | None = None
-    format: str = "zarr"  # or "anemoi"
-    # Whether ``variables=`` named the variables. Discovered ones (``open_source(url)``)
-    # are what the store offers, not what was asked for: ``channels=`` then narrows the
-    # source to the channels' variables (``Source.narrowed``), so nothing else is read.
-    variables_given: bool = False
-
-    def coordinate(self, dim: str) -> np.ndarray:
-        """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables."""
-        if self.group is None or dim not in self.group.array_keys():
-            have = sorted(self.group.array_keys()) if self.group is not None else []
-            raise UnknownNameError(f"no coordinate array {dim!r} in {self.url}; arrays: {have}")
-        return np.asarray(array_in(self.group, dim, self.url)[:])
-
-    def batch_coords(self) -> dict[str, np.ndarray]:
-        """Per-sample values to put in each batch: datetimes as int64 nanoseconds."""
-        if self.sample_coord is None or self.sample_dim is None:
-            return {}
-        values = self.sample_coord
-        if np.issubdtype(values.dtype, np.datetime64):
-            values = values.astype("datetime64[ns]").astype(np.int64)
-        return {self.sample_dim: np.ascontiguousarray(values)}
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(v.name for v in self.variables)
-
-    @property
-    def n_samples(self) -> int:
-        return self.grid.n_samples
-
-    def variable(self, name: str) -> VariableGeometry:
-        for v in self.variables:
-            if v.name == name:
-                return v
-        raise UnknownNameError(f"variable {name!r} is not served by {self.url}; served: "
-                               f"{list(self.names)}")
-
-    @property
-    def sample_nbytes(self) -> int:
-        """Decoded bytes of one sample over all variables."""
-        return sum(v.sample_nbytes for v in self.variables)
-
-    def narrowed(self, names: Sequence[str]) -> Source:
-        """This source serving only ``names`` (in the store's order), on the same sample
-        grid (so a split manifest made for this source fits it): what a loader with
-        ``channels=`` reads when the variables were discovered, not named."""
-        keep = set(names)
-        unknown = sorted(keep - set(self.names))
-        if unknown:
-            raise UnknownNameError(f"variable(s) {unknown} are not served by {self.url}; "
-                                   f"served: {list(self.names)}")
-        if keep == set(self.names):
-            return self
-        at = [i for i, n in enumerate(self.names) if n in keep]
-        return replace(self, variables=tuple(self.variables[i] for i in at),
-                       arrays=tuple(self.arrays[i] for i in at), variables_given=True)
+__all__ = ["Member", "Source", "open_icechunk", "open_source", "redact_url"]
 
 
 def open_source(

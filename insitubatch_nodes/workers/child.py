@@ -28,8 +28,8 @@ import numpy as np
 
 from ..errors import InsitubatchError
 from ..io.chunk_cache import ChunkCache
+from ..io.composed_reader import open_reader
 from ..io.partial.ranges import PartSpec
-from ..io.reader import StripeReader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.slots import Slot, SlotTable, SlotWhere, fill_slots, stripe_target
@@ -55,10 +55,9 @@ class WorkerSetup:
 
     arrays: tuple[Any, ...]
     variables: tuple[VariableGeometry, ...]
-    url: str
+    origins: tuple[tuple[str, str | None], ...]  # per variable: store URL, snapshot
     retry: RetryPolicy
     cache: ChunkCache | None
-    snapshot_id: str | None
     where: tuple[tuple[SlotWhere, ...], ...]  # per variable and step
     max_inflight: int
 
@@ -68,8 +67,9 @@ class WorkerSetup:
         """A setup for ``source``'s variables decoded into ``arena``'s batches."""
         n_steps = arena.writes_per_row // len(arena.layout.placements)
         where = arena.where(len(source.variables), n_steps)
-        return cls(tuple(source.arrays), tuple(source.variables), source.url, retry, cache,
-                   source.snapshot_id, tuple(where), max_inflight)
+        origins = tuple(source.origin(i) for i in range(len(source.variables)))
+        return cls(tuple(source.arrays), tuple(source.variables), origins, retry, cache,
+                   tuple(where), max_inflight)
 
 
 # (variable, stripe, its slots): one stripe read once and written into every slot
@@ -97,13 +97,13 @@ class Worker:
 
     def __init__(self, setup: WorkerSetup) -> None:
         self.setup = setup
-        self.readers = [StripeReader(a, g, setup.url)
-                        for a, g in zip(setup.arrays, setup.variables, strict=True)]
+        self.readers = [open_reader(a, g, url) for a, g, (url, _) in
+                        zip(setup.arrays, setup.variables, setup.origins, strict=True)]
         times = self.readers[0].times
-        for r in self.readers:
+        for r, (_, snapshot) in zip(self.readers, setup.origins, strict=True):
             r.count_into(times)
             if setup.cache is not None:
-                r.use_cache(setup.cache, setup.snapshot_id)
+                r.use_cache(setup.cache, snapshot)
         self.times = times
         self.local = all(r.groups_reads for r in self.readers)
         # the levels each variable's slots take where not all: only their blocks decoded

@@ -1,0 +1,227 @@
+"""Reading a composed variable's stripe from its members' stripes.
+
+Each member keeps its own ``StripeReader`` (its read path, chunk keys, partial reads, cache
+scope and error messages naming its store). A composed stripe that is exactly one member
+stripe is read straight into place (periods of equal chunking, joins on equal dates: the
+usual case); otherwise each member stripe it touches is read into a buffer and its rows
+copied (members chunked differently, a run starting off a stripe edge, a frequency cut).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+
+import numpy as np
+import zarr
+
+from ..errors import UsageTypeError
+from ..metrics.counters import ReadTimes
+from ..sampling.geometry import VariableGeometry
+from ..sampling.rowmap import StripePiece
+from ..store.composed_array import ComposedArray
+from .chunk_cache import ChunkCache
+from .partial.fetch import PartialRule
+from .partial.ranges import PartSpec
+from .read_paths import FrameCheck, Frames
+from .reader import StripeReader
+from .retry import NO_RETRY, RetryPolicy
+
+
+class ComposedReader:
+    """Fills ``out`` (shape ``geom.stripe_shape``) with composed stripe ``index``; the
+    calls a ``StripeReader`` answers for the fetch paths and decode workers."""
+
+    def __init__(self, arr: ComposedArray, geom: VariableGeometry, source_url: str) -> None:
+        self.arr = arr
+        self.geom = geom
+        self.source_url = source_url
+        self.members = [StripeReader(a, g, u) for a, g, u in
+                        zip(arr.arrays, arr.geoms, arr.urls, strict=True)]
+        self.times = ReadTimes()
+        self.fill_value = np.asarray(arr.fill).astype(geom.dtype)
+        self._chunks = arr.member_chunks()
+        self._pieces: dict[int, list[StripePiece]] = {}
+
+    # -- what the fetch asks of any reader -----------------------------------------------
+    def count_into(self, times: ReadTimes) -> None:
+        self.times = times
+        for m in self.members:
+            m.count_into(times)
+
+    def use_cache(self, cache: ChunkCache, snapshot_id: str | None = None) -> None:
+        """Each member's chunks cached under its own store and snapshot."""
+        for m, snap in zip(self.members, self.arr.snapshots, strict=True):
+            m.use_cache(cache, snap)
+
+    @property
+    def partial_rule(self) -> PartialRule:
+        return self.members[0].partial_rule
+
+    @partial_rule.setter
+    def partial_rule(self, rule: PartialRule) -> None:
+        for m in self.members:
+            m.partial_rule = rule
+
+    @property
+    def mode(self) -> str:
+        modes = sorted({m.mode for m in self.members})
+        return modes[0] if len(modes) == 1 else "+".join(modes)
+
+    @property
+    def groups_reads(self) -> bool:
+        return all(m.groups_reads for m in self.members)
+
+    @property
+    def reads_cache(self) -> bool:
+        return all(m.reads_cache for m in self.members)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return max(m.chunk_nbytes for m in self.members)
+
+    def describe(self, index: int) -> str:
+        got = [f"{self.members[p.member].describe(p.stripe)}" for p in self.pieces(index)]
+        return (f"composed stripe {index} of variable {self.geom.name!r} of {self.source_url}"
+                f" ({'; '.join(got) or 'a gap'})")
+
+    def pieces(self, index: int) -> list[StripePiece]:
+        """The member stripes composed stripe ``index`` is made of (computed once)."""
+        got = self._pieces.get(index)
+        if got is None:
+            start = index * self.geom.sample_chunk
+            stop = min(start + self.geom.sample_chunk, self.geom.shape[0])
+            got = self._pieces[index] = self.arr.rows.pieces(start, stop, self._chunks)
+        return got
+
+    def _straight(self, index: int) -> StripePiece | None:
+        """The one member stripe that is exactly composed stripe ``index``, if it is."""
+        got = self.pieces(index)
+        if len(got) != 1:
+            return None
+        p, m = got[0], self.members[got[0].member]
+        rows = self.geom.stripe_shape[0]
+        whole = (p.src.step in (None, 1) and p.src.start == 0 and p.dst.start == 0
+                 and p.dst.stop == rows and m.geom.sample_chunk == rows)
+        return p if whole else None
+
+    def _buffer(self, p: StripePiece) -> np.ndarray:
+        g = self.members[p.member].geom
+        return np.empty(g.stripe_shape, dtype=g.dtype)
+
+    def _gaps(self, index: int, out: np.ndarray) -> None:
+        """Rows of ``out`` no piece fills (gaps, the short last stripe) read as the fill."""
+        covered = np.zeros(out.shape[0], dtype=bool)
+        for p in self.pieces(index):
+            covered[p.dst] = True
+        if not covered.all():
+            out[~covered] = self.fill_value
+
+    # -- local stores, on the calling (pool) thread ----------------------------------------
+    def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,
+                   part: PartSpec | None = None) -> None:
+        self.read_local_retrying([index], [out], NO_RETRY, submitted, part=part)
+
+    def read_local_many(self, indices: list[int], outs: list[np.ndarray],
+                        submitted: float | None = None, *,
+                        part: PartSpec | None = None) -> None:
+        self.read_local_retrying(indices, outs, NO_RETRY, submitted, part=part)
+
+    def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
+                            retry: RetryPolicy = NO_RETRY,
+                            submitted: float | None = None, *,
+                            part: PartSpec | None = None) -> int:
+        attempts = 0
+        for index, out in zip(indices, outs, strict=True):
+            p = self._straight(index)
+            if p is not None:
+                attempts += self.members[p.member].read_local_retrying(
+                    [p.stripe], [out], retry, submitted, part=part)
+            else:
+                for p in self.pieces(index):
+                    buf = self._buffer(p)
+                    attempts += self.members[p.member].read_local_retrying(
+                        [p.stripe], [buf], retry, submitted, part=part)
+                    self._copy(p, buf, out)
+                self._gaps(index, out)
+            submitted = None
+        return attempts
+
+    def _copy(self, p: StripePiece, buf: np.ndarray, out: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        out[p.dst] = buf[p.src]
+        self.times.add(0.0, time.perf_counter() - t0)
+
+    # -- the chunk cache -----------------------------------------------------------------
+    def is_cached(self, index: int, *, part: PartSpec | None = None) -> bool:
+        return all(self.members[p.member].is_cached(p.stripe, part=part)
+                   for p in self.pieces(index))
+
+    def read_cached(self, indices: list[int], outs: list[np.ndarray],
+                    submitted: float | None = None, *,
+                    part: PartSpec | None = None) -> list[int]:
+        missed = []
+        for index, out in zip(indices, outs, strict=True):
+            straight = self._straight(index)
+            ok = True
+            for p in self.pieces(index):
+                buf = out if straight is not None else self._buffer(p)
+                if self.members[p.member].read_cached([p.stripe], [buf], submitted,
+                                                      part=part):
+                    ok = False
+                    break
+                if straight is None:
+                    self._copy(p, buf, out)
+            if not ok:
+                missed.append(index)
+            elif straight is None:
+                self._gaps(index, out)
+            submitted = None
+        return missed
+
+    # -- the event loop ------------------------------------------------------------------
+    async def read(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
+                   pool: Executor, retry: RetryPolicy = NO_RETRY, *,
+                   part: PartSpec | None = None) -> int:
+        p = self._straight(index)
+        if p is not None:
+            return await self.members[p.member].read(p.stripe, out, loop, pool, retry,
+                                                     part=part)
+        attempts = 0
+        for p in self.pieces(index):
+            buf = self._buffer(p)
+            attempts += await self.members[p.member].read(p.stripe, buf, loop, pool, retry,
+                                                          part=part)
+            self._copy(p, buf, out)
+        self._gaps(index, out)
+        return attempts
+
+    async def read_group(self, indices: list[int], outs: list[np.ndarray],
+                         loop: asyncio.AbstractEventLoop, pool: Executor,
+                         retry: RetryPolicy = NO_RETRY, *,
+                         part: PartSpec | None = None) -> int:
+        attempts = 0
+        for index, out in zip(indices, outs, strict=True):
+            attempts += await self.read(index, out, loop, pool, retry, part=part)
+        return attempts
+
+    async def read_frames(self, indices: list[int], check: FrameCheck,
+                          loop: asyncio.AbstractEventLoop, pool: Executor,
+                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
+        raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is composed "
+                             "of several stored arrays (a join, concat or period), which the "
+                             "GPU decoder does not read: build the loader with "
+                             "fetch.device_decode=None")
+
+
+# What reads a served variable's stripes: its stored array's reader, or a composed one.
+Reader = StripeReader | ComposedReader
+
+
+def open_reader(arr: zarr.Array | ComposedArray, geom: VariableGeometry,
+                source_url: str) -> Reader:
+    """The reader of one served variable (``Source.arrays[i]``, ``Source.origin(i)``)."""
+    if isinstance(arr, ComposedArray):
+        return ComposedReader(arr, geom, source_url)
+    return StripeReader(arr, geom, source_url)

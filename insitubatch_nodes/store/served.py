@@ -1,0 +1,286 @@
+"""The ``Source``: the variables a loader serves along their shared sample axis, and the
+stored arrays (one store's, or several stores' composed) they are read from.
+
+Everything downstream (splits, plans, fetches) works from this frozen value; ``select``,
+``drop``, ``rename`` and ``period`` derive new sources from it without reading data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import zarr
+
+from ..errors import ConfigError, UnknownNameError
+from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
+from ..sampling.rowmap import RowMap
+from .arrays import array_in
+from .composed_array import ComposedArray, composed_chunk
+from .periods import period_rows
+
+# What a served variable is read from: a stored array, or several composed.
+Stored = zarr.Array | ComposedArray
+
+
+@dataclass(frozen=True, eq=False)
+class Member:
+    """One store a composed source reads (a join's or a concat's member): what manifests
+    and loader states record, so a resume into another composition is refused naming it."""
+
+    url: str  # without credentials
+    snapshot_id: str | None
+    n_samples: int
+    variables: tuple[VariableGeometry, ...]
+    first: str = ""  # first and last sample coordinate values, as text
+    last: str = ""
+    group: zarr.Group | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        snap = f" snapshot {self.snapshot_id}" if self.snapshot_id else ""
+        span = f" {self.first}..{self.last}" if self.first else ""
+        shapes = ", ".join(f"{v.name} {v.shape} chunks {v.chunks}" for v in self.variables)
+        return f"{self.url}{snap}: {self.n_samples} samples{span}; {shapes}"
+
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    """The variables to serve and their shared sample axis, plus the open zarr arrays.
+
+    ``url`` is for display and errors only: it never carries credentials.
+    """
+
+    url: str
+    variables: tuple[VariableGeometry, ...]
+    grid: SampleGrid
+    arrays: tuple[Stored, ...] = field(repr=False)
+    sample_dim: str | None = None
+    snapshot_id: str | None = None  # icechunk snapshot the data was read from
+    # Values of the sample dimension's coordinate (datetime64[ns] or numbers), if it has one.
+    sample_coord: np.ndarray | None = field(default=None, repr=False)
+    group: zarr.Group | None = field(default=None, repr=False)
+    # Numeric arrays beside the variables without the sample dimension (a land-sea mask,
+    # orography): served whole by ``open_static``, never planned like data chunks.
+    static: tuple[str, ...] = ()
+    # Sample indices the store marks as missing (anemoi's ``missing_dates``): splits leave
+    # out every chunk holding one, so no sample or its time steps ever touch them.
+    missing: tuple[int, ...] = ()
+    # anemoi datasets: the variables chosen along ``data``'s variable axis, in order; the
+    # loader serves them (only them) as ``batch["data"]``.
+    selection: tuple[str, ...] | None = None
+    format: str = "zarr"  # or "anemoi"
+    # Whether ``variables=`` named the variables. Discovered ones (``open_source(url)``)
+    # are what the store offers, not what was asked for: ``channels=`` then narrows the
+    # source to the channels' variables (``Source.narrowed``), so nothing else is read.
+    variables_given: bool = False
+    # A composed source (join, concat, period): the stores it reads, and per variable the
+    # store and snapshot its chunks come from (empty: all from ``url``/``snapshot_id``).
+    members: tuple[Member, ...] = ()
+    origins: tuple[tuple[str, str | None], ...] = ()
+
+    def coordinate(self, dim: str) -> np.ndarray:
+        """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables
+        (in a composed source, in the first member storing it)."""
+        groups = [(self.group, self.url)] + [(m.group, m.url) for m in self.members]
+        have: set[str] = set()
+        for group, url in groups:
+            if group is not None and dim in group.array_keys():
+                return np.asarray(array_in(group, dim, url)[:])
+            have |= set(group.array_keys()) if group is not None else set()
+        raise UnknownNameError(f"no coordinate array {dim!r} in {self.url}; arrays: "
+                               f"{sorted(have)}")
+
+    def has_array(self, name: str) -> bool:
+        """Whether a store of this source (any member's) holds an array ``name``."""
+        groups = [self.group] + [m.group for m in self.members]
+        return any(g is not None and name in g.array_keys() for g in groups)
+
+    def origin(self, i: int) -> tuple[str, str | None]:
+        """The store (URL without credentials) and icechunk snapshot variable ``i`` is read
+        from: its chunk keys are that store's, cached under it, named in its errors."""
+        return self.origins[i] if self.origins else (self.url, self.snapshot_id)
+
+    def members_text(self) -> str | None:
+        """Every member described, for manifests and states; ``None`` for one store."""
+        if not self.members:
+            return None
+        return " | ".join(f"member {i}: {m.describe()}" for i, m in enumerate(self.members))
+
+    def batch_coords(self) -> dict[str, np.ndarray]:
+        """Per-sample values to put in each batch: datetimes as int64 nanoseconds."""
+        if self.sample_coord is None or self.sample_dim is None:
+            return {}
+        values = self.sample_coord
+        if np.issubdtype(values.dtype, np.datetime64):
+            values = values.astype("datetime64[ns]").astype(np.int64)
+        return {self.sample_dim: np.ascontiguousarray(values)}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.variables)
+
+    @property
+    def n_samples(self) -> int:
+        return self.grid.n_samples
+
+    def variable(self, name: str) -> VariableGeometry:
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise UnknownNameError(f"variable {name!r} is not served by {self.url}; served: "
+                               f"{list(self.names)}")
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Decoded bytes of one sample over all variables."""
+        return sum(v.sample_nbytes for v in self.variables)
+
+    def narrowed(self, names: Sequence[str]) -> Source:
+        """This source serving only ``names`` (in the store's order), on the same sample
+        grid (so a split manifest made for this source fits it): what a loader with
+        ``channels=`` reads when the variables were discovered, not named."""
+        keep = set(names)
+        unknown = sorted(keep - set(self.names))
+        if unknown:
+            raise UnknownNameError(f"variable(s) {unknown} are not served by {self.url}; "
+                                   f"served: {list(self.names)}")
+        if keep == set(self.names):
+            return self
+        return self._keep([i for i, n in enumerate(self.names) if n in keep], regrid=False)
+
+    def _keep(self, at: Sequence[int], regrid: bool = True) -> Source:
+        """Variables ``at`` only, in that order; with ``regrid``, on the grid made for
+        those (their chunking), else on this one (a manifest made for it fits)."""
+        variables = tuple(self.variables[i] for i in at)
+        grid = replace(self.grid, chunk_size=common_chunk_size(
+            [v.sample_chunk for v in variables])) if regrid else self.grid
+        return replace(self, variables=variables, arrays=tuple(self.arrays[i] for i in at),
+                       origins=tuple(self.origins[i] for i in at) if self.origins else (),
+                       grid=grid, variables_given=True)
+
+    # -- deriving sources -----------------------------------------------------------------
+    def _labelled(self) -> bool:
+        return self.format == "anemoi"
+
+    def served_names(self) -> tuple[str, ...]:
+        """What select/drop/rename name: the variables, or an anemoi dataset's labels."""
+        if not self._labelled():
+            return self.names
+        labels = [lb for v in self.variables for lb in (v.labels or ())]
+        return tuple(dict.fromkeys(labels if self.selection is None else self.selection))
+
+    def _check_names(self, names: Sequence[str], what: str) -> list[str]:
+        if isinstance(names, str):
+            names = [names]
+        names = list(names)
+        have = self.served_names()
+        unknown = [n for n in names if n not in have]
+        if unknown:
+            raise UnknownNameError(f"{what}: {unknown} not served by {self.url}; served: "
+                                   f"{list(have)}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"{what}: {twice} given twice; name each once")
+        return names
+
+    def select(self, names: Sequence[str]) -> Source:
+        """Only ``names``, in the order given (of an anemoi dataset: its variables)."""
+        names = self._check_names(names, "select")
+        if self._labelled():
+            return replace(self, selection=tuple(names), variables_given=True)
+        return self._keep([self.names.index(n) for n in names])
+
+    def drop(self, names: Sequence[str]) -> Source:
+        """All but ``names``, in the stored order."""
+        gone = set(self._check_names(names, "drop"))
+        keep = [n for n in self.served_names() if n not in gone]
+        if not keep:
+            raise ConfigError(f"drop {sorted(gone)} leaves no variable of {self.url}")
+        if self._labelled():
+            return replace(self, selection=tuple(keep), variables_given=True)
+        return self._keep([self.names.index(n) for n in keep])
+
+    def rename(self, mapping: Mapping[str, str]) -> Source:
+        """Serve variables (anemoi: its variables) under new names; the stored arrays and
+        their chunk keys are unchanged. Two variables may not end up with one name."""
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"rename takes a mapping of old to new names, got {mapping!r}")
+        self._check_names(list(mapping), "rename")
+        new = [mapping.get(n, n) for n in self.served_names()]
+        twice = sorted({n for n in new if new.count(n) > 1})
+        if twice:
+            raise ConfigError(f"rename {dict(mapping)} would serve {twice} twice; rename "
+                              "one of them too")
+        if self._labelled():
+            variables = tuple(replace(v, labels=tuple(mapping.get(lb, lb) for lb in v.labels))
+                              if v.labels else v for v in self.variables)
+            selection = (None if self.selection is None
+                         else tuple(mapping.get(n, n) for n in self.selection))
+            return replace(self, variables=variables, selection=selection)
+        return replace(self, variables=tuple(replace(v, name=mapping.get(v.name, v.name))
+                                             for v in self.variables))
+
+    def period(self, start: Any = None, end: Any = None, frequency: Any = None) -> Source:
+        """The samples whose coordinate lies in ``[start, end]`` (both included), every
+        ``frequency`` (a multiple of the stored step): a composed source reading the
+        same stores, nothing copied."""
+        first, every, n = period_rows(self.sample_coord, self.url, start, end, frequency)
+        return self.remapped(lambda rows: rows.take(first, every, n), n,
+                             None if self.sample_coord is None
+                             else self.sample_coord[first::every][:n])
+
+    def remapped(self, how: Any, n: int, coord: np.ndarray | None) -> Source:
+        """Every variable read through ``how(its RowMap)`` (``n`` samples, coordinate
+        ``coord``): the one way periods and joins on other dates are made."""
+        arrays, variables, origins = [], [], []
+        for i, (arr, geom) in enumerate(zip(self.arrays, self.variables, strict=True)):
+            url, snap = self.origin(i)
+            composed = as_composed(arr, geom, url, snap)
+            rows = how(composed.rows)
+            made, made_geom = compose(geom, composed, rows)
+            arrays.append(made)
+            variables.append(made_geom)
+            origins.append((url, snap))
+        old = np.zeros(self.n_samples + 1, dtype=bool)
+        old[list(self.missing)] = True
+        probe = how(RowMap.identity(self.n_samples))
+        member, local = probe.locate(np.arange(n, dtype=np.int64))
+        missing = tuple(int(j) for j in np.flatnonzero((member < 0) | old[local]))
+        grid = SampleGrid(n, common_chunk_size([v.sample_chunk for v in variables]))
+        members = self.members or (own_member(self),)
+        return replace(self, arrays=tuple(arrays), variables=tuple(variables),
+                       origins=tuple(origins), grid=grid, sample_coord=coord,
+                       missing=missing, members=members)
+
+
+def own_member(source: Source) -> Member:
+    """A one-store source as a member of a composition."""
+    coord = source.sample_coord
+    first = str(coord[0]) if coord is not None and coord.size else ""
+    last = str(coord[-1]) if coord is not None and coord.size else ""
+    return Member(source.url, source.snapshot_id, source.n_samples, source.variables,
+                  first, last, source.group)
+
+
+def as_composed(arr: Stored, geom: VariableGeometry, url: str,
+                snapshot: str | None) -> ComposedArray:
+    """Any served array as a composition (a stored one: of itself, as stored)."""
+    if isinstance(arr, ComposedArray):
+        return arr
+    return ComposedArray((arr,), (geom,), (url,), (snapshot,), RowMap.identity(geom.shape[0]),
+                         geom.sample_chunk)
+
+
+def compose(geom: VariableGeometry, parts: ComposedArray,
+            rows: RowMap) -> tuple[Stored, VariableGeometry]:
+    """``parts``' arrays read through ``rows``: the stored array itself where that is all
+    of one array as stored, else a ``ComposedArray``; with its served geometry."""
+    if len(parts.arrays) == 1 and rows.is_identity:
+        arr = parts.arrays[0]
+        if rows.n_rows == parts.geoms[0].shape[0]:
+            return arr, replace(parts.geoms[0], name=geom.name, labels=geom.labels)
+    made = ComposedArray(parts.arrays, parts.geoms, parts.urls, parts.snapshots, rows,
+                         composed_chunk(rows, parts.geoms))
+    return made, replace(geom, shape=made.shape, chunks=made.chunks, shards=None)
