@@ -207,7 +207,7 @@ def resolve_date(value: Any, dates: np.ndarray, *, last: bool, where: str = "sta
         raise bad
     digits = str(value)  # anemoi: by length, YYYY, YYYYMM or YYYYMMDD
     text = {4: digits, 6: f"{digits[:4]}-{digits[4:]}",
-            8: f"{digits[:4]}-{digits[4:6]}-{digits[6:]}"}.get(len(digits), "")
+            8: f"{digits[:4]}-{digits[4:6]}-{digits[6:]}"}.get(len(digits), "no date")
     try:
         first = np.datetime64(text)
     except ValueError:
