@@ -309,7 +309,8 @@ def fingerprint_of_nodes(nodes: list[BaseNode]) -> StateFingerprint | None:
         excluded=_excluded_hash(split.exclude), batch_size=shuffle.batch_size,
         drop_last=shuffle.drop_last, rank=permute.rank, world_size=permute.world_size,
         in_place=fetch is not None and fetch.arena is not None, every=grid.every,
-        phase=grid.phase)
+        phase=grid.phase,
+        members=json.dumps(list(split.manifest.members)) if split.manifest.members else None)
 
 
 def _excluded_hash(excluded: tuple[int, ...]) -> str:

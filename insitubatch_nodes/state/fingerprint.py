@@ -8,6 +8,7 @@ state records those as a ``StateFingerprint``; loading compares them field by fi
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # state loaded under another policy was refused as "edited").
 MERGED_FREE: tuple[str, ...] = RANK_FIELDS
 # Recorded since a later version: a state without it loads, the field unknown.
-OPTIONAL_FIELDS: tuple[str, ...] = ("in_place", "every", "phase")
+OPTIONAL_FIELDS: tuple[str, ...] = ("in_place", "every", "phase", "members")
 # Fields of the loader's own fingerprint that say how it runs, not what it plans: a state
 # saved under threads, workers or either path resumes under any other, so they are not
 # saved, and are ignored in states that carry them.
@@ -60,6 +61,7 @@ _HOW = {
              "every=",
     "phase": "the anchors kept (sampling.every) fall on other steps: build the loader with "
              "the saved every=",
+    "members": "resume on the stores the state was saved with, or start this loader fresh",
     "block_chunks": "windows are cut by block_chunks: build the loader with the saved value",
     "uneven": "the equal-steps policy changes every rank's share: build with the saved value",
     "contiguous": "time steps deal contiguous blocks: build with the saved steps= setting",
@@ -118,6 +120,9 @@ class StateFingerprint:
     # The anchors kept: indices ≡ phase (mod every) (sampling.every); None in older states.
     every: int | None = None
     phase: int | None = None
+    # A composed source's stores (``SplitManifest.members``, a JSON list of texts); None
+    # for one store. A state resumes only into the same composition.
+    members: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -200,6 +205,17 @@ def parse_fingerprint(obj: object, merged: bool,
     return None if len(problems) > before else StateFingerprint(**values)
 
 
+def _members_line(saved: str, now: str) -> str:
+    """The first member of a composed source that differs from the saved one, named."""
+    a, b = json.loads(saved), json.loads(now)
+    how = ("resume on the stores the state was saved with (the same members, snapshots and "
+           "chunking), or start this loader fresh")
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"members: member {i} was {x!r} when saved, is {y!r} now ({how})"
+    return f"members: the state was saved on {len(a)} stores, this loader reads {len(b)} ({how})"
+
+
 def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
                       allow_state_change: bool = False) -> None:
     """Refuse a state saved under ``saved`` for a loader built as ``current``: one
@@ -213,6 +229,7 @@ def check_fingerprint(saved: StateFingerprint, current: StateFingerprint,
              if not (allow_state_change and d[0] in sound)]
     if not diffs:
         return
-    lines = [f"{name}: saved {a!r}, this loader {b!r} ({how[name]})" for name, a, b in diffs]
+    lines = [_members_line(a, b) if name == "members" else
+             f"{name}: saved {a!r}, this loader {b!r} ({how[name]})" for name, a, b in diffs]
     raise StateError("this loader state was saved by a loader built differently, so its "
                      "counters would point at other samples; " + "; ".join(lines))

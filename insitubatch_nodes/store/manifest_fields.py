@@ -4,7 +4,7 @@ type is a ``StoreError`` naming it (``SplitManifest.from_dict``)."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StoreError
@@ -57,3 +57,17 @@ def periods_field(raw: list) -> tuple[tuple[str, str | None, str | None], ...]:
         raise StoreError(f"split manifest field 'periods' must be a list of [split, start, "
                          f"end] (start/end strings or null), got {raw!r}")
     return tuple((n, a, b) for n, a, b in raw)
+
+
+def check_members(saved: Sequence[str], now: Sequence[str], what: str) -> None:
+    """Refuse a composition whose stores differ from the saved one, naming the first
+    member that changed (or the count, when members were added or removed)."""
+    if tuple(saved) == tuple(now) or not saved:
+        return
+    for i, (a, b) in enumerate(zip(saved, now, strict=False)):
+        if a != b:
+            raise StoreError(f"{what} was made for a composed source whose member {i} was "
+                             f"{a!r}; this source's member {i} is {b!r}. Open the stores it "
+                             "was made on, or make a new manifest (split_by_chunk)")
+    raise StoreError(f"{what} was made for a composition of {len(saved)} stores, this one "
+                     f"has {len(now)} (members now: {list(now)})")

@@ -258,6 +258,8 @@ class Source:
 def own_member(source: Source) -> Member:
     """A one-store source as a member of a composition."""
     coord = source.sample_coord
+    if coord is not None and coord.dtype.kind == "M":
+        coord = coord.astype("datetime64[s]")  # 2020-01-01T06:00:00, not nanoseconds
     first = str(coord[0]) if coord is not None and coord.size else ""
     last = str(coord[-1]) if coord is not None and coord.size else ""
     return Member(source.url, source.snapshot_id, source.n_samples, source.variables,

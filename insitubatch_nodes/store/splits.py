@@ -22,6 +22,7 @@ from ..errors import ConfigTypeError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid
 from ..sampling.windows import SampleWindow, steps_keyword
 from .manifest_fields import (
+    check_members,
     checked_field,
     fractions_field,
     is_int,
@@ -56,6 +57,9 @@ class SplitManifest:
     snapshot_id: str | None = None  # icechunk snapshot the split was made on
     gap: int = 0  # steps kept free between consecutive splits (time steps)
     periods: tuple[tuple[str, str | None, str | None], ...] = ()  # coordinate ranges asked for
+    # a composed source's stores, each described (URL, snapshot, samples, variables'
+    # shapes and chunks): a manifest serves only the composition it was made for
+    members: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_splits(self.n_samples, self.chunk_size, self.splits)
@@ -113,6 +117,7 @@ class SplitManifest:
             "snapshot_id": self.snapshot_id,
             "gap": self.gap,
             "periods": [list(p) for p in self.periods],
+            "members": list(self.members),
             "splits": {name: [list(r) for r in ranges] for name, ranges in self.splits},
             "content_hash": self.content_hash,
         }
@@ -150,6 +155,7 @@ class SplitManifest:
             snapshot_id=snapshot_field(d.get("snapshot_id")),
             gap=checked_field(d, "gap", int, 0),
             periods=periods_field(checked_field(d, "periods", list, [])),
+            members=tuple(str(m) for m in checked_field(d, "members", list, [])),
         )
         recorded = d.get("content_hash")
         if recorded is not None and recorded != m.content_hash:
@@ -188,6 +194,7 @@ class SplitManifest:
                 "moved). Open the old snapshot with open_icechunk(..., snapshot_id=...), or "
                 "pass allow_snapshot_change=True to use the new data."
             )
+        check_members(self.members, source_members(source), "split manifest")
         if (source.n_samples, source.grid.chunk_size) != (self.n_samples, self.chunk_size):
             raise StoreError(
                 f"split manifest was made for {self.n_samples} samples in chunks of "
@@ -195,6 +202,11 @@ class SplitManifest:
                 f"serves {source.n_samples} samples in chunks of {source.grid.chunk_size}. "
                 "Make a new manifest with split_by_chunk(source, ...)."
             )
+
+
+def source_members(source: Source) -> tuple[str, ...]:
+    """What a manifest records of a composed source's stores (nothing for one store)."""
+    return tuple(m.describe() for m in source.members)
 
 
 def check_splits(n_samples: int, chunk_size: int,
@@ -320,6 +332,7 @@ def split_by_chunk(
         mode=mode,
         source_url=source.url,
         snapshot_id=source.snapshot_id,
+        members=source_members(source),
     )
 
 
@@ -475,6 +488,7 @@ def split_by_coordinate(
         n_samples=source.n_samples, chunk_size=source.grid.chunk_size,
         splits=tuple((k, ((chunks[k][0], chunks[k][1]),)) for k in periods),
         variables=source.names, mode="coordinate", source_url=source.url,
+        members=source_members(source),
         snapshot_id=source.snapshot_id, gap=int(gap),
         periods=tuple((k, None if r[0] is None else str(r[0]), None if r[1] is None else str(r[1]))
                       for k, r in periods.items()),

@@ -294,25 +294,45 @@ def _combine(a: Moments, b: Moments) -> Moments:
             np.minimum(lo0, lo1), np.maximum(hi0, hi1), t0 + t1)
 
 
+def _stored_rows(group: zarr.Group, names: Sequence[str], url: str,
+                 ) -> list[tuple[float, float, float, float, int]]:
+    """(mean, stdev, minimum, maximum, count) per variable, as one anemoi store keeps them;
+    statistics that are not finite are refused (normalizing would make them all NaN)."""
+    stored = stored_statistics(group, names, url)
+    bad = sorted({names[i] for k in ("mean", "stdev", "minimum", "maximum")
+                  for i in np.flatnonzero(~np.isfinite(np.asarray(stored[k], np.float64)))})
+    if bad:  # normalizing with them would turn every value of those variables into NaN
+        raise StoreError(f"the statistics stored in {url!r} are not finite for "
+                         f"{bad} (a variable with missing values counted them); compute "
+                         "them over the finite values with ib.compute_stats(source, manifest)")
+    count = (np.asarray(array_in(group, "count", url)[:], dtype=np.int64)
+             if "count" in group.array_keys() else np.zeros(len(names), dtype=np.int64))
+    return [(float(stored["mean"][i]), float(stored["stdev"][i]), float(stored["minimum"][i]),
+             float(stored["maximum"][i]), int(count[i])) for i in range(len(names))]
+
+
 def dataset_stats(source: Source) -> Stats:
     """The statistics an anemoi dataset stored when it was made, as ``Stats``: one entry per
     anemoi variable (``dataset_stats(src)["2t"].mean``) and ``"data"`` per variable axis,
-    which ``NormalizeNode`` (``build_loader(stats=...)``) applies channel by channel."""
+    which ``NormalizeNode`` (``build_loader(stats=...)``) applies channel by channel. Of a
+    join, each variable's from the member serving it; of a concat, the first member's
+    (anemoi-datasets' rules)."""
     if source.format != "anemoi" or source.group is None:
         raise StoreError(f"{source.url!r} is not an anemoi dataset, so it stores no "
                          "statistics; compute them with ib.compute_stats(source, manifest)")
     data = source.variables[0]
-    names = data.labels  # the variable axis, as read when the source was opened
-    assert names is not None
-    stored = stored_statistics(source.group, names, source.url)
-    bad = sorted({names[i] for k in ("mean", "stdev", "minimum", "maximum")
-                  for i in np.flatnonzero(~np.isfinite(np.asarray(stored[k], np.float64)))})
-    if bad:  # normalizing with them would turn every value of those variables into NaN
-        raise StoreError(f"the statistics stored in {source.url!r} are not finite for "
-                         f"{bad} (a variable with missing values counted them); compute "
-                         "them over the finite values with ib.compute_stats(source, manifest)")
-    count = (np.asarray(array_in(source.group, "count", source.url)[:], dtype=np.int64)
-             if "count" in source.group.array_keys() else np.zeros(len(names), dtype=np.int64))
+    found: dict[str, tuple[float, float, float, float, int]] = {}
+    for i, var in enumerate(source.variables):
+        url = source.origin(i)[0]
+        group = next((m.group for m in source.members if m.url == url), source.group)
+        assert var.labels is not None and group is not None
+        for name, row in zip(var.labels, _stored_rows(group, var.labels, url), strict=True):
+            found.pop(name, None)  # a join: the last member serving it, at its first place
+            found.setdefault(name, row)
+    names = tuple(dict.fromkeys(lb for v in source.variables for lb in (v.labels or ())))
+    stored = {k: np.array([found[n][j] for n in names], dtype=np.float64)
+              for j, k in enumerate(("mean", "stdev", "minimum", "maximum"))}
+    count = np.array([found[n][4] for n in names], dtype=np.int64)
     assert data.dimension_names is not None
     whole = VariableStats(data.name, (str(data.dimension_names[1]),), stored["mean"],
                           stored["stdev"], stored["minimum"], stored["maximum"],
