@@ -386,14 +386,21 @@ def test_the_manifest_names_every_member(stores, tmp_path):
         assert sum(len(b["sample_index"]) for b in ld) == 48
 
 
-def test_workers_serve_the_same_batches_as_threads_on_a_join(stores):
-    src = ib.join([open_(stores, "levels"), open_(stores, "single")])
+@pytest.mark.parametrize("kind", ["join", "concat"])
+def test_workers_serve_the_same_batches_as_threads(stores, kind):
+    if kind == "join":  # each variable from one member
+        src = ib.join([open_(stores, "levels"), open_(stores, "single")])
+        want, names = xr.merge([stores["levels"][1], stores["single"][1]]), (*PL, *SL)
+    else:  # each variable across two members (v2, 3 steps a chunk; v3, 4)
+        src = ib.concat([open_(stores, "early"), open_(stores, "late")])
+        want = xr.concat([stores["early"][1], stores["late"][1]], dim="time")
+        names = ("temperature", "2m_temperature")
     static = ib.open_static(stores["invariants"][0])
     kw = dict(batch_size=8, seed=2, sample=ib.SampleConfig(static=static))
     with loader_of(src, workers=2, **kw) as w, loader_of(src, workers=0, **kw) as t:
-        got, want = epoch(w), epoch(t)
-    same_batches(got, want)
-    check_rows(got, xr.merge([stores["levels"][1], stores["single"][1]]), (*PL, *SL), n=48)
+        got, ref = epoch(w), epoch(t)
+    same_batches(got, ref)
+    check_rows(got, want, names, n=48)
 
 
 # -- statistics and inspect --------------------------------------------------------------
