@@ -181,3 +181,251 @@ def test_a_bad_date_is_refused_listing_the_forms(value):
     with pytest.raises(ConfigError, match=r"spec.end is .*; a date is a year \(2020, '2020'\), "
                        r"a month \(202003, '2020-03'\)"):
         parse_spec({"dataset": "a.zarr", "end": value})
+
+
+# -- opened on stores in anemoi's layout ---------------------------------------------------
+
+SURF = ("2t", "msl", "10u", "10v", "lsm")
+LEV = ("t_500", "z_500", "t_850", "2t")  # "2t" again: a join takes this one's values
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """Every store the tests open, written once (offsets tell the stores apart by value)."""
+    root = tmp_path_factory.mktemp("anemoi")
+    write_anemoi(root / "surface.zarr", SURF, "2020-01-01", 40)
+    write_anemoi(root / "levels.zarr", LEV, "2020-01-01", 40, missing=(9,), offset=1e5)
+    write_anemoi(root / "twice-daily.zarr", SURF, "2020-01-01", 20, frequency_hours=12)
+    write_anemoi(root / "shifted.zarr", LEV, "2020-01-01T06", 40, offset=1e5)
+    write_anemoi(root / "early.zarr", SURF, "2020-01-01", 20, dates_chunk=4)
+    write_anemoi(root / "late.zarr", SURF, "2020-01-06", 20, missing=(3,), offset=0.25)
+    write_anemoi(root / "after-gap.zarr", SURF, "2020-01-07", 12, offset=0.5)
+    write_anemoi(root / "early-levels.zarr", LEV, "2020-01-01", 20, offset=1e5)
+    write_anemoi(root / "late-levels.zarr", LEV, "2020-01-06", 20, offset=2e5)
+    return root
+
+
+def stored(root, name):
+    return read_anemoi(root / f"{name}.zarr")
+
+
+def columns(root, name, names):
+    """(dates, names, ensemble, cells) of store ``name``, by hand."""
+    s = stored(root, name)
+    return np.stack([s.column(n) for n in names], axis=1)
+
+
+def served(src, **kw):
+    """{sample index: (batch['data'] row, date)} over one epoch of a loader on ``src``."""
+    loader = ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=3,
+                             seed=0, **kw)
+    out = {}
+    for b in loader:
+        for i, row, when in zip(b["sample_index"].numpy(), b["data"].numpy(),
+                                b["time"].numpy(), strict=True):
+            assert int(i) not in out
+            out[int(i)] = (row, np.datetime64(int(when), "ns"))
+    return out
+
+
+def check(src, names, dates, values, missing=()):
+    """``src`` serves ``names`` on ``dates`` with ``missing``, and a loader's batches carry
+    exactly ``values`` at every sample of a chunk without a missing date."""
+    assert src.served_names() == tuple(names)
+    np.testing.assert_array_equal(np.asarray(src.sample_coord).astype("M8[s]"), dates)
+    assert tuple(src.missing) == tuple(missing)
+    got = served(src)
+    size = src.grid.chunk_size  # splits leave out every chunk that holds a missing date
+    spoilt = {i // size for i in missing}
+    assert sorted(got) == [i for i in range(len(dates)) if i // size not in spoilt]
+    for i, (row, when) in got.items():
+        np.testing.assert_array_equal(row, values[i], err_msg=f"sample {i}")
+        assert when == dates[i]
+
+
+def test_a_join_of_a_surface_and_a_pressure_level_dataset(root):
+    """anemoi's _overlay: 2t (in both) at the surface's place with the levels' values; the
+    missing dates are both members' (the levels' date 9)."""
+    s, lev = stored(root, "surface"), stored(root, "levels")
+    src = open_anemoi({"join": [str(root / "surface.zarr"), str(root / "levels.zarr")]})
+    names = ("2t", "msl", "10u", "10v", "lsm", "t_500", "z_500", "t_850")
+    values = np.concatenate([lev.data[:, [3]], s.data[:, 1:], lev.data[:, :3]], axis=1)
+    check(src, names, s.dates, values, missing=(9,))
+    # a list under dataset: the same first and last dates join (anemoi's _concat_or_join)
+    listed = open_anemoi({"dataset": [str(root / "surface.zarr"), str(root / "levels.zarr")]})
+    assert listed.served_names() == names and listed.missing == (9,)
+    # renamed in one member, both are kept
+    src = open_anemoi({"join": [str(root / "surface.zarr"),
+                                {"dataset": str(root / "levels.zarr"), "rename": {"2t": "2t_l"}}]})
+    check(src, SURF + ("t_500", "z_500", "t_850", "2t_l"), s.dates,
+          np.concatenate([s.data, lev.data], axis=1), missing=(9,))
+
+
+@pytest.mark.xfail(strict=True, raises=ib.InsitubatchError, reason=(
+    "core: a join of anemoi sources selected to labels of its later members only reads the "
+    "first member's chunks with another member's geometry (CorruptChunkError: 'blosc frame "
+    "is damaged ... expected 240'); ib.join([s, lev]).select(['t_500']) shows it"))
+def test_a_join_serving_none_of_its_first_members_variables(root):
+    """A member whose only variable is overridden still brings its missing dates (anemoi's
+    Join.missing is the union over every member); a select of the second member only."""
+    s, lev = stored(root, "surface"), stored(root, "levels")
+    src = open_anemoi({"join": [str(root / "surface.zarr"), str(root / "levels.zarr")],
+                       "select": ["t_500"]})
+    check(src, ("t_500",), s.dates, lev.data[:, [0]], missing=(9,))
+    src = open_anemoi({"join": [{"dataset": str(root / "levels.zarr"), "select": ["2t"]},
+                                str(root / "surface.zarr")]})
+    check(src, SURF, s.dates, s.data, missing=(9,))
+
+
+def test_a_concat_of_two_periods(root, monkeypatch):
+    monkeypatch.chdir(root)  # paths relative to the working directory
+    e, late = stored(root, "early"), stored(root, "late")
+    src = open_anemoi({"concat": ["early.zarr", "late.zarr"]})
+    check(src, SURF, np.concatenate([e.dates, late.dates]),
+          np.concatenate([e.data, late.data]), missing=(23,))
+    listed = open_anemoi(["early.zarr", "late.zarr"])  # different dates: concatenated
+    assert listed.n_samples == 40 and listed.missing == (23,)
+    # out of order, or a gap without fill_missing_gaps: refused as anemoi refuses them
+    with pytest.raises(ConfigError, match=r"spec.concat\[0\] ends at 2020-01-10T18:00:00 and "
+                       r"spec.concat\[1\] starts at 2020-01-01T00:00:00; concat takes members "
+                       r"in date order"):
+        open_anemoi({"concat": ["late.zarr", "early.zarr"]})
+    with pytest.raises(ConfigError, match=r"starts at 2020-01-07T00:00:00; .*one step \(21600 "
+                       r"seconds\).*fill_missing_gaps: true makes a gap missing dates"):
+        open_anemoi({"concat": ["early.zarr", "after-gap.zarr"]})
+    # with it, the gap's four dates are missing
+    gap = stored(root, "after-gap")
+    src = open_anemoi({"concat": ["early.zarr", "after-gap.zarr"], "fill_missing_gaps": True})
+    dates = e.dates[0] + np.arange(36) * 6 * H
+    values = np.concatenate([e.data, np.full((4,) + e.data.shape[1:], np.nan), gap.data])
+    check(src, SURF, dates, values, missing=(20, 21, 22, 23))
+
+
+YAML_SUBSET = """
+dataset: surface.zarr
+start: 2020-01-02
+end: "2020-01-08"
+frequency: 12h
+select: [msl, 2t]
+"""
+
+
+def test_select_start_end_and_frequency(root, monkeypatch):
+    """start/end by day (a YAML date and a string), then every 12 h from the first date
+    kept, then select in the order given: anemoi's order of application."""
+    monkeypatch.chdir(root)
+    s = stored(root, "surface")
+    rows = np.flatnonzero((s.dates >= t("2020-01-02T00:00:00"))
+                          & (s.dates <= t("2020-01-08T18:00:00")))[::2]
+    want = s.data[rows][:, [1, 0]]
+    check(open_anemoi(YAML_SUBSET), ("msl", "2t"), s.dates[rows], want)
+    # the value under dataset:, keys in another order: the same
+    again = open_anemoi({"select": ["msl", "2t"], "frequency": 12, "end": 20200108,
+                         "start": datetime.date(2020, 1, 2), "dataset": "surface.zarr"})
+    check(again, ("msl", "2t"), s.dates[rows], want)
+    # a set keeps the store's order
+    src = open_anemoi({"dataset": "surface.zarr", "select": {"msl", "2t"}, "end": 2020})
+    check(src, ("2t", "msl"), s.dates, s.data[:, :2])
+    # start/end after frequency at an outer level: every 12 h of the dates kept, and a
+    # frequency that is not a multiple of the stored 6 h refused
+    src = open_anemoi({"dataset": {"dataset": "surface.zarr", "start": "2020-01-01 06:00:00"},
+                       "frequency": "1d"})
+    check(src, SURF, s.dates[1::4], s.data[1::4])
+    with pytest.raises(ConfigError, match=r"spec.frequency is .*32400.*not a multiple of the "
+                       r"dataset's frequency \(21600 seconds\)"):
+        open_anemoi({"dataset": "surface.zarr", "frequency": "9h"})
+    with pytest.raises(ConfigError, match=r"spec start '2020-01-05', end '2020-01-03' .*leave "
+                       r"none of its dates"):
+        open_anemoi({"dataset": "surface.zarr", "start": "2020-01-05", "end": "2020-01-03"})
+
+
+def test_drop_and_rename(root, monkeypatch):
+    monkeypatch.chdir(root)
+    s = stored(root, "surface")
+    check(open_anemoi({"dataset": "surface.zarr", "drop": ["10u", "lsm"]}),
+          ("2t", "msl", "10v"), s.dates, s.data[:, [0, 1, 3]])
+    # rename comes after select whatever the order of the keys: select names the stored 2t
+    src = open_anemoi({"rename": {"2t": "t2m"}, "dataset": "surface.zarr", "select": ["lsm", "2t"]})
+    check(src, ("lsm", "t2m"), s.dates, s.data[:, [4, 0]])
+    with pytest.raises(ConfigError, match=r"spec.drop is \['sst'\]; the dataset has no \['sst'\]; "
+                       r"its variables: \['2t', 'msl', '10u', '10v', 'lsm'\]"):
+        open_anemoi({"dataset": "surface.zarr", "drop": ["sst"]})
+    with pytest.raises(ConfigError, match=r"spec.join\[1\].select is \['t2m'\]; the dataset has "
+                       r"no \['t2m'\]"):
+        open_anemoi({"join": ["surface.zarr", {"dataset": "levels.zarr", "select": ["t2m"]}]})
+
+
+def test_a_member_with_missing_dates(root, monkeypatch):
+    """The levels' missing date 9 moves with the period cut from them, and is never
+    served, alone or joined."""
+    monkeypatch.chdir(root)
+    lev = stored(root, "levels")
+    assert lev.missing_dates == (lev.dates[9],)
+    src = open_anemoi({"dataset": "levels.zarr", "start": "2020-01-02", "select": ["z_500"]})
+    check(src, ("z_500",), lev.dates[4:], lev.data[4:, [1]], missing=(5,))
+    s = stored(root, "surface")
+    src = open_anemoi({"join": ["surface.zarr", "levels.zarr"], "start": "2020-01-02",
+                       "end": "2020-01-04", "select": ["t_850", "msl"]})
+    check(src, ("t_850", "msl"), s.dates[4:16],
+          np.stack([lev.column("t_850")[4:16], s.column("msl")[4:16]], axis=1), missing=(5,))
+
+
+YAML_NESTED = """
+dataset:
+  concat:
+    - join: [early.zarr, early-levels.zarr]
+    - join: [late.zarr, late-levels.zarr]
+  start: 2020-01-03
+  end: 2020-01-08
+  frequency: 12h
+  drop: [lsm, t_850]
+"""
+
+
+def test_a_concat_of_joins_with_options_after_both(root, monkeypatch):
+    monkeypatch.chdir(root)
+    names = ("2t", "msl", "10u", "10v", "t_500", "z_500")
+    parts = []
+    for surface, levels in (("early", "early-levels"), ("late", "late-levels")):
+        lev = stored(root, levels)
+        s = stored(root, surface)
+        parts.append((s.dates, np.concatenate(
+            [lev.data[:, [3]], s.data[:, 1:4], lev.data[:, :2]], axis=1)))
+    dates = np.concatenate([p[0] for p in parts])
+    values = np.concatenate([p[1] for p in parts])
+    rows = np.flatnonzero((dates >= t("2020-01-03T00:00:00"))
+                          & (dates <= t("2020-01-08T18:00:00")))[::2]
+    missing = tuple(int(j) for j in np.flatnonzero(rows == 23))  # late's date 3
+    check(open_anemoi(YAML_NESTED), names, dates[rows], values[rows], missing=missing)
+
+
+def test_joins_anemoi_refuses_are_refused(root, monkeypatch):
+    monkeypatch.chdir(root)
+    with pytest.raises(ConfigError, match=r"the members of spec.join differ in frequency: "
+                       r"spec.join\[0\] has 21600 seconds, spec.join\[1\] has 43200 seconds"):
+        open_anemoi({"join": ["surface.zarr", "twice-daily.zarr"]})
+    with pytest.raises(InsitubatchError, match=r"differs from member 0 .* at sample 0"):
+        open_anemoi({"join": ["surface.zarr", "shifted.zarr"]})
+    with pytest.raises(ConfigError, match=r"the members of spec.concat differ in variables"):
+        open_anemoi({"concat": ["early.zarr", {"dataset": "late.zarr", "drop": "lsm"}]})
+    import zarr
+
+    zarr.create_array(root / "plain.zarr", shape=(4,), dtype="f4", overwrite=True)
+    with pytest.raises(InsitubatchError):
+        open_anemoi({"join": ["surface.zarr", "plain.zarr"]})
+
+
+def test_statistics_follow_anemoi(root, monkeypatch):
+    """join: each variable's own member's statistics (a variable in several: the last one's,
+    as its values); concat: the first member's; rename keeps them."""
+    monkeypatch.chdir(root)
+    s, lev = stored(root, "surface"), stored(root, "levels")
+    stats = ib.dataset_stats(open_anemoi({"join": ["surface.zarr", "levels.zarr"],
+                                          "rename": {"msl": "pmsl"}}))
+    for name, (store, k) in {"2t": (lev, 3), "pmsl": (s, 1), "t_850": (lev, 2)}.items():
+        for key, attr in (("mean", "mean"), ("stdev", "std"), ("minimum", "min"),
+                          ("maximum", "max")):
+            assert getattr(stats[name], attr) == store.statistics[key][k], (name, key)
+    e = stored(root, "early")
+    stats = ib.dataset_stats(open_anemoi({"concat": ["early.zarr", "late.zarr"]}))
+    assert stats["msl"].mean == e.statistics["mean"][1]

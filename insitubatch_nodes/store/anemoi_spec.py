@@ -311,7 +311,8 @@ def _concat(members: list[_Opened], spec: Spec) -> _Opened:
     """anemoi's ``Concat`` (``usage/gridded/concat.py``): the same variables in the same
     order and the same frequency; in date order, not overlapping, each member starting one
     step after the previous one ends (a gap is missing dates with ``fill_missing_gaps``).
-    ``compose.concat`` checks the variables, refuses overlaps and fills the gaps."""
+    ``compose.concat`` refuses overlaps and fills the gaps."""
+    _check_same(spec, "variables", [m.source.served_names() for m in members])
     _check_same(spec, "frequency", [m.frequency for m in members])
     step, where = members[0].frequency, [s.where for s in spec.members]
     if step is None:
