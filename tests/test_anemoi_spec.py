@@ -247,6 +247,7 @@ def test_a_join_of_a_surface_and_a_pressure_level_dataset(root):
     """anemoi's _overlay: 2t (in both) at the surface's place with the levels' values; the
     missing dates are both members' (the levels' date 9)."""
     s, lev = stored(root, "surface"), stored(root, "levels")
+    assert ib.open_anemoi is open_anemoi
     src = open_anemoi({"join": [str(root / "surface.zarr"), str(root / "levels.zarr")]})
     names = ("2t", "msl", "10u", "10v", "lsm", "t_500", "z_500", "t_850")
     values = np.concatenate([lev.data[:, [3]], s.data[:, 1:], lev.data[:, :3]], axis=1)
