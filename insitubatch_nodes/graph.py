@@ -56,6 +56,7 @@ from .sampling.permute import resolve_rank
 from .sampling.quality import shuffle_quality
 from .sampling.schedule import ScheduleContext, n_units, rank_schedule
 from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching
+from .store.anemoi import DATA
 from .store.source import Source
 from .store.splits import SplitManifest
 from .workers.shared_memory import SharedMemoryArena
@@ -334,7 +335,7 @@ def _stacking(source: Source, sm: SampleConfig,
         # an anemoi selection: the chosen variables, in order, as batch["data"]
         channels = tuple(resolve_channels(source, source.selection))
     if source.format == "anemoi" and (source.selection is not None or not channels):
-        key = source.variables[0].name  # "data": the selection, or all of it
+        key = DATA  # "data": the selection, or all of it (of every member of a join)
     if (sm.channels_last or sm.drop_ensemble) and not channels and source.format != "anemoi":
         raise ConfigError("sample.channels_last / drop_ensemble apply to stacked channels "
                          "(channels=[...]) or an anemoi dataset's data; this loader has "

@@ -262,10 +262,6 @@ def test_a_join_of_a_surface_and_a_pressure_level_dataset(root):
           np.concatenate([s.data, lev.data], axis=1), missing=(9,))
 
 
-@pytest.mark.xfail(strict=True, raises=ib.InsitubatchError, reason=(
-    "core: a join of anemoi sources selected to labels of its later members only reads the "
-    "first member's chunks with another member's geometry (CorruptChunkError: 'blosc frame "
-    "is damaged ... expected 240'); ib.join([s, lev]).select(['t_500']) shows it"))
 def test_a_join_serving_none_of_its_first_members_variables(root):
     """A member whose only variable is overridden still brings its missing dates (anemoi's
     Join.missing is the union over every member); a select of the second member only."""

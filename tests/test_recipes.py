@@ -176,3 +176,15 @@ def test_forecast_recipe_on_a_store_with_levels(wb2_like, tmp_path, capsys):
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("epoch")]
     assert len(lines) == 1 and "val loss" in lines[0]
+
+
+def test_netcdf_virtual_recipe_trains_from_a_netcdf_file(tmp_path):
+    """The README's NetCDF example, run as a user would: alone, in an empty folder, twice
+    (a rerun must work too), warnings as errors."""
+    pytest.importorskip("virtualizarr")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "netcdf_virtual.py"
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-W", "error", str(recipe)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "t2m.nc").exists() and (tmp_path / "t2m-virtual").is_dir()

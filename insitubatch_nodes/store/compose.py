@@ -100,11 +100,12 @@ def join(sources: Sequence[Source], align: str = "exact") -> Source:
     if anemoi:  # anemoi: the first occurrence's place, the last occurrence's values
         selection = tuple(dict.fromkeys(n for s in sources for n in s.served_names()))
     grid = SampleGrid(first.n_samples, common_chunk_size([v.sample_chunk for v in variables]))
-    return replace(first, url=f"join({', '.join(s.url for s in sources)})",
-                   variables=tuple(variables), arrays=tuple(arrays), origins=tuple(origins),
-                   grid=grid, missing=tuple(missing), members=_members(sources),
-                   selection=selection, snapshot_id=None,
-                   variables_given=all(s.variables_given for s in sources))
+    joined = replace(first, url=f"join({', '.join(s.url for s in sources)})",
+                     variables=tuple(variables), arrays=tuple(arrays), origins=tuple(origins),
+                     grid=grid, missing=tuple(missing), members=_members(sources),
+                     selection=selection, snapshot_id=None,
+                     variables_given=all(s.variables_given for s in sources))
+    return joined.owning()
 
 
 def _check_equal(sources: list[Source]) -> None:

@@ -189,7 +189,7 @@ class Source:
         """Only ``names``, in the order given (of an anemoi dataset: its variables)."""
         names = self._check_names(names, "select")
         if self._labelled():
-            return replace(self, selection=tuple(names), variables_given=True)
+            return replace(self, selection=tuple(names), variables_given=True).owning()
         return self._keep([self.names.index(n) for n in names])
 
     def drop(self, names: Sequence[str]) -> Source:
@@ -199,8 +199,20 @@ class Source:
         if not keep:
             raise ConfigError(f"drop {sorted(gone)} leaves no variable of {self.url}")
         if self._labelled():
-            return replace(self, selection=tuple(keep), variables_given=True)
+            return replace(self, selection=tuple(keep), variables_given=True).owning()
         return self._keep([self.names.index(n) for n in keep])
+
+    def owning(self) -> Source:
+        """An anemoi join without the members none of whose selected variables it serves
+        (a name several members hold is served by the last): nothing of theirs is read."""
+        if not self._labelled() or len(self.variables) < 2:
+            return self
+        owner = {lb: i for i, v in enumerate(self.variables) for lb in (v.labels or ())}
+        wanted = self.served_names()
+        used = sorted({owner[n] for n in wanted})
+        if len(used) == len(self.variables):
+            return self
+        return self._keep(used)
 
     def rename(self, mapping: Mapping[str, str]) -> Source:
         """Serve variables (anemoi: its variables) under new names; the stored arrays and

@@ -25,7 +25,7 @@ import zarr
 
 from ..errors import StoreError, UnknownNameError
 from ..sampling.windows import chunks_touching
-from .anemoi import stored_statistics
+from .anemoi import DATA, stored_statistics
 from .arrays import array_in
 from .channel_names import level_index, split_channel
 from .composed_array import ComposedArray
@@ -299,7 +299,7 @@ def _stored_rows(group: zarr.Group, names: Sequence[str], url: str,
     """(mean, stdev, minimum, maximum, count) per variable, as one anemoi store keeps them;
     statistics that are not finite are refused (normalizing would make them all NaN)."""
     stored = stored_statistics(group, names, url)
-    bad = sorted({names[i] for k in ("mean", "stdev", "minimum", "maximum")
+    bad = sorted({names[int(i)] for k in ("mean", "stdev", "minimum", "maximum")
                   for i in np.flatnonzero(~np.isfinite(np.asarray(stored[k], np.float64)))})
     if bad:  # normalizing with them would turn every value of those variables into NaN
         raise StoreError(f"the statistics stored in {url!r} are not finite for "
@@ -334,7 +334,7 @@ def dataset_stats(source: Source) -> Stats:
               for j, k in enumerate(("mean", "stdev", "minimum", "maximum"))}
     count = np.array([found[n][4] for n in names], dtype=np.int64)
     assert data.dimension_names is not None
-    whole = VariableStats(data.name, (str(data.dimension_names[1]),), stored["mean"],
+    whole = VariableStats(DATA, (str(data.dimension_names[1]),), stored["mean"],
                           stored["stdev"], stored["minimum"], stored["maximum"],
                           int(count.sum()), coords=tuple(names))
     each = tuple(VariableStats(name, (), np.asarray(stored["mean"][i]),
