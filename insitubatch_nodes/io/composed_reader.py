@@ -43,6 +43,7 @@ class ComposedReader:
         self.fill_value = np.asarray(arr.fill).astype(geom.dtype)
         self._chunks = arr.member_chunks()
         self._pieces: dict[int, list[StripePiece]] = {}
+        self._member, self._stripe = _straight_stripes(arr, geom.sample_chunk)
 
     # -- what the fetch asks of any reader -----------------------------------------------
     def count_into(self, times: ReadTimes) -> None:
@@ -96,15 +97,13 @@ class ComposedReader:
         return got
 
     def _straight(self, index: int) -> StripePiece | None:
-        """The one member stripe that is exactly composed stripe ``index``, if it is."""
-        got = self.pieces(index)
-        if len(got) != 1:
+        """The one member stripe that is exactly composed stripe ``index``, if it is
+        (looked up: asked once per stripe read on the hot path)."""
+        m = int(self._member[index])
+        if m < 0:
             return None
-        p, m = got[0], self.members[got[0].member]
-        rows = self.geom.stripe_shape[0]
-        whole = (p.src.step in (None, 1) and p.src.start == 0 and p.dst.start == 0
-                 and p.dst.stop == rows and m.geom.sample_chunk == rows)
-        return p if whole else None
+        rows = slice(0, self.geom.sample_chunk)
+        return StripePiece(m, int(self._stripe[index]), rows, rows)
 
     def _buffer(self, p: StripePiece) -> np.ndarray:
         g = self.members[p.member].geom
@@ -225,3 +224,26 @@ def open_reader(arr: zarr.Array | ComposedArray, geom: VariableGeometry,
     if isinstance(arr, ComposedArray):
         return ComposedReader(arr, geom, source_url)
     return StripeReader(arr, geom, source_url)
+
+
+def _straight_stripes(arr: ComposedArray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per composed stripe of ``chunk`` rows, the member whose one stripe it is exactly
+    (whole, same length, same rows in order; else -1) and that stripe's index."""
+    n = arr.rows.n_rows
+    n_stripes = -(-n // chunk)
+    member = np.full(n_stripes, -1, dtype=np.int64)
+    stripe = np.zeros(n_stripes, dtype=np.int64)
+    full = n // chunk  # the short last stripe, if any, is read piece by piece
+    if full == 0:
+        return member, stripe
+    g = np.arange(full * chunk, dtype=np.int64)
+    m, local = arr.rows.locate(g)
+    first_m, first_local = m[::chunk], local[::chunk]
+    chunks = np.asarray(arr.member_chunks() + (0,), dtype=np.int64)  # index -1: a gap
+    ok = ((m == np.repeat(first_m, chunk)) & (m >= 0)
+          & (local == np.repeat(first_local, chunk) + g % chunk))
+    ok = ok.reshape(full, chunk).all(axis=1)
+    ok &= (chunks[first_m] == chunk) & (first_local % chunk == 0)
+    member[:full] = np.where(ok, first_m, -1)
+    stripe[:full] = np.where(ok, first_local // chunk, 0)
+    return member, stripe
