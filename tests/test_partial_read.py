@@ -5,6 +5,7 @@ frame wherever a part cannot be read, and the errors of the whole-frame path."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,13 @@ from insitubatch_nodes.io.partial.blocks import (
     plan_frame,
 )
 from insitubatch_nodes.io.partial.decode import decode_blocks
-from insitubatch_nodes.io.partial.ranges import PartSpec, byte_ranges, chunk_part, merge
+from insitubatch_nodes.io.partial.ranges import (
+    PartSpec,
+    byte_ranges,
+    chunk_part,
+    copy_wanted,
+    merge,
+)
 from insitubatch_nodes.io.partial.sparse import SparseFrame
 from insitubatch_nodes.io.reader import PartialRule, StripeReader
 from insitubatch_nodes.io.retry import NO_RETRY, CorruptChunkError
@@ -95,11 +102,12 @@ def test_a_part_spec_is_checked_and_maps_onto_each_chunk_along_axis_1():
     with pytest.raises(ValueError, match=">= 0"):
         PartSpec(((-1, 2),))
     # chunks of 4 along axis 1 of a 10-long array: (0-3) (4-7) (8-9, an edge chunk)
-    assert chunk_part(spec, (1, 4, 2), 10, 0, 4).axis1 == ((2, 4),)
-    assert chunk_part(spec, (1, 4, 2), 10, 1, 4).axis1 == ((3, 4),)
-    assert chunk_part(spec, (1, 4, 2), 10, 2, 4).axis1 == ((1, 2),)
-    assert chunk_part(PartSpec.of([1]), (1, 4, 2), 10, 1, 4) is None  # not read
-    assert chunk_part(PartSpec.of([8, 9]), (1, 4, 2), 10, 2, 4).whole  # the edge's valid part
+    assert chunk_part(spec, (1, 4, 2), (1, 10, 2), (0, 0), 4).axis1 == ((2, 4),)
+    assert chunk_part(spec, (1, 4, 2), (1, 10, 2), (1, 0), 4).axis1 == ((3, 4),)
+    assert chunk_part(spec, (1, 4, 2), (1, 10, 2), (2, 0), 4).axis1 == ((1, 2),)
+    assert chunk_part(PartSpec.of([1]), (1, 4, 2), (1, 10, 2), (1, 0), 4) is None  # not read
+    # the edge's valid part
+    assert chunk_part(PartSpec.of([8, 9]), (1, 4, 2), (1, 10, 2), (2, 0), 4).whole
 
 
 def reorder_blocks(frame: bytes, nbytes: int, seed: int) -> bytes:
@@ -585,7 +593,9 @@ def s3(tmp_path_factory):
 
 def needed(frame: bytes, part: PartSpec) -> BlockPlan:
     chunk = int(np.prod(LEVELS_CHUNKS)) * 4
-    plan = plan_frame(frame, chunk, chunk_part(part, LEVELS_CHUNKS, 37, 0, 4).byte_ranges)
+    cp = chunk_part(part, LEVELS_CHUNKS, (1, 37, *LEVELS_CHUNKS[2:]),
+                    (0,) * (len(LEVELS_CHUNKS) - 1), 4)
+    plan = plan_frame(frame, chunk, cp.byte_ranges)
     assert isinstance(plan, BlockPlan), plan
     return plan
 
@@ -732,3 +742,69 @@ def test_an_array_whose_frames_cannot_be_read_in_part_is_fetched_whole_after_a_f
     assert fetch.pays(wanted) is False
     # two trials of header + rest, then the whole frame in one GET each
     assert gets.got == 4 * len(frame) and fetch.stats.whole_fetches == 4
+
+
+@st.composite
+def boxes(draw):
+    """A C-order chunk shape (2-4 axes) and wanted ranges along axis 1 and some later ones."""
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=2, max_size=4)))
+
+    def ranges(n):
+        cuts = sorted(draw(st.sets(st.integers(0, n), min_size=2, max_size=4)))
+        return merge((a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False))
+
+    axis1 = ranges(shape[1])
+    box = tuple((a, ranges(shape[a])) for a in range(2, len(shape)) if draw(st.booleans()))
+    return shape, axis1, tuple((a, rs) for a, rs in box if rs)
+
+
+def _mask(shape, axis1, box):
+    """The wanted items of a C-order array, by definition."""
+    keep = [np.ones(n, bool) for n in shape]
+    for axis, rs in ((1, axis1), *box):
+        keep[axis] = np.zeros(shape[axis], bool)
+        for lo, hi in rs:
+            keep[axis][lo:hi] = True
+    axes = [k.reshape([-1 if j == i else 1 for j in range(len(shape))])
+            for i, k in enumerate(keep)]
+    return functools.reduce(np.logical_and, axes)
+
+
+@given(boxes(), st.sampled_from([1, 4]))
+@settings(max_examples=200, deadline=None)
+def test_a_boxs_byte_ranges_are_its_items(case, itemsize):
+    """byte_ranges of axis-1 indices and a box along later axes cover exactly the wanted
+    items of the C-order chunk, joined where they touch."""
+    shape, axis1, box = case
+    if not axis1:
+        return
+    flat = np.broadcast_to(_mask(shape, axis1, box), shape).ravel()
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], flat.astype(np.int8), [0]])))
+    want = tuple((int(a) * itemsize, int(b) * itemsize)
+                 for a, b in zip(edges[::2], edges[1::2], strict=True))
+    assert byte_ranges(shape, itemsize, axis1, box) == want
+
+
+@given(boxes())
+@settings(max_examples=100, deadline=None)
+def test_copy_wanted_copies_the_box_and_nothing_else(case):
+    shape, axis1, box = case
+    if not axis1:
+        return
+    chunk = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    out = np.full(shape, -1.0, dtype=np.float32)
+    whole = tuple(slice(0, n) for n in shape)
+    copy_wanted(out, whole, chunk, whole, axis1, box)
+    mask = np.broadcast_to(_mask(shape, axis1, box), shape)
+    np.testing.assert_array_equal(out[mask], chunk[mask])
+    assert (out[~mask] == -1).all()
+
+
+def test_a_chunk_outside_the_box_is_not_read():
+    spec = PartSpec(((0, 3),), box=((2, ((4, 6),)),))  # rows 4-5 of a (., 3, 8, 5) array
+    args = ((1, 3, 4, 5), (1, 3, 8, 5))
+    assert chunk_part(spec, *args, (0, 0, 0), 4) is None  # rows 0-3
+    cp = chunk_part(spec, *args, (0, 1, 0), 4)  # rows 4-7 of which 4-5 (0-1 in the chunk)
+    assert cp is not None and cp.box == ((2, ((0, 2),)),) and not cp.whole
+    with pytest.raises(ValueError, match="ascending"):
+        PartSpec(((0, 1),), box=((3, ((0, 1),)), (2, ((0, 1),))))

@@ -270,7 +270,7 @@ class StripeReader:
             out[dst] = target[src]
             return
         assert cp is not None
-        copy_wanted(out, dst, target, src, cp.axis1)  # the rest may not be decoded
+        copy_wanted(out, dst, target, src, cp.axis1, cp.box)  # the rest may not be decoded
 
     def place_all(self, datas: Placeable, out: np.ndarray, submitted: float | None = None,
                   parts: Parts | None = None) -> None:

@@ -1,15 +1,17 @@
-"""Wanted indices along axis 1 of a stripe, and the byte ranges they are in a chunk (pure).
+"""Wanted indices of a stripe, and the byte ranges they are in a chunk (pure).
 
-Axis 1 is the levels of a (time, level, y, x) chunk, the variables of an anemoi (date,
-variable, ensemble, cell) chunk. In a C-order chunk of shape (n0, n1, *rest) index j of axis 1
-in sample s is one contiguous run of ``prod(rest)`` items, so a selection is a few byte
-ranges per sample: what ``blocks`` maps to blosc blocks.
+Along axis 1: the levels of a (time, level, y, x) chunk, the variables of an anemoi (date,
+variable, ensemble, cell) chunk; along later axes (``PartSpec.box``): a part of the grid (a
+reader group's latitude rows or cells, a region). In a C-order chunk of shape (n0, n1, *rest)
+index j of axis 1 in sample s is one contiguous run of ``prod(rest)`` items, a box a few such
+runs, so a selection is a few byte ranges per sample: what ``blocks`` maps to blosc blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,13 +41,24 @@ class PartSpec:
     ones."""
 
     ranges: Ranges
+    # Wanted ranges along later axes (``(axis, ranges)``, axes >= 2 ascending): a part of
+    # the grid. An axis not named is wanted whole.
+    box: tuple[tuple[int, Ranges], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.ranges or merge(self.ranges) != tuple(self.ranges):
-            raise ConfigError(f"PartSpec ranges must be sorted, disjoint, non-touching and "
-                              f"non-empty (see PartSpec.of), got {self.ranges!r}")
-        if self.ranges[0][0] < 0:
-            raise ConfigError(f"PartSpec ranges must be >= 0, got {self.ranges!r}")
+        for rs in (self.ranges, *(r for _, r in self.box)):
+            if not rs or merge(rs) != tuple(rs):
+                raise ConfigError(f"PartSpec ranges must be sorted, disjoint, non-touching "
+                                  f"and non-empty (see PartSpec.of), got {rs!r}")
+            if rs[0][0] < 0:
+                raise ConfigError(f"PartSpec ranges must be >= 0, got {rs!r}")
+        axes = [a for a, _ in self.box]
+        if any(a < 2 for a in axes) or axes != sorted(set(axes)):
+            raise ConfigError(f"PartSpec box axes must be >= 2 and ascending, got {axes}")
+
+    def with_box(self, box: Sequence[tuple[int, Ranges]]) -> PartSpec:
+        """This part, wanting only ``box`` along later axes too."""
+        return PartSpec(self.ranges, tuple(sorted(box)))
 
     @classmethod
     def of(cls, indices: Iterable[int]) -> PartSpec:
@@ -93,47 +106,75 @@ class ChunkPart:
     axis1: Ranges
     byte_ranges: Ranges
     whole: bool
+    box: tuple[tuple[int, Ranges], ...] = ()  # later axes wanted in part, chunk coordinates
 
 
-def byte_ranges(shape: tuple[int, ...], itemsize: int, axis1: Ranges) -> Ranges:
+def byte_ranges(shape: tuple[int, ...], itemsize: int, axis1: Ranges,
+                box: Sequence[tuple[int, Ranges]] = ()) -> Ranges:
     """The byte ranges of a C-order array of ``shape`` holding indices ``axis1`` along axis
-    1, in every index along axis 0 (joined where they touch)."""
+    1 and ``box`` along later axes, in every index along axis 0 (joined where they touch):
+    runs along the innermost axis wanted in part, one per index of the axes before it."""
     if len(shape) < 2:
         raise ConfigError(f"an array of shape {shape} has no axis 1 to select along")
-    inner = math.prod(shape[2:]) * itemsize
-    row = shape[1] * inner
-    return merge((s * row + lo * inner, s * row + hi * inner)
-                 for s in range(shape[0]) for lo, hi in axis1)
+    wanted: list[Ranges] = [((0, shape[0]),), axis1,
+                            *(((0, n),) for n in shape[2:])]
+    for axis, rs in box:
+        wanted[axis] = rs
+    last = max([1, *(a for a, rs in box if rs != ((0, shape[a]),))])
+    run = math.prod(shape[last + 1:]) * itemsize
+    strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
+    outer = [[i for lo, hi in wanted[k] for i in range(lo, hi)] for k in range(last)]
+    out = []
+    for index in itertools.product(*outer):
+        base = sum(i * strides[k] for k, i in enumerate(index))
+        out += [(base + lo * run, base + hi * run) for lo, hi in wanted[last]]
+    return merge(out)
 
 
-def chunk_part(spec: PartSpec, chunks: tuple[int, ...], size1: int, c1: int,
-               itemsize: int) -> ChunkPart | None:
-    """What chunk ``c1`` along axis 1 (of chunk shape ``chunks``, the array ``size1`` long
-    there) gives a read of ``spec``: ``None`` when it holds no wanted index (not read)."""
-    start = c1 * chunks[1]
-    stop = min(start + chunks[1], size1)
-    axis1 = spec.within(start, stop)
-    if not axis1:
+def chunk_part(spec: PartSpec, chunks: tuple[int, ...], shape: tuple[int, ...],
+               coords: tuple[int, ...], itemsize: int) -> ChunkPart | None:
+    """What the inner chunk at ``coords`` (after the sample axis; chunk shape ``chunks`` of
+    an array of ``shape``) gives a read of ``spec``: ``None`` when it holds no wanted index
+    (not read)."""
+    def within(axis: int, rs: Ranges) -> Ranges:
+        start = coords[axis - 1] * chunks[axis]
+        stop = min(start + chunks[axis], shape[axis])
+        return PartSpec(rs).within(start, stop) if rs else ()
+
+    axis1 = within(1, spec.ranges)
+    box = tuple((a, within(a, rs)) for a, rs in spec.box)
+    if not axis1 or any(not rs for _, rs in box):
         return None
-    whole = axis1 == ((0, stop - start),)
-    return ChunkPart(axis1, byte_ranges(chunks, itemsize, axis1), whole)
+    extent = [min(chunks[a], shape[a] - coords[a - 1] * chunks[a]) for a in range(len(shape))]
+    box = tuple((a, rs) for a, rs in box if rs != ((0, extent[a]),))
+    whole = axis1 == ((0, extent[1]),) and not box
+    return ChunkPart(axis1, byte_ranges(chunks, itemsize, axis1, box), whole, box)
 
 
 def stripe_parts(spec: PartSpec, name: str, shape: tuple[int, ...], chunks: tuple[int, ...],
                  itemsize: int, inner: list[tuple[int, ...]]) -> tuple[ChunkPart | None, ...]:
     """``chunk_part`` of each inner chunk of a stripe of variable ``name`` (``inner``: their
     coordinates after the sample axis), once ``spec`` is checked against its ``shape``."""
-    if len(shape) < 2 or spec.stop > shape[1]:
+    if len(shape) < 2 or spec.stop > shape[1] or any(
+            a >= len(shape) or rs[-1][1] > shape[a] for a, rs in spec.box):
         raise ConfigError(f"variable {name!r} of shape {shape} has no indices "
-                          f"{spec.ranges!r} along axis 1 to read in part")
-    return tuple(chunk_part(spec, chunks, shape[1], c[0], itemsize) for c in inner)
+                          f"{spec.ranges!r} along axis 1 (and {spec.box!r} beyond) to read "
+                          "in part")
+    return tuple(chunk_part(spec, chunks, shape, c, itemsize) for c in inner)
 
 
 def copy_wanted(out: np.ndarray, dst: tuple[slice, ...], chunk: np.ndarray,
-                src: tuple[slice, ...], axis1: Ranges) -> None:
-    """``out[dst] = chunk[src]`` for the indices ``axis1`` (counted in the chunk) along
-    axis 1 only: a chunk decoded in part holds nothing else for sure."""
-    at = dst[1].start or 0
-    for lo, hi in axis1:
-        out[(dst[0], slice(at + lo, at + hi), *dst[2:])] = \
-            chunk[(src[0], slice(lo, hi), *src[2:])]
+                src: tuple[slice, ...], axis1: Ranges,
+                box: Sequence[tuple[int, Ranges]] = ()) -> None:
+    """``out[dst] = chunk[src]`` for the indices ``axis1`` along axis 1 and ``box`` along
+    later axes (counted in the chunk) only: a chunk decoded in part holds nothing else for
+    sure."""
+    wanted: list[Ranges | None] = [None, axis1, *([None] * (len(dst) - 2))]
+    for axis, rs in box:
+        wanted[axis] = rs
+    per_axis = [[(d, s_)] if rs is None else
+                [(slice((d.start or 0) + lo, (d.start or 0) + hi), slice(lo, hi))
+                 for lo, hi in rs]
+                for d, s_, rs in zip(dst, src, wanted, strict=True)]
+    for pick in itertools.product(*per_axis):
+        out[tuple(d for d, _ in pick)] = chunk[tuple(s_ for _, s_ in pick)]
