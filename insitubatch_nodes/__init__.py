@@ -55,16 +55,18 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
     )
     from .nodes.channels import StackChannelsNode, resolve_channels
     from .nodes.patches import PatchNode
+    from .nodes.read_groups import gather_grid, read_groups
     from .nodes.static import StaticFieldsNode, open_static
     from .sampling.geometry import SampleGrid, VariableGeometry
+    from .sampling.grid_parts import balanced_part, balanced_sizes
     from .sampling.plan import ReadPlan
     from .sampling.quality import measured_shuffle_quality, recommend_block_chunks, shuffle_quality
     from .sampling.windows import SampleWindow
     from .state.fingerprint import StateFingerprint
     from .state.ranks import merge_rank_states
-    from .store.discovery import Discovery, discover
     from .store.anemoi_spec import open_anemoi
     from .store.compose import concat, join
+    from .store.discovery import Discovery, discover
     from .store.served import Member
     from .store.source import Source, open_icechunk, open_source
     from .store.splits import SplitManifest, split_by_chunk, split_by_coordinate
@@ -124,6 +126,10 @@ _EXPORTS = {
     "StackChannelsNode": ".nodes.channels",
     "resolve_channels": ".nodes.channels",
     "PatchNode": ".nodes.patches",
+    "gather_grid": ".nodes.read_groups",
+    "read_groups": ".nodes.read_groups",
+    "balanced_part": ".sampling.grid_parts",
+    "balanced_sizes": ".sampling.grid_parts",
     "StaticFieldsNode": ".nodes.static",
     "open_static": ".nodes.static",
     "ReadPlan": ".sampling.plan",
@@ -183,4 +189,5 @@ __all__ = [
     "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",
     "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "UsageTypeError",
     "InternalError", "TestServerError", "join", "concat", "Member", "open_anemoi",
+    "gather_grid", "read_groups", "balanced_part", "balanced_sizes",
 ]

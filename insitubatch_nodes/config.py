@@ -46,6 +46,10 @@ class SamplingConfig:
 
     ``rank``/``world_size`` default to the initialised ``torch.distributed`` group (else
     0/1); ``uneven`` keeps ranks at equal step counts (``"pad"``, ``"drop"`` or ``"none"``).
+    ``read_group=G``: ranks ``r // G`` form a model group dealt samples as one rank is
+    without it (equal steps, ``uneven``, elastic resume: all by group), and rank ``r % G``
+    reads its balanced part of the grid (``sampling/grid_parts.py``); G must divide the
+    world size.
     """
 
     batch_size: int = 32
@@ -61,9 +65,13 @@ class SamplingConfig:
     # anchors kept: every k-th step (an int), or a duration such as "6h" on a time axis
     # (the steps whose time is a multiple of it: 00, 06, 12, 18 UTC); None: every step
     every: int | str | None = None
+    # ranks per model group (reader group): the group is dealt samples, each rank reads its
+    # part of the grid; must divide the world size (checked with it, graph.resolve)
+    read_group: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("sampling", "batch_size", self.batch_size)
+        _positive_int("sampling", "read_group", self.read_group)
         if self.every is not None and not isinstance(self.every, str):
             _positive_int("sampling", "every", self.every)
         if self.block_chunks is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,9 @@ from .nodes import (
 )
 from .nodes.channels import resolve_channels, served_by
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
+from .nodes.read_groups import cut_grid, grid_part_of, static_part
 from .sampling.geometry import SampleGrid
+from .sampling.grid_parts import Deal, deal_of
 from .sampling.permute import resolve_rank
 from .sampling.quality import shuffle_quality
 from .sampling.schedule import ScheduleContext, n_units, rank_schedule
@@ -75,7 +78,7 @@ class Resolved:
     # (``open_source(url)``) only the channels' variables (``_stacking``). ``build_graph``
     # and ``SampleDataset`` read through it, so nothing else is read, decoded or served.
     source: Source
-    rank: int
+    rank: int  # this process's rank and world size
     world_size: int
     prefetch_windows: int
     grid: SampleGrid  # the sample grid, or the anchor grid when samples are time windows
@@ -93,6 +96,12 @@ class Resolved:
     in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
     workers: int  # decode worker processes (0: decode threads in this process)
     decode_threads: int  # the decode pool's threads (``defaults.decode_threads``)
+    # reader groups: ranks r // G dealt samples as one rank (``deal.group`` of
+    # ``deal.groups``), rank r % G reading ``grid_part`` of the grid along ``grid_axes``
+    # (variable -> axis of the stored array; empty with read_group=1)
+    deal: Deal
+    grid_part: slice
+    grid_axes: Mapping[str, int]
 
 
 def resolve_decode(decode: str | FrameDecoder, device: str | torch.device | None,
@@ -192,26 +201,39 @@ def _served_chunks(source: Source, manifest: SplitManifest, split: str, grid: Sa
     return chunk_ids, excluded
 
 
-def _check_world_size(ctx: ScheduleContext, world_size: int, split: str) -> int:
-    """The units (chunks, or blocks of runs) the schedule deals out; fewer than ranks is an
-    error, since a chunk is served by one rank."""
+def _groups_text(deal: Deal) -> str:
+    """How an error names the ranks samples are dealt to: ``world_size=W``, or with reader
+    groups the model groups they make."""
+    if deal.read_group == 1:
+        return f"world_size={deal.world_size}"
+    return (f"world_size={deal.world_size} in model groups of read_group={deal.read_group} "
+            f"({deal.groups} groups)")
+
+
+def _check_world_size(ctx: ScheduleContext, deal: Deal, split: str) -> int:
+    """The units (chunks, or blocks of runs) the schedule deals out; fewer than ranks (model
+    groups) is an error, since a chunk is served by one rank (group)."""
     units = n_units(ctx)
-    if world_size > units:
+    if deal.groups > units:
+        fewer = (f"{units} ranks" if deal.read_group == 1 else
+                 f"{units} model groups ({units * deal.read_group} ranks)")
         raise ConfigError(
-            f"world_size={world_size} exceeds the {units} "
+            f"{_groups_text(deal)} exceeds the {units} "
             f"{'blocks' if ctx.contiguous else 'chunks'} of split {split!r}: a chunk "
-            "is served by one rank, so some ranks would get nothing. Use at most "
-            f"{units} ranks, or a split with more chunks."
+            f"is served by one {'rank' if deal.read_group == 1 else 'model group'}, so some "
+            f"would get nothing. Use at most {fewer}, or a split with more chunks."
         )
     return units
 
 
-def _check_batches(ctx: ScheduleContext, rank: int, world_size: int, split: str,
-                   batch_size: int, drop_last: bool) -> None:
+def _check_batches(ctx: ScheduleContext, deal: Deal, split: str, batch_size: int,
+                   drop_last: bool) -> None:
     """Refuse a split that yields this rank no batch in an epoch (fewer samples than
     ``batch_size`` with ``drop_last``, or none): an epoch that yields nothing, without a
     word, is a training loop that silently does nothing. Counted as ``len(loader)``
-    counts, on this rank's share of the first epoch (exactly, whenever it could be short)."""
+    counts, on this rank's (model group's) share of the first epoch (exactly, whenever it
+    could be short)."""
+    rank, world_size = deal.group, deal.groups
     total = ctx.grid.n_samples_of(ctx.chunk_ids)
     window = ctx.block_chunks * ctx.grid.chunk_size
     if total // world_size >= 2 * (batch_size + window):
@@ -219,11 +241,13 @@ def _check_batches(ctx: ScheduleContext, rank: int, world_size: int, split: str,
     share = rank_schedule(ctx, 0, rank, world_size).target
     if share >= (batch_size if drop_last else 1):
         return
-    ranks = f" (rank {rank} of {world_size} gets {share})" if world_size > 1 else ""
+    who = (f"rank {rank} of {world_size}" if deal.read_group == 1 else
+           f"model group {rank} of {world_size} (rank {deal.rank}, read_group="
+           f"{deal.read_group})")
+    ranks = f" ({who} gets {share})" if world_size > 1 else ""
     if share == 0:
-        raise ConfigError(f"split {split!r} ({total} samples) yields rank {rank} of "
-                         f"{world_size} no sample in an epoch: use fewer ranks, or "
-                         "uneven='pad' (equal shares)")
+        raise ConfigError(f"split {split!r} ({total} samples) yields {who} no sample in an "
+                          "epoch: use fewer ranks, or uneven='pad' (equal shares)")
     raise ConfigError(
         f"split {split!r} yields no batch: its {total} samples{ranks} make no batch of "
         f"batch_size={batch_size} with drop_last=True; use batch_size <= {share}, "
@@ -254,10 +278,17 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     if served is not source:
         config = _names_served(config, source, served)
         source = served
+    rank, world_size = resolve_rank(s.rank, s.world_size)
+    deal = deal_of(rank, world_size, s.read_group)
+    part, axes = grid_part_of(source, deal)
+    if axes:  # read_group > 1: this rank reads and serves its part of the grid only
+        if config.sample.static:
+            config = dataclasses.replace(config, sample=dataclasses.replace(
+                config.sample, static=static_part(config.sample.static, source, part, axes)))
+        source = cut_grid(source, part, axes)
     steps = config.sample.time_steps
     grid = _sample_grid(source, steps, s.every)
     chunk_ids, excluded = _served_chunks(source, manifest, split, grid, steps, s.every)
-    rank, world_size = resolve_rank(s.rank, s.world_size)
     decoder = resolve_decode(f.decode, config.device.device)
     # Host gathers write channels straight into their slice of "channels"; batches gathered
     # on a GPU (decode="gpu") are stacked afterwards.
@@ -271,8 +302,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                                                  workers)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
                           run_chunks)
-    units = _check_world_size(ctx, world_size, split)
-    _check_batches(ctx, rank, world_size, split, s.batch_size, s.drop_last)
+    units = _check_world_size(ctx, deal, split)
+    _check_batches(ctx, deal, split, s.batch_size, s.drop_last)
     bound = check_budget(source.grid, source.variables, f.memory_budget, block_chunks,
                          prefetch, s.batch_size, steps, in_place, run_chunks)
     return Resolved(
@@ -284,6 +315,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place, workers=workers,
         decode_threads=decode_threads(f, source, in_place),
+        deal=deal, grid_part=part, grid_axes=axes,
     )
 
 
@@ -409,8 +441,9 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
     node: BaseNode = SplitNode(manifest, split, exclude=resolved.excluded)
     if done("split", node):
         return Graph(node, stages, ledger)
-    node = ChunkPermuteNode(node, resolved.grid, seed=s.seed, rank=resolved.rank,
-                            world_size=resolved.world_size, block_chunks=resolved.block_chunks,
+    # dealt by model group (read_group): every rank of a group draws the same samples
+    node = ChunkPermuteNode(node, resolved.grid, seed=s.seed, rank=resolved.deal.group,
+                            world_size=resolved.deal.groups, block_chunks=resolved.block_chunks,
                             uneven=s.uneven, contiguous=steps is not None,
                             run_chunks=resolved.run_chunks)
     if done("permute", node):

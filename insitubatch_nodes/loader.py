@@ -8,6 +8,7 @@ formats it writes and loads (versions, elastic resume) are ``state/checkpoint.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -221,6 +222,12 @@ class InSituLoader(Loader):
         self.channel_names: tuple[str, ...] | None = (
             tuple(c.label or c.variable for c in resolved.channels)
             if resolved is not None and resolved.channels else None)
+        # reader groups (read_group=G): this rank's part of the grid along each variable's
+        # grid axis (slice(None) and {} without); ``grid_axis`` the axis counted from the
+        # end of a variable's batch tensor, where every variable agrees (gather_grid's axis)
+        self.grid_part: slice = resolved.grid_part if resolved is not None else slice(None)
+        self.grid_axes: dict[str, int] = dict(resolved.grid_axes) if resolved is not None else {}
+        self.grid_axis: int | None = grid_axis_from_end(resolved)
         self.ledger: MemoryLedger | None = ledger
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
@@ -465,6 +472,17 @@ class InSituLoader(Loader):
         self.close()
 
 
+def grid_axis_from_end(resolved: Resolved | None) -> int | None:
+    """The grid axis of the batch tensors counted from the end (-2: latitude rows of
+    (..., lat, lon); -1: an anemoi dataset's cells) where every served variable has it
+    there; ``None`` without reader groups or where variables differ."""
+    if resolved is None or not resolved.grid_axes:
+        return None
+    shapes = {v.name: len(v.shape) for v in resolved.source.variables}
+    found = {a - shapes[n] for n, a in resolved.grid_axes.items()}
+    return found.pop() if len(found) == 1 else None
+
+
 def build_loader(source: Source, manifest: SplitManifest, split: str,
                  config: LoaderConfig | None = None, **options: Any) -> InSituLoader:
     """Compose Split -> ChunkPermute -> ReadPlan -> AsyncFetch -> ShuffleBuffer -> Gather ->
@@ -483,8 +501,11 @@ def build_loader(source: Source, manifest: SplitManifest, split: str,
     # With unequal shares a rank restored with its share done must sit out the rest of that
     # epoch, not start the next while the other ranks finish theirs (torchdata restarts a
     # restored iterator that is exhausted): its next iter() is the empty rest of the epoch.
-    restart = not (cfg.sampling.uneven == "none" and resolved.world_size > 1)
+    restart = not (cfg.sampling.uneven == "none" and resolved.deal.groups > 1)
+    fingerprint = fingerprint_of_nodes(list(graph.stages.values()))
+    if fingerprint is not None and resolved.deal.read_group > 1:
+        fingerprint = dataclasses.replace(fingerprint, read_group=resolved.deal.read_group)
     return InSituLoader(graph.root, restart, keep_states=cfg.checkpoint.keep_states,
                         log_every_s=cfg.checkpoint.log_every_s, resolved=resolved,
                         ledger=graph.ledger, snapshot_id=source.snapshot_id,
-                        fingerprint=fingerprint_of_nodes(list(graph.stages.values())))
+                        fingerprint=fingerprint)

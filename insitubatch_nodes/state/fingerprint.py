@@ -36,7 +36,13 @@ RANK_FIELDS: tuple[str, ...] = ("rank", "world_size")
 # state loaded under another policy was refused as "edited").
 MERGED_FREE: tuple[str, ...] = RANK_FIELDS
 # Recorded since a later version: a state without it loads, the field unknown.
-OPTIONAL_FIELDS: tuple[str, ...] = ("in_place", "every", "phase", "members")
+OPTIONAL_FIELDS: tuple[str, ...] = ("in_place", "every", "phase", "members", "read_group")
+# Saved, never compared: with reader groups ``rank``/``world_size`` are the deal's (model
+# group ``r // G`` of ``W // G``), which is all the counters depend on, so a state resumes
+# under another read_group wherever the deal is the same (4 ranks in groups of 2 as 2
+# ranks alone), and merged states on any group count. ``read_group`` says how the ranks
+# were grouped (merge_rank_states takes one state per group); saved only when above 1.
+DEAL_ONLY: tuple[str, ...] = ("read_group",)
 # Fields of the loader's own fingerprint that say how it runs, not what it plans: a state
 # saved under threads, workers or either path resumes under any other, so they are not
 # saved, and are ignored in states that carry them.
@@ -74,9 +80,11 @@ _HOW = {
                 "chunks by the steps' span rather than the steps read): resume on the "
                 "store, split and steps= the state was saved with, or start the epoch afresh",
     "rank": "a rank's state belongs to that rank: load each rank's own state, or to resume "
-            "on another world size load merge_rank_states(all ranks' states) on every rank",
+            "on another world size load merge_rank_states(all ranks' states) on every rank "
+            "(with read_group=G the rank is the model group's, rank // G)",
     "world_size": "to resume on another world size, load merge_rank_states(all ranks' "
-                  "states) on every rank",
+                  "states) on every rank (with read_group=G the world size is the number "
+                  "of model groups, world_size // G)",
     "batch_size": "continuing is sound (the rest of the epoch is served exactly once in "
                   "batches of the new size; num_yielded keeps counting batches): build the "
                   "loader with allow_state_change=True, or with the saved value",
@@ -123,6 +131,9 @@ class StateFingerprint:
     # A composed source's stores (``SplitManifest.members``, a JSON list of texts); None
     # for one store. A state resumes only into the same composition.
     members: str | None = None
+    # Ranks per model group (sampling.read_group) when above 1; ``rank``/``world_size`` are
+    # then the model group's and the number of groups. Saved, not compared (``DEAL_ONLY``).
+    read_group: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -140,8 +151,9 @@ class StateFingerprint:
         return fingerprint
 
     def merged(self) -> StateFingerprint:
-        """The fingerprint of a merged state: the same, without rank and world size."""
-        return dataclasses.replace(self, rank=None, world_size=None)
+        """The fingerprint of a merged state: the same, without rank and world size (nor
+        read_group: a merged state loads on any number of model groups)."""
+        return dataclasses.replace(self, rank=None, world_size=None, read_group=None)
 
     def differences(self, other: StateFingerprint) -> list[tuple[str, Any, Any]]:
         """(field, this value, other value) for every field that differs; where either side
@@ -150,7 +162,8 @@ class StateFingerprint:
         out = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if (merged and f.name in MERGED_FREE) or f.name in NOT_SAVED:
+            if ((merged and f.name in MERGED_FREE) or f.name in NOT_SAVED
+                    or f.name in DEAL_ONLY):
                 continue
             if f.name in OPTIONAL_FIELDS and (a is None or b is None):
                 continue
@@ -197,6 +210,9 @@ def parse_fingerprint(obj: object, merged: bool,
         if not ok:
             what = "an integer >= 0" if field_kind is int else field_kind.__name__
             problems.add(f"loader state field 'fingerprint.{name}' must be {what}, got {v!r}")
+        elif name == "read_group" and v < 1:
+            problems.add(f"loader state field 'fingerprint.read_group' must be an integer "
+                         f">= 1, got {v!r}")
         elif name == "uneven" and v not in UNEVEN_POLICIES:
             problems.add(f"loader state field 'fingerprint.uneven' must be one of "
                          f"{UNEVEN_POLICIES}, got {v!r}")

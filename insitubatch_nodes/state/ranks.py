@@ -56,10 +56,14 @@ def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One state for the whole job, from the ``state_dict()`` of every rank, in rank order.
 
     Load it with ``loader.load_state_dict(merged)`` on every rank of the new job, whatever
-    its world size: the rest of the epoch is re-dealt, then epochs run normally.
+    its world size: the rest of the epoch is re-dealt, then epochs run normally. With reader
+    groups (``read_group=G``) pass every rank's state (one per model group is kept, the
+    group's ranks checked to agree) or one per group; the merged state loads on any number
+    of groups.
     """
     if not states:
         raise StateError("merge_rank_states needs the state of every rank, got none")
+    states = one_per_group(states)
     parsed = [rank_progress(s) for s in states]
     epochs = {p[0] for p in parsed}
     histories = {repr([r.to_json() for r in p[1]]) for p in parsed}
@@ -111,3 +115,47 @@ def merged_fingerprint(states: Sequence[dict[str, Any]]) -> StateFingerprint | N
             raise StateError(f"rank states disagree on {name}: rank 0 has {a!r}, rank {r} has "
                              f"{b!r}; every rank's loader must be built the same way")
     return first
+
+
+def _read_group(state: Any) -> Any:
+    fp = state.get(FINGERPRINT_KEY) if isinstance(state, dict) else None
+    return fp.get("read_group", 1) if isinstance(fp, dict) else 1
+
+
+def one_per_group(states: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The states of a job run in reader groups, one per model group: every rank of a group
+    draws the same samples, so its states agree (checked: progress and fingerprint) and one
+    stands for the group. ``states`` are every rank's in rank order, or already one per
+    group; without reader groups they are returned as they are."""
+    kinds = {repr(_read_group(s)) for s in states}
+    if kinds == {"1"}:
+        return list(states)
+    groups = sorted(kinds)
+    size = _read_group(states[0])
+    if len(kinds) > 1 or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise StateError(f"rank states were saved under different read_group values "
+                         f"({', '.join(groups)}): pass the states of one job, every rank's "
+                         "state_dict() taken at the same step")
+    n_groups = states[0][FINGERPRINT_KEY].get("world_size")
+    if len(states) == n_groups:
+        return list(states)  # one per group already
+    if not isinstance(n_groups, int) or len(states) != n_groups * size:
+        raise StateError(f"merge_rank_states got {len(states)} states saved with read_group="
+                         f"{size} on {n_groups} model groups: pass every rank's state "
+                         f"({n_groups} * {size}), in rank order, or one state per model group "
+                         f"({n_groups})")
+    out = []
+    for g in range(n_groups):
+        ranks = range(g * size, (g + 1) * size)
+        first = states[ranks[0]]
+        for r in ranks[1:]:
+            for key in (PROGRESS_KEY, FINGERPRINT_KEY, SNAPSHOT_KEY):
+                if states[r].get(key) != first.get(key):
+                    raise StateError(
+                        f"ranks {ranks[0]} and {r} are model group {g} (read_group={size}) "
+                        f"and draw the same samples, but their states' {key} differ: rank "
+                        f"{ranks[0]} has {first.get(key)!r}, rank {r} has "
+                        f"{states[r].get(key)!r}; take every rank's state_dict() at the same "
+                        "step, in rank order")
+        out.append(first)
+    return out
