@@ -28,6 +28,7 @@ from .memory.ledger import MemoryLedger
 from .metrics.counters import ConsumerMeter
 from .metrics.loader_stats import LoaderStats
 from .nodes import AsyncFetchNode, ChunkPermuteNode, GatherNode, NormalizeNode, ShuffleBufferNode
+from .nodes.read_groups import axis_from_end
 from .nodes.state import copy_state, shutdown_source
 from .state.checkpoint import (
     Resumed,
@@ -195,10 +196,11 @@ class InSituLoader(Loader):
     Built by ``build_loader``, it exposes what the build computed: ``config`` (the
     ``LoaderConfig``), ``ledger`` (live decoded bytes), ``resident_bound`` (the bound those
     stay under), ``shuffle_quality`` (the model's score; with time steps over runs of
-    ``run_chunks`` adjacent chunks), ``workers`` (decode worker processes, 0 for
-    threads) and ``snapshot_id`` (the icechunk
-    snapshot read, checked on resume) and ``fingerprint`` (what every state records and
-    ``load_state_dict`` checks). Wrapping a hand-built graph leaves them ``None``.
+    ``run_chunks`` adjacent chunks), ``workers`` (decode worker processes, 0 for threads),
+    ``snapshot_id`` (the icechunk snapshot read, checked on resume), ``fingerprint`` (what
+    every state records and ``load_state_dict`` checks) and, with ``read_group=G``,
+    ``grid_part`` (this rank's slice of the grid), ``grid_axes`` and ``grid_axis``
+    (``gather_grid``'s axis, from the end). A hand-built graph leaves them unset.
     """
 
     def __init__(self, root: BaseNode, restart_on_stop_iteration: bool = True,
@@ -222,19 +224,17 @@ class InSituLoader(Loader):
         self.channel_names: tuple[str, ...] | None = (
             tuple(c.label or c.variable for c in resolved.channels)
             if resolved is not None and resolved.channels else None)
-        # reader groups (read_group=G): this rank's part of the grid along each variable's
-        # grid axis (slice(None) and {} without); ``grid_axis`` the axis counted from the
-        # end of a variable's batch tensor, where every variable agrees (gather_grid's axis)
+        # read_group: this rank's part of the grid, its axes (nodes/read_groups.py)
         self.grid_part: slice = resolved.grid_part if resolved is not None else slice(None)
         self.grid_axes: dict[str, int] = dict(resolved.grid_axes) if resolved is not None else {}
-        self.grid_axis: int | None = grid_axis_from_end(resolved)
+        self.grid_axis: int | None = (None if resolved is None else
+                                      axis_from_end(resolved.source, resolved.grid_axes))
         self.ledger: MemoryLedger | None = ledger
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
                                             resolved.config.checkpoint.allow_snapshot_change)
-        # A hand-built graph of the standard stages is checked as build_loader's are: the
-        # fingerprint is read off its nodes (a seed or batch size changed between save and
-        # resume would otherwise repeat and skip samples silently).
+        # A hand-built graph's fingerprint is read off its nodes (a seed or batch size
+        # changed between save and resume would otherwise repeat and skip samples silently).
         self._fingerprint_from_nodes = fingerprint is None
         self.fingerprint: StateFingerprint | None = (
             fingerprint if fingerprint is not None else fingerprint_of_nodes(self.nodes()))
@@ -470,17 +470,6 @@ class InSituLoader(Loader):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def grid_axis_from_end(resolved: Resolved | None) -> int | None:
-    """The grid axis of the batch tensors counted from the end (-2: latitude rows of
-    (..., lat, lon); -1: an anemoi dataset's cells) where every served variable has it
-    there; ``None`` without reader groups or where variables differ."""
-    if resolved is None or not resolved.grid_axes:
-        return None
-    shapes = {v.name: len(v.shape) for v in resolved.source.variables}
-    found = {a - shapes[n] for n, a in resolved.grid_axes.items()}
-    return found.pop() if len(found) == 1 else None
 
 
 def build_loader(source: Source, manifest: SplitManifest, split: str,

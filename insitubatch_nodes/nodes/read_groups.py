@@ -19,7 +19,7 @@ from ..errors import ConfigError, LoaderUsageError
 from ..sampling.grid_parts import Deal, balanced_part, deal_of, grid_axis
 from ..store.source import Source
 
-__all__ = ["cut_grid", "gather_grid", "grid_part_of", "read_groups", "static_part"]
+__all__ = ["axis_from_end", "cut_grid", "gather_grid", "grid_part_of", "read_groups", "static_part"]
 
 
 def _dims_text(source: Source, name: str) -> str:
@@ -59,6 +59,14 @@ def grid_part_of(source: Source, deal: Deal) -> tuple[slice, dict[str, int]]:
                           f"grid ({_dims_text(source, next(iter(axes)))}): a rank would read "
                           f"nothing; use read_group <= {n}")
     return balanced_part(n, deal.read_group, deal.member), axes
+
+
+def axis_from_end(source: Source, axes: Mapping[str, int]) -> int | None:
+    """The grid axis of the batch tensors counted from the end (-2: latitude rows of
+    (..., lat, lon); -1: an anemoi dataset's cells) where every variable has it there;
+    ``None`` without reader groups (no ``axes``) or where variables differ."""
+    found = {a - len(source.variable(n).shape) for n, a in axes.items()}
+    return found.pop() if len(found) == 1 else None
 
 
 def cut_grid(source: Source, part: slice, axes: Mapping[str, int]) -> Source:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import StateError
 from ..sampling.schedule import Progress, Resumption
-from .fingerprint import RANK_FIELDS, StateFingerprint
+from .fingerprint import DEAL_ONLY, RANK_FIELDS, StateFingerprint
 
 ELASTIC_KEY = "elastic"
 SNAPSHOT_KEY = "snapshot_id"
@@ -108,7 +108,7 @@ def merged_fingerprint(states: Sequence[dict[str, Any]]) -> StateFingerprint | N
     first = fps[0].merged()
     for r, fp in enumerate(fps[1:], start=1):
         diffs = [d for d in dataclasses.asdict(first).items()
-                 if d[0] not in RANK_FIELDS and getattr(fp, d[0]) != d[1]]
+                 if d[0] not in RANK_FIELDS + DEAL_ONLY and getattr(fp, d[0]) != d[1]]
         if diffs:
             name, a = diffs[0]
             b = getattr(fp, name)
