@@ -308,3 +308,53 @@ def test_gather_grid_without_a_group_of_several_returns_the_part():
         pytest.skip("a process group is already initialised here")
     with pytest.raises(ib.LoaderUsageError, match="initialised torch.distributed"):
         ib.gather_grid(torch.zeros(2, 3))
+
+
+# -- 4 processes under torchrun ------------------------------------------------------------
+
+@pytest.mark.torchrun
+@pytest.mark.skipif(not hasattr(ib.Source, "grid_part"),
+                    reason="the reading half (Source.grid_part) is not in this build yet")
+def test_torchrun_4_ranks_in_read_groups_of_2(tmp_path):
+    """4 processes, read_group=2, gloo on CPU: within each group the same samples in the same
+    order, the two groups disjoint and together the split exactly once; each rank's parts,
+    joined along the grid, are the stored samples, and gather_grid returns them on every
+    rank of the group (uneven parts: 181 rows are 91 + 90)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import zarr
+
+    store = tmp_path / "w.zarr"
+    write_store(store, [
+        Var("t", (32, 181, 4), (4, 181, 4), compressors=BLOSC,
+            extra=dict(dimension_names=("time", "lat", "lon"))),
+        Var("z", (32, 3, 181, 4), (4, 3, 181, 4), compressors=BLOSC,
+            extra=dict(dimension_names=("time", "level", "lat", "lon")))])
+    script = Path(__file__).with_name("read_group_ranks.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(script), "--store", str(store), "--out", str(tmp_path), "--read-group", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    meta = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    got = [np.load(tmp_path / f"rank{r}.npz") for r in range(4)]
+    assert [m["grid_part"] for m in meta] == [[0, 91], [91, 181]] * 2
+    assert all(m["axes"] == {"t": 1, "z": 2} and m["axis"] == -2 for m in meta)
+    assert meta[0]["samples"] == meta[1]["samples"] and meta[2]["samples"] == meta[3]["samples"]
+    groups = [[s for b in meta[r]["samples"] for s in b] for r in (0, 2)]
+    assert not set(groups[0]) & set(groups[1])
+    assert sorted(groups[0] + groups[1]) == list(range(32))
+    stored = zarr.open_group(store, mode="r")
+    for r in (0, 2):
+        for k, samples in enumerate(meta[r]["samples"]):
+            for name, axis in (("t", 1), ("z", 2)):
+                want = stored[name][np.asarray(samples)]
+                joined = np.concatenate([got[r][f"part/{name}/{k}"],
+                                         got[r + 1][f"part/{name}/{k}"]], axis=axis)
+                np.testing.assert_array_equal(joined, want)
+                assert got[r][f"part/{name}/{k}"].shape[axis] == 91
+                for q in (r, r + 1):
+                    np.testing.assert_array_equal(got[q][f"whole/{name}/{k}"], want)
