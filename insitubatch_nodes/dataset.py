@@ -36,13 +36,13 @@ from .errors import (
 )
 from .graph import Resolved, resolve
 from .graph_stages import transform_stages
-from .io.composed_reader import open_reader
 from .io.loop_thread import LoopThread
+from .io.readers import open_reader
 from .io.retry import RetryPolicy
 from .memory.budget import parse_bytes
 from .nodes import GatherNode
 from .sampling.items import BatchDraw, GatherPart
-from .store.composed_array import stored_arrays
+from .store.cut_array import stored_arrays
 from .store.source import Source
 from .store.splits import SplitManifest
 

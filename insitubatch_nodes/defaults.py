@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .io.device_decode import FrameDecoder
 from .io.reader import groups_reads
 from .sampling.windows import SampleWindow, default_run_chunks
-from .store.composed_array import stored_arrays
+from .store.cut_array import stored_arrays
 from .store.source import Source
 from .workers.engine import CREDIT
 

@@ -31,6 +31,7 @@ from .sampling.geometry import VariableGeometry
 from .sampling.quality import recommend_block_chunks, shuffle_quality
 from .sampling.windows import SampleWindow, default_run_chunks
 from .store.composed_array import ComposedArray
+from .store.cut_array import CutArray
 from .store.source import Source
 
 READ_PATHS = {
@@ -390,10 +391,13 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
                        members=tuple(m.describe() for m in source.members))
 
 
-def _stored(arr: zarr.Array | ComposedArray, geom: VariableGeometry,
+def _stored(arr: zarr.Array | ComposedArray | CutArray, geom: VariableGeometry,
             url: str) -> list[tuple[zarr.Array, VariableGeometry, str]]:
     """The stored arrays a served variable reads: a composed one's, each named for its
-    member, so the report shows every store's chunking and read path."""
+    member, so the report shows every store's chunking and read path (of a part of the
+    grid: the stored array's)."""
+    if isinstance(arr, CutArray):
+        return _stored(arr.base, arr.base_geom, url)
     if not isinstance(arr, ComposedArray):
         return [(arr, geom, url)]
     return [(a, replace(g, name=f"{geom.name} [member {m}]"), u)

@@ -143,8 +143,10 @@ def test_the_chunk_cache_keeps_each_members_chunks_apart(stores, tmp_path):
         warm = lo.stats()
     expected = {"temperature": both, "2m_temperature": both}
     assert sorted(served(first, src, expected)) == sorted(served(second, src, expected))
-    assert cold.cache_misses > 0 and warm.cache_misses == cold.cache_misses
-    assert warm.cache_hits - cold.cache_hits >= cold.cache_misses
+    # cache writes land off the critical path: the next epoch, started early, may miss a
+    # chunk whose write of the epoch before has not landed yet
+    assert cold.cache_misses > 0 and warm.cache_misses - cold.cache_misses <= 2
+    assert warm.cache_hits - cold.cache_hits >= cold.cache_misses - 2
 
 
 def test_a_period_reads_only_its_dates(stores):

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..io.composed_reader import Reader
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
+from ..io.readers import Reader
 from ..metrics.counters import FetchStats
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ..io.composed_reader import Reader
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
+from ..io.readers import Reader
 from ..io.retry import RetryPolicy
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena

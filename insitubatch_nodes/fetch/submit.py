@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io.composed_reader import Reader
 from ..io.loop_thread import LoopThread
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
+from ..io.readers import Reader
 from ..io.retry import RetryPolicy
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool

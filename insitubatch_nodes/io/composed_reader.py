@@ -14,22 +14,20 @@ import time
 from concurrent.futures import Executor
 
 import numpy as np
-import zarr
 
 from ..errors import UsageTypeError
-from ..metrics.counters import ReadTimes
 from ..sampling.geometry import VariableGeometry
 from ..sampling.rowmap import StripePiece
 from ..store.composed_array import ComposedArray
 from .chunk_cache import ChunkCache
-from .partial.fetch import PartialRule
 from .partial.ranges import PartSpec
 from .read_paths import FrameCheck, Frames
 from .reader import StripeReader
 from .retry import NO_RETRY, RetryPolicy
+from .wrapped_reader import WrappedReader
 
 
-class ComposedReader:
+class ComposedReader(WrappedReader):
     """Fills ``out`` (shape ``geom.stripe_shape``) with composed stripe ``index``; the
     calls a ``StripeReader`` answers for the fetch paths and decode workers."""
 
@@ -39,48 +37,16 @@ class ComposedReader:
         self.source_url = source_url
         self.members = [StripeReader(a, g, u) for a, g, u in
                         zip(arr.arrays, arr.geoms, arr.urls, strict=True)]
-        self.times = ReadTimes()
+        super().__init__(list(self.members))
         self.fill_value = np.asarray(arr.fill).astype(geom.dtype)
         self._chunks = arr.member_chunks()
         self._pieces: dict[int, list[StripePiece]] = {}
         self._member, self._stripe = _straight_stripes(arr, geom.sample_chunk)
 
-    # -- what the fetch asks of any reader -----------------------------------------------
-    def count_into(self, times: ReadTimes) -> None:
-        self.times = times
-        for m in self.members:
-            m.count_into(times)
-
     def use_cache(self, cache: ChunkCache, snapshot_id: str | None = None) -> None:
         """Each member's chunks cached under its own store and snapshot."""
         for m, snap in zip(self.members, self.arr.snapshots, strict=True):
             m.use_cache(cache, snap)
-
-    @property
-    def partial_rule(self) -> PartialRule:
-        return self.members[0].partial_rule
-
-    @partial_rule.setter
-    def partial_rule(self, rule: PartialRule) -> None:
-        for m in self.members:
-            m.partial_rule = rule
-
-    @property
-    def mode(self) -> str:
-        modes = sorted({m.mode for m in self.members})
-        return modes[0] if len(modes) == 1 else "+".join(modes)
-
-    @property
-    def groups_reads(self) -> bool:
-        return all(m.groups_reads for m in self.members)
-
-    @property
-    def reads_cache(self) -> bool:
-        return all(m.reads_cache for m in self.members)
-
-    @property
-    def chunk_nbytes(self) -> int:
-        return max(m.chunk_nbytes for m in self.members)
 
     def describe(self, index: int) -> str:
         got = [f"{self.members[p.member].describe(p.stripe)}" for p in self.pieces(index)]
@@ -212,18 +178,6 @@ class ComposedReader:
                              "of several stored arrays (a join, concat or period), which the "
                              "GPU decoder does not read: build the loader with "
                              "fetch.device_decode=None")
-
-
-# What reads a served variable's stripes: its stored array's reader, or a composed one.
-Reader = StripeReader | ComposedReader
-
-
-def open_reader(arr: zarr.Array | ComposedArray, geom: VariableGeometry,
-                source_url: str) -> Reader:
-    """The reader of one served variable (``Source.arrays[i]``, ``Source.origin(i)``)."""
-    if isinstance(arr, ComposedArray):
-        return ComposedReader(arr, geom, source_url)
-    return StripeReader(arr, geom, source_url)
 
 
 def _straight_stripes(arr: ComposedArray, chunk: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,9 +31,9 @@ from ..fetch.thread_submit import ThreadSubmit
 from ..fetch.windows import Entry, EpochWindows, made
 from ..fetch.worker_submit import WorkerSubmit
 from ..io.chunk_cache import ChunkCache
-from ..io.composed_reader import Reader, open_reader
 from ..io.device_decode import FrameDecoder, WindowDecoder
 from ..io.loop_thread import LoopThread
+from ..io.readers import Reader, open_reader
 from ..io.retry import RetryPolicy
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool, MemoryLedger

@@ -116,8 +116,3 @@ def composed_chunk(rows: RowMap, geoms: tuple[VariableGeometry, ...]) -> int:
 
     candidates = sorted({*chunks, math.gcd(*chunks)}, reverse=True)
     return min(candidates, key=lambda c: (reads(c), -c))
-
-
-def stored_arrays(arr: zarr.Array | ComposedArray) -> tuple[zarr.Array, ...]:
-    """The stored arrays a served variable reads (a composed one: each member's)."""
-    return arr.arrays if isinstance(arr, ComposedArray) else (arr,)

@@ -19,10 +19,11 @@ from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from ..sampling.rowmap import RowMap
 from .arrays import array_in
 from .composed_array import ComposedArray, composed_chunk
+from .cut_array import CutArray, coordinate_index, cut, grid_axis, runs
 from .periods import period_rows
 
-# What a served variable is read from: a stored array, or several composed.
-Stored = zarr.Array | ComposedArray
+# What a served variable is read from: a stored array, several composed, or a part.
+Stored = zarr.Array | ComposedArray | CutArray
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,6 +267,57 @@ class Source:
                        origins=tuple(origins), grid=grid, sample_coord=coord,
                        missing=missing, members=members)
 
+    # -- parts of the grid ----------------------------------------------------------------
+    def grid_part(self, part: slice, axes: Mapping[str, int] | None = None) -> Source:
+        """Every variable cut to ``part`` of its grid axis (``axes[name]``, else
+        ``cut_array.grid_axis``: an anemoi dataset's cells, latitude rows): a read group's
+        share, read alone (only the blosc blocks holding it)."""
+        cuts: dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+        for i, v in enumerate(self.variables):
+            axis = (axes or {}).get(v.name, grid_axis(v, self.format == "anemoi"))
+            lo, hi, step = part.indices(v.shape[axis])
+            if step != 1 or lo >= hi:
+                raise ConfigError(f"grid part {part} of variable {v.name!r} (axis {axis}, "
+                                  f"{v.shape[axis]} long) is empty or strided")
+            cuts[i] = [(axis, ((lo, hi),))]
+        return self._cut(cuts)
+
+    def region(self, **bounds: Any) -> Source:
+        """Only a box of the grid: ``lat=(35, 72), lon=(-25, 45)`` by coordinate values
+        (both ends included; descending latitudes and longitudes across the antimeridian
+        handled) or index slices (``lat=slice(10, 40)``). Each bound cuts the variables
+        with that dimension; one that no variable has is refused."""
+        cuts: dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+        for dim, bound in bounds.items():
+            index = coordinate_index(self.coordinate(dim), bound, dim) if not isinstance(
+                bound, slice) else None
+            hit = False
+            for i, v in enumerate(self.variables):
+                dims = list(v.dimension_names or ())
+                if dim not in dims[1:]:
+                    continue
+                axis = dims.index(dim)
+                pick = index if index is not None else coordinate_index(
+                    np.arange(v.shape[axis]), bound, dim)
+                cuts.setdefault(i, []).append((axis, runs(pick)))
+                hit = True
+            if not hit:
+                have = sorted({str(d) for v in self.variables
+                               for d in (v.dimension_names or ())[1:]})
+                raise UnknownNameError(f"region {dim}=...: no variable of {self.url} has a "
+                                       f"dimension {dim!r}; dimensions: {have}")
+        return self._cut(cuts)
+
+    def _cut(self, cuts: Mapping[int, Sequence[tuple[int, tuple[tuple[int, int], ...]]]],
+             ) -> Source:
+        arrays, variables = list(self.arrays), list(self.variables)
+        for i, box in cuts.items():
+            made = cut(arrays[i], variables[i], box)
+            arrays[i] = made
+            variables[i] = replace(variables[i], shape=made.shape, chunks=made.chunks,
+                                   shards=None)
+        return replace(self, arrays=tuple(arrays), variables=tuple(variables))
+
 
 def own_member(source: Source) -> Member:
     """A one-store source as a member of a composition."""
@@ -283,6 +335,10 @@ def as_composed(arr: Stored, geom: VariableGeometry, url: str,
     """Any served array as a composition (a stored one: of itself, as stored)."""
     if isinstance(arr, ComposedArray):
         return arr
+    if isinstance(arr, CutArray):
+        raise ConfigError(f"variable {geom.name!r} of {url} is cut to a part of its grid "
+                          "(grid_part, region): compose sources first (join, concat, "
+                          "period), then cut the composition")
     return ComposedArray((arr,), (geom,), (url,), (snapshot,), RowMap.identity(geom.shape[0]),
                          geom.sample_chunk)
 

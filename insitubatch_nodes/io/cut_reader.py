@@ -1,0 +1,144 @@
+"""Reading a cut variable's stripe (a part of the grid): the stored stripe is read for the
+box alone, then the part copied into place.
+
+The box goes to the stored array's reader as a ``PartSpec``: inner chunks outside it are
+not read, blosc chunks decode (and object stores fetch) only the blocks holding it. The
+stripe is decoded into a per-thread buffer of the stored stripe's shape (only the box's
+bytes are valid there) and the served indices copied from it: one copy of the part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageTypeError
+from ..sampling.geometry import VariableGeometry
+from ..store.cut_array import CutArray, runs
+from .partial.ranges import PartSpec, merge
+from .read_paths import FrameCheck, Frames
+from .retry import NO_RETRY, RetryPolicy
+from .thread_buffer import ThreadBuffer
+from .wrapped_reader import WrappedReader
+
+_BASE = ThreadBuffer()  # the stored stripe, per pool thread
+
+
+class CutReader(WrappedReader):
+    """Fills ``out`` (the cut variable's ``geom.stripe_shape``) with stripe ``index``,
+    reading the stored stripe through ``base`` (its own reader) for the box alone."""
+
+    def __init__(self, arr: CutArray, geom: VariableGeometry, source_url: str,
+                 base: Any) -> None:
+        super().__init__([base])
+        self.arr = arr
+        self.geom = geom
+        self.source_url = source_url
+        self.base = base
+        self._index = {a: arr.index(a) for a in range(1, len(geom.shape))}
+        self._parts: dict[PartSpec | None, tuple[PartSpec, tuple[Any, ...]]] = {}
+
+    def describe(self, index: int) -> str:
+        return f"{self.base.describe(index)}, cut to {self.arr.cuts}"
+
+    def _part(self, part: PartSpec | None) -> tuple[PartSpec, tuple[Any, ...]]:
+        """The stored array's part to read (the cut's box, narrowed to ``part`` along axis
+        1) and what of its stripe to copy, per axis after the first (computed once)."""
+        got = self._parts.get(part)
+        if got is None:
+            take = dict(self._index)
+            if part is not None:  # levels wanted, counted in the served axis 1
+                take[1] = np.concatenate([take[1][lo:hi] for lo, hi in part.ranges])
+            box = tuple((a, merge(runs(np.sort(take[a])))) for a in sorted(take) if a >= 2
+                        and take[a].size < self.arr.base_geom.shape[a])
+            spec = PartSpec(merge(runs(np.sort(take[1]))), box)
+            served = [np.arange(len(self._index[a])) for a in sorted(take)]
+            if part is not None:
+                served[0] = np.concatenate([np.arange(lo, hi) for lo, hi in part.ranges])
+            picks = [take[a] for a in sorted(take)]
+            got = self._parts[part] = (spec, (np.ix_(*served), np.ix_(*picks)))
+        return got
+
+    def _copy(self, stored: np.ndarray, out: np.ndarray, part: PartSpec | None) -> None:
+        t0 = time.perf_counter()
+        dst, src = self._part(part)[1]
+        out[(slice(None), *dst)] = stored[(slice(None), *src)]
+        self.times.add(0.0, time.perf_counter() - t0)
+
+    def _stored(self, pooled: bool) -> np.ndarray:
+        g = self.arr.base_geom
+        return (_BASE.array(g.stripe_shape, g.dtype) if pooled
+                else np.empty(g.stripe_shape, dtype=g.dtype))
+
+    # -- local stores, on the calling (pool) thread ----------------------------------------
+    def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,
+                   part: PartSpec | None = None) -> None:
+        self.read_local_retrying([index], [out], NO_RETRY, submitted, part=part)
+
+    def read_local_many(self, indices: list[int], outs: list[np.ndarray],
+                        submitted: float | None = None, *,
+                        part: PartSpec | None = None) -> None:
+        self.read_local_retrying(indices, outs, NO_RETRY, submitted, part=part)
+
+    def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
+                            retry: RetryPolicy = NO_RETRY,
+                            submitted: float | None = None, *,
+                            part: PartSpec | None = None) -> int:
+        spec = self._part(part)[0]
+        attempts = 0
+        for index, out in zip(indices, outs, strict=True):
+            stored = self._stored(pooled=True)
+            attempts += self.base.read_local_retrying([index], [stored], retry, submitted,
+                                                      part=spec)
+            self._copy(stored, out, part)
+            submitted = None
+        return attempts
+
+    # -- the chunk cache -----------------------------------------------------------------
+    def is_cached(self, index: int, *, part: PartSpec | None = None) -> bool:
+        return bool(self.base.is_cached(index, part=self._part(part)[0]))
+
+    def read_cached(self, indices: list[int], outs: list[np.ndarray],
+                    submitted: float | None = None, *,
+                    part: PartSpec | None = None) -> list[int]:
+        spec = self._part(part)[0]
+        missed = []
+        for index, out in zip(indices, outs, strict=True):
+            stored = self._stored(pooled=True)
+            if self.base.read_cached([index], [stored], submitted, part=spec):
+                missed.append(index)
+            else:
+                self._copy(stored, out, part)
+            submitted = None
+        return missed
+
+    # -- the event loop ------------------------------------------------------------------
+    async def read(self, index: int, out: np.ndarray, loop: asyncio.AbstractEventLoop,
+                   pool: Executor, retry: RetryPolicy = NO_RETRY, *,
+                   part: PartSpec | None = None) -> int:
+        stored = self._stored(pooled=False)  # awaited reads interleave on one thread
+        attempts: int = await self.base.read(index, stored, loop, pool, retry,
+                                             part=self._part(part)[0])
+        self._copy(stored, out, part)
+        return attempts
+
+    async def read_group(self, indices: list[int], outs: list[np.ndarray],
+                         loop: asyncio.AbstractEventLoop, pool: Executor,
+                         retry: RetryPolicy = NO_RETRY, *,
+                         part: PartSpec | None = None) -> int:
+        attempts = 0
+        for index, out in zip(indices, outs, strict=True):
+            attempts += await self.read(index, out, loop, pool, retry, part=part)
+        return attempts
+
+    async def read_frames(self, indices: list[int], check: FrameCheck,
+                          loop: asyncio.AbstractEventLoop, pool: Executor,
+                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
+        raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is served in "
+                             "part (a read group's part of the grid, a region), which the GPU "
+                             "decoder does not read: build the loader with "
+                             "fetch.device_decode=None")

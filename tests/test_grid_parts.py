@@ -1,0 +1,177 @@
+"""A part of the grid served and read alone: a region equals xarray's selection of the same
+box, a read group's share of the cells or latitude rows equals the stored values cut by hand,
+and a quarter of a 0.25-degree chunk reads at most 0.35x the bytes of the whole, locally and
+on S3 (moto)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+import zarr
+from anemoi_stores import read_anemoi, write_anemoi
+from composed_stores import on_moto
+from zarr.codecs import BloscCodec
+
+import insitubatch_nodes as ib
+
+TIMES = pd.date_range("2020-01-01", periods=12, freq="6h")
+
+
+@pytest.fixture(scope="module")
+def wb2(tmp_path_factory):
+    """A WB2-like store on a 10-degree grid: latitude descending 90..-90 (19 rows, odd),
+    longitude 0..350, three levels in a chunk; values distinct everywhere."""
+    lat = np.linspace(90, -90, 19)
+    lon = np.arange(0, 360, 10.0)
+    shape = (len(TIMES), 3, lat.size, lon.size)
+    ds = xr.Dataset(
+        {"temperature": (("time", "level", "latitude", "longitude"),
+                         np.arange(np.prod(shape), dtype="float32").reshape(shape)),
+         "2m_temperature": (("time", "latitude", "longitude"),
+                            1e6 + np.arange(np.prod(shape) // 3, dtype="float32").reshape(
+                                shape[:1] + shape[2:]))},
+        coords={"time": TIMES, "level": [500, 850, 1000], "latitude": lat, "longitude": lon})
+    path = tmp_path_factory.mktemp("grid") / "wb2.zarr"
+    ds.to_zarr(path, zarr_format=2, encoding={
+        "temperature": {"chunks": (1, 3, lat.size, lon.size)},
+        "2m_temperature": {"chunks": (1, lat.size, lon.size)}})
+    return path, ds
+
+
+def epoch(src, **kw):
+    manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
+    kw.setdefault("batch_size", 4)
+    return [{k: v.numpy() for k, v in b.items()}
+            for b in ib.build_loader(src, manifest, "train", **kw)]
+
+
+def check(batches, want: xr.Dataset, names):
+    seen = []
+    for b in batches:
+        idx = b["sample_index"]
+        seen += idx.tolist()
+        for name in names:
+            np.testing.assert_array_equal(b[name], want[name].values[idx], err_msg=name)
+    assert sorted(seen) == list(range(len(TIMES)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_region_across_the_antimeridian_equals_xarrays_selection(wb2, workers):
+    path, ds = wb2
+    src = ib.open_source(path).region(latitude=(35, 72), longitude=(-25, 45))
+    box = ds.sel(latitude=slice(72, 35))
+    box = xr.concat([box.sel(longitude=slice(335, 360)), box.sel(longitude=slice(0, 45))],
+                    "longitude")
+    assert [v.shape for v in src.variables] == [box[n].shape for n in src.names]
+    check(epoch(src, workers=workers), box, src.names)
+
+
+def test_a_region_by_index_with_levels_picked(wb2):
+    path, ds = wb2
+    src = ib.open_source(path).region(latitude=slice(2, 9), longitude=slice(30, 36))
+    box = ds.isel(latitude=slice(2, 9), longitude=slice(30, 36))
+    for b in epoch(src, channels=[("temperature", 850), "2m_temperature"]):
+        idx = b["sample_index"]
+        np.testing.assert_array_equal(b["channels"][:, 0],
+                                      box["temperature"].sel(level=850).values[idx])
+        np.testing.assert_array_equal(b["channels"][:, 1], box["2m_temperature"].values[idx])
+
+
+def test_a_region_naming_no_dimension_or_no_value_is_refused(wb2):
+    src = ib.open_source(wb2[0])
+    with pytest.raises(ib.UnknownNameError, match="'lat'.*latitude"):
+        src.region(lat=(0, 10))
+    with pytest.raises(ib.ConfigError, match="holds no latitude value.*-90"):
+        src.region(latitude=(91, 95))
+
+
+def _balanced(n, k, i):
+    """anemoi's balanced partition, written out: sizes differ by at most one, the first
+    n % k parts one larger."""
+    sizes = [n // k + (j < n % k) for j in range(k)]
+    start = sum(sizes[:i])
+    return slice(start, start + sizes[i])
+
+
+@pytest.mark.parametrize("groups", [2, 3, 4])
+def test_latitude_rows_of_an_odd_grid_cut_for_a_read_group(wb2, groups):
+    path, ds = wb2
+    for rank in range(groups):
+        part = _balanced(19, groups, rank)
+        src = ib.open_source(path).grid_part(part)
+        check(epoch(src), ds.isel(latitude=part), src.names)
+
+
+@pytest.mark.parametrize("groups", [2, 3, 4])
+def test_anemoi_cells_cut_for_a_read_group(tmp_path, groups):
+    path = write_anemoi(tmp_path / "a.zarr", ("2t", "msl", "10u"), "2020-01-01", 8,
+                        n_cells=37)
+    stored = read_anemoi(path)
+    for rank in range(groups):
+        part = _balanced(37, groups, rank)
+        src = ib.open_source(path).grid_part(part)
+        for b in epoch(src):
+            idx = b["sample_index"]
+            np.testing.assert_array_equal(b["data"], stored.data[idx][..., part])
+
+
+def _quarter_degree(path: Path) -> None:
+    """Three steps of a 0.25-degree field, one a chunk, blosc-zstd with byte shuffle as
+    ERA5 archives compress (a smooth field plus noise, not random bytes)."""
+    lat = np.linspace(90, -90, 721)
+    lon = np.arange(1440) * 0.25
+    field = (250 + 30 * np.cos(np.deg2rad(lat))[:, None]
+             + 5 * np.sin(np.deg2rad(lon))[None, :]).astype("float32")
+    rng = np.random.default_rng(0)
+    g = zarr.open_group(path, mode="w", zarr_format=3)
+    arr = g.create_array("t2m", shape=(3, 721, 1440), chunks=(1, 721, 1440), dtype="float32",
+                         compressors=BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"),
+                         dimension_names=("time", "latitude", "longitude"))
+    arr[:] = field[None] + rng.normal(0, 0.5, (3, 721, 1440)).astype("float32")
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def _bytes_read(src) -> int:
+    """Bytes this process read from files over one epoch on the decode threads."""
+    epoch(src, workers=0)  # imports and metadata read once, outside the count
+    before = _rchar()
+    epoch(src, workers=0, seed=1)
+    return _rchar() - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts bytes by /proc")
+def test_a_quarter_of_a_quarter_degree_chunk_reads_at_most_035x_locally(tmp_path):
+    _quarter_degree(tmp_path / "q.zarr")
+    src = ib.open_source(tmp_path / "q.zarr")
+    whole = _bytes_read(src)
+    for rank in range(4):
+        part = _balanced(721, 4, rank)
+        assert _bytes_read(src.grid_part(part)) <= 0.35 * whole
+
+
+def test_a_quarter_of_a_quarter_degree_chunk_fetches_at_most_035x_on_s3(tmp_path):
+    _quarter_degree(tmp_path / "q.zarr")
+    values = np.asarray(zarr.open_array(tmp_path / "q.zarr" / "t2m")[:])
+    with on_moto(tmp_path / "q.zarr") as (url, options):
+        src = ib.open_source(url, storage_options=options)
+        for rank in (0, 3):
+            part = _balanced(721, 4, rank)
+            cut = src.grid_part(part)
+            manifest = ib.split_by_chunk(cut, (1.0,), names=["train"])
+            loader = ib.build_loader(cut, manifest, "train", batch_size=3)
+            for b in loader:
+                np.testing.assert_array_equal(b["t2m"].numpy(),
+                                              values[b["sample_index"].numpy()][:, part])
+            stats = loader.stats()
+            assert stats.chunks_fetched_in_part == 3
+            assert stats.part_bytes_fetched <= 0.35 * stats.part_frame_bytes
