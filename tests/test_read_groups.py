@@ -310,11 +310,61 @@ def test_gather_grid_without_a_group_of_several_returns_the_part():
         ib.gather_grid(torch.zeros(2, 3))
 
 
+# -- with the reading half: each rank's batches are its part of the stored grid -----------
+
+needs_grid_part = pytest.mark.skipif(not hasattr(ib.Source, "grid_part"),
+                                     reason="the reading half (Source.grid_part) is not in "
+                                            "this build yet")
+
+
+def _batches(loader):
+    with loader:
+        return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+
+
+@needs_grid_part
+@pytest.mark.parametrize("group", [2, 3, 4])
+def test_anemoi_cells_are_cut_by_the_balanced_rule(tmp_path, group):
+    from anemoi_stores import read_anemoi, write_anemoi
+
+    path = write_anemoi(tmp_path / "a.zarr", ("2t", "10u", "msl"), "2020-01-01", 12,
+                        n_cells=101)  # odd: 101 = 26 + 25 + 25 + 25 in 4
+    stored = read_anemoi(path).data
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    joined = []
+    for r in range(group):
+        ld = ib.build_loader(src, m, "train", rank=r, world_size=group, read_group=group,
+                             batch_size=4, block_chunks=4)
+        part = ib.balanced_part(101, group, r)
+        assert ld.grid_part == part and ld.grid_axes == {"data": 3} and ld.grid_axis == -1
+        got = _batches(ld)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], stored[b["sample_index"]][..., part])
+        joined.append(got)
+    for k in range(len(joined[0])):  # the members' parts of a batch, joined, are the samples
+        whole = np.concatenate([j[k]["data"] for j in joined], axis=-1)
+        np.testing.assert_array_equal(whole, stored[joined[0][k]["sample_index"]])
+
+
+@needs_grid_part
+def test_latitude_rows_of_a_181_row_grid(weather):
+    src, m, data = weather
+    lsm = np.arange(181 * 4, dtype=np.float32).reshape(181, 4)
+    for r in range(2):
+        ld = ib.build_loader(src, m, "train", rank=r, world_size=2, read_group=2,
+                             batch_size=5, block_chunks=2, static={"lsm": lsm})
+        part = ib.balanced_part(181, 2, r)
+        for b in _batches(ld):
+            np.testing.assert_array_equal(b["t"], data["t"][b["sample_index"]][:, part])
+            np.testing.assert_array_equal(b["z"], data["z"][b["sample_index"]][:, :, part])
+            np.testing.assert_array_equal(b["static/lsm"][0], lsm[part])
+
+
 # -- 4 processes under torchrun ------------------------------------------------------------
 
 @pytest.mark.torchrun
-@pytest.mark.skipif(not hasattr(ib.Source, "grid_part"),
-                    reason="the reading half (Source.grid_part) is not in this build yet")
+@needs_grid_part
 def test_torchrun_4_ranks_in_read_groups_of_2(tmp_path):
     """4 processes, read_group=2, gloo on CPU: within each group the same samples in the same
     order, the two groups disjoint and together the split exactly once; each rank's parts,
