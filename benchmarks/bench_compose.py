@@ -9,9 +9,10 @@ Two comparisons, each with decode threads (``workers=0``) and decode worker proc
 - **concat**: two periods of N/2 steps each (the first Zarr v2, the second Zarr v3, same
   chunking) concatenated with ``ib.concat([p1, p2])``, against one store of all N steps.
 
-Every store is written by ``insitubatch_nodes.synthetic`` (float32, one step a chunk,
-blosc-zstd level 5 + shuffle; the one-store reference and the join members Zarr v2
-consolidated), so composed and one-store read the same bytes per sample. For each
+The one store is written by ``insitubatch_nodes.synthetic`` (float32, one step a chunk,
+blosc-zstd level 5 + shuffle, Zarr v2 consolidated); the join members and periods are copied
+from it with the same codec (``derive``), so composed and one-store decode byte-identical
+chunks. For each
 comparison and executor both loaders (``build_loader(..., batch_size, seed, workers)`` on
 ``split_by_chunk(source, [1.0], names=["train"])``, next epoch not fetched ahead) are built
 side by side, warmed by two epochs each, then timed epoch by epoch in alternating pairs
