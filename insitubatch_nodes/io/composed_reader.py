@@ -41,7 +41,11 @@ class ComposedReader(WrappedReader):
         self.fill_value = np.asarray(arr.fill).astype(geom.dtype)
         self._chunks = arr.member_chunks()
         self._pieces: dict[int, list[StripePiece]] = {}
-        self._member, self._stripe = _straight_stripes(arr, geom.sample_chunk)
+        member, stripe = _straight_stripes(arr, geom.sample_chunk)
+        # per composed stripe: the member whose one stripe it is exactly (-1: pieces), and
+        # that stripe; lists, as read once per stripe on the hot path
+        self._member: list[int] = member.tolist()
+        self._stripe: list[int] = stripe.tolist()
 
     def use_cache(self, cache: ChunkCache, snapshot_id: str | None = None) -> None:
         """Each member's chunks cached under its own store and snapshot."""
@@ -63,13 +67,12 @@ class ComposedReader(WrappedReader):
         return got
 
     def _straight(self, index: int) -> StripePiece | None:
-        """The one member stripe that is exactly composed stripe ``index``, if it is
-        (looked up: asked once per stripe read on the hot path)."""
-        m = int(self._member[index])
+        """The one member stripe that is exactly composed stripe ``index``, if it is."""
+        m = self._member[index]
         if m < 0:
             return None
         rows = slice(0, self.geom.sample_chunk)
-        return StripePiece(m, int(self._stripe[index]), rows, rows)
+        return StripePiece(m, self._stripe[index], rows, rows)
 
     def _buffer(self, p: StripePiece) -> np.ndarray:
         g = self.members[p.member].geom
@@ -86,7 +89,11 @@ class ComposedReader(WrappedReader):
     # -- local stores, on the calling (pool) thread ----------------------------------------
     def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,
                    part: PartSpec | None = None) -> None:
-        self.read_local_retrying([index], [out], NO_RETRY, submitted, part=part)
+        m = self._member[index]
+        if m >= 0:  # one member stripe: that member reads it into place
+            self.members[m].read_local(self._stripe[index], out, submitted, part=part)
+        else:
+            self.read_local_retrying([index], [out], NO_RETRY, submitted, part=part)
 
     def read_local_many(self, indices: list[int], outs: list[np.ndarray],
                         submitted: float | None = None, *,
@@ -98,11 +105,13 @@ class ComposedReader(WrappedReader):
                             submitted: float | None = None, *,
                             part: PartSpec | None = None) -> int:
         attempts = 0
+        straight: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         for index, out in zip(indices, outs, strict=True):
-            p = self._straight(index)
-            if p is not None:
-                attempts += self.members[p.member].read_local_retrying(
-                    [p.stripe], [out], retry, submitted, part=part)
+            m = self._member[index]
+            if m >= 0:  # grouped per member below: one grouped read each
+                got = straight.setdefault(m, ([], []))
+                got[0].append(self._stripe[index])
+                got[1].append(out)
             else:
                 for p in self.pieces(index):
                     buf = self._buffer(p)
@@ -110,6 +119,10 @@ class ComposedReader(WrappedReader):
                         [p.stripe], [buf], retry, submitted, part=part)
                     self._copy(p, buf, out)
                 self._gaps(index, out)
+                submitted = None
+        for m, (stripes, bufs) in straight.items():
+            attempts += self.members[m].read_local_retrying(stripes, bufs, retry, submitted,
+                                                            part=part)
             submitted = None
         return attempts
 
