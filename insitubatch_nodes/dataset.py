@@ -37,8 +37,8 @@ from .errors import (
 from .graph import Resolved, resolve
 from .graph_stages import transform_stages
 from .io.loop_thread import LoopThread
-from .io.readers import open_reader
 from .io.retry import RetryPolicy
+from .io.served import open_reader
 from .memory.budget import parse_bytes
 from .nodes import GatherNode
 from .sampling.items import BatchDraw, GatherPart

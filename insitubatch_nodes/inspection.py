@@ -24,12 +24,14 @@ from .io.device_chain import HostOnly, device_chain_from
 from .io.partial.blocks import Whole, plan_frame
 from .io.partial.ranges import PartSpec
 from .io.reader import StripeReader
+from .io.served.axis import AxisStripeReader
 from .memory.budget import largest_block_chunks, parse_bytes, resident_bound
 from .memory.layout import Channel, build_layout
 from .nodes.channels import resolve_channels, served_by
 from .sampling.geometry import VariableGeometry
 from .sampling.quality import recommend_block_chunks, shuffle_quality
 from .sampling.windows import SampleWindow, default_run_chunks
+from .store.axis_array import AxisArray
 from .store.composed_array import ComposedArray
 from .store.cut_array import CutArray
 from .store.source import Source
@@ -184,9 +186,10 @@ def _partial_read(reader: StripeReader, part: PartSpec, samples: int) -> str:
             "fetched in part where the second round trip pays)")
 
 
-def inspect_variable(arr: zarr.Array, geom: Any, source_url: str,
+def inspect_variable(arr: zarr.Array | AxisArray, geom: Any, source_url: str,
                      sample_objects: int = 5, part: PartSpec | None = None) -> VariableReport:
-    reader = StripeReader(arr, geom, source_url)
+    reader = (AxisStripeReader(arr, geom, source_url) if isinstance(arr, AxisArray)
+              else StripeReader(arr, geom, source_url))
     chunk_items = int(np.prod(geom.chunks, dtype=np.int64))
     decoded_chunk = chunk_items * geom.dtype.itemsize
     per_stripe = int(np.prod(geom.inner_grid, dtype=np.int64)) if geom.inner_grid else 1
@@ -391,8 +394,8 @@ def inspect_source(source: Source, *, quality: float | None = 0.9,
                        members=tuple(m.describe() for m in source.members))
 
 
-def _stored(arr: zarr.Array | ComposedArray | CutArray, geom: VariableGeometry,
-            url: str) -> list[tuple[zarr.Array, VariableGeometry, str]]:
+def _stored(arr: zarr.Array | ComposedArray | CutArray | AxisArray, geom: VariableGeometry,
+            url: str) -> list[tuple[zarr.Array | AxisArray, VariableGeometry, str]]:
     """The stored arrays a served variable reads: a composed one's, each named for its
     member, so the report shows every store's chunking and read path (of a part of the
     grid: the stored array's)."""

@@ -98,7 +98,12 @@ def test_sample_dimension_not_first_is_named(tmp_path):
     src = ib.open_source(tmp_path / "s.zarr")
     assert src.names == ("a",)
     found = ib.discover(dict(src.group.arrays()))
-    assert found.skipped == (("b", "'time' is not its first dimension ('x', 'time')"),)
+    assert found.skipped == (("b", "'time' is not its first dimension ('x', 'time'): pass "
+                                   "sample_dim='time' to sample along it"),)
+    # asked for, it is sampled along that axis, as stored
+    both = ib.open_source(tmp_path / "s.zarr", sample_dim="time")
+    assert both.names == ("a", "b") and both.variables[1].shape == (4, 3)
+    np.testing.assert_array_equal(both.arrays[1][1:3], ds["b"].values.T[1:3])
 
 
 def test_open_static_without_static_fields_says_so(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 
 import insitubatch_nodes as ib
 from insitubatch_nodes.io.reader import StripeReader
-from insitubatch_nodes.io.readers import Reader, open_reader
+from insitubatch_nodes.io.served import Reader, open_reader
 
 from .common import Run, usage, usage_extra
 

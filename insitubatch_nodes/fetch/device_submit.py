@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
-from ..io.readers import Reader
+from ..io.served import Reader
 from ..metrics.counters import FetchStats
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
-from ..io.readers import Reader
 from ..io.retry import RetryPolicy
+from ..io.served import Reader
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
 from ..memory.slots import (

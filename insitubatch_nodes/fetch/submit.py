@@ -19,8 +19,8 @@ import numpy as np
 from ..io.loop_thread import LoopThread
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
-from ..io.readers import Reader
 from ..io.retry import RetryPolicy
+from ..io.served import Reader
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool
 from ..metrics.counters import FetchStats

@@ -33,8 +33,8 @@ from ..fetch.worker_submit import WorkerSubmit
 from ..io.chunk_cache import ChunkCache
 from ..io.device_decode import FrameDecoder, WindowDecoder
 from ..io.loop_thread import LoopThread
-from ..io.readers import Reader, open_reader
 from ..io.retry import RetryPolicy
+from ..io.served import Reader, open_reader
 from ..memory.arena import BatchArena
 from ..memory.ledger import BufferPool, MemoryLedger
 from ..metrics.counters import FetchStats

@@ -3,7 +3,7 @@ its own dates, a period or frequency cut from one store.
 
 It stands where a ``zarr.Array`` stands in a ``Source`` (``shape``, ``chunks``, ``dtype``,
 ``arr[rows]``), so statistics, inspection and tests read it as they read an array; the
-loader reads it stripe by stripe through ``io.composed_reader``, each member with its own
+loader reads it stripe by stripe through ``io.served.composed``, each member with its own
 read path, chunk keys and cache scope.
 """
 

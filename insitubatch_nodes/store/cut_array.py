@@ -2,7 +2,7 @@
 cells, a region (a box in coordinate values, across the antimeridian too).
 
 Like ``ComposedArray`` it stands where a ``zarr.Array`` stands in a ``Source``; the loader
-reads it through ``io.cut_reader``, which asks the stored array for the box alone (only the
+reads it through ``io.served.cut``, which asks the stored array for the box alone (only the
 blosc blocks holding it are fetched and decoded) and copies the part into place.
 """
 
@@ -17,6 +17,7 @@ import zarr
 
 from ..errors import ConfigError, UsageTypeError
 from ..sampling.geometry import VariableGeometry
+from .axis_array import AxisArray
 from .composed_array import ComposedArray
 
 Ranges = tuple[tuple[int, int], ...]
@@ -40,7 +41,7 @@ class CutArray:
     sample axis, the ranges of its indices kept, in the order served (a region across the
     antimeridian: the eastern end, then the western start)."""
 
-    base: zarr.Array | ComposedArray
+    base: zarr.Array | ComposedArray | AxisArray
     base_geom: VariableGeometry
     cuts: tuple[tuple[int, Ranges], ...]
 
@@ -102,7 +103,7 @@ class CutArray:
         return np.asarray(rows[(slice(None), *self.picks())])[(slice(None), *rest)]
 
 
-def cut(arr: zarr.Array | ComposedArray | CutArray, geom: VariableGeometry,
+def cut(arr: zarr.Array | ComposedArray | CutArray | AxisArray, geom: VariableGeometry,
         cuts: Sequence[tuple[int, Ranges]]) -> CutArray:
     """``arr`` (served as ``geom``) cut further: the ranges of a cut array's own served
     indices map back onto its base, so a cut of a cut reads the base once."""
@@ -163,8 +164,11 @@ def coordinate_index(values: np.ndarray, bound: Any, dim: str) -> np.ndarray:
     return index
 
 
-def stored_arrays(arr: zarr.Array | ComposedArray | CutArray) -> tuple[zarr.Array, ...]:
+def stored_arrays(arr: zarr.Array | ComposedArray | CutArray | AxisArray,
+                  ) -> tuple[zarr.Array, ...]:
     """The stored arrays a served variable reads (a composed one: each member's)."""
     if isinstance(arr, CutArray):
         return stored_arrays(arr.base)
+    if isinstance(arr, AxisArray):
+        return (arr.base,)
     return arr.arrays if isinstance(arr, ComposedArray) else (arr,)

@@ -63,9 +63,11 @@ def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) ->
     The sample dimension, unless given, is the dimension that leads the most data arrays
     (ties: ``time`` and its usual spellings first). Arrays led by it are served; numeric
     arrays without it are static fields; coordinates (an array named like one of its own
-    dimensions), scalars, non-numeric arrays and arrays with the sample dimension elsewhere
-    than first are left out, each with the reason.
+    dimensions), scalars and non-numeric arrays are left out, each with the reason. Arrays
+    with the sample dimension elsewhere than first are served when ``sample_dim`` names it
+    (sampled along that axis), else left out, saying how to ask for them.
     """
+    given = sample_dim is not None
     skipped: list[tuple[str, str]] = []
     data: dict[str, zarr.Array] = {}
     for name, arr in sorted(arrays.items()):
@@ -96,8 +98,11 @@ def discover(arrays: Mapping[str, zarr.Array], sample_dim: str | None = None) ->
             unnamed.append(name)
         elif d[0] == sample_dim:
             served.append(name)
+        elif sample_dim in d and given:
+            served.append(name)  # sampled along that axis, wherever it stands
         elif sample_dim in d:
-            skipped.append((name, f"{sample_dim!r} is not its first dimension {d}"))
+            skipped.append((name, f"{sample_dim!r} is not its first dimension {d}: pass "
+                                  f"sample_dim={sample_dim!r} to sample along it"))
         else:
             static.append(name)
     # Arrays without dimension names (zarr v3 written without them) are served when their

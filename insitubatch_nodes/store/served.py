@@ -18,12 +18,13 @@ from ..errors import ConfigError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from ..sampling.rowmap import RowMap
 from .arrays import array_in
+from .axis_array import AxisArray
 from .composed_array import ComposedArray, composed_chunk
 from .cut_array import CutArray, coordinate_index, cut, grid_axis, runs
 from .periods import period_rows
 
 # What a served variable is read from: a stored array, several composed, or a part.
-Stored = zarr.Array | ComposedArray | CutArray
+Stored = zarr.Array | ComposedArray | CutArray | AxisArray
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,6 +336,10 @@ def as_composed(arr: Stored, geom: VariableGeometry, url: str,
     """Any served array as a composition (a stored one: of itself, as stored)."""
     if isinstance(arr, ComposedArray):
         return arr
+    if isinstance(arr, AxisArray):
+        raise ConfigError(f"variable {geom.name!r} of {url} is sampled along its stored "
+                          f"axis {arr.order[0]}: joins at other dates, concats and periods "
+                          "of such variables are not supported yet (an exact join is)")
     if isinstance(arr, CutArray):
         raise ConfigError(f"variable {geom.name!r} of {url} is cut to a part of its grid "
                           "(grid_part, region): compose sources first (join, concat, "

@@ -20,6 +20,7 @@ from ..errors import ConfigTypeError, StoreError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from .anemoi import DATA, is_anemoi, read_layout, select
 from .arrays import array_in
+from .axis_array import AxisArray, sample_first
 from .discovery import NUMERIC_KINDS, check_chosen, dimension_names, discover
 from .served import Member, Source
 from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact_url
@@ -234,7 +235,7 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
         check_chosen(arrays, chosen, display, sample_dim)
 
     geoms: list[VariableGeometry] = []
-    opened: list[zarr.Array] = []
+    opened: list[zarr.Array | AxisArray] = []
     for name in chosen:
         arr = arrays[name]
         dtype = np.dtype(arr.dtype)
@@ -248,10 +249,17 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
             raise StoreError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
         dims = dimension_names(arr)
         if sample_dim is not None and dims is not None and dims[0] != sample_dim:
-            raise StoreError(
-                f"variable {name!r} has dimensions {dims}; the sample dimension {sample_dim!r} "
-                "must be its first axis"
-            )
+            if sample_dim not in dims:
+                raise StoreError(
+                    f"variable {name!r} has dimensions {dims}, none of them the sample "
+                    f"dimension {sample_dim!r}: leave it out of variables= (serve it with "
+                    "static=ib.open_static(...) if it is a field without that axis)")
+            moved = AxisArray(arr, sample_first(arr.ndim, dims.index(sample_dim)))
+            geoms.append(replace(_geometry(name, arr, dims), shape=moved.shape,
+                                 chunks=moved.chunks, shards=None,
+                                 dimension_names=tuple(dims[k] for k in moved.order)))
+            opened.append(moved)
+            continue
         geoms.append(_geometry(name, arr, dims))
         opened.append(arr)
 

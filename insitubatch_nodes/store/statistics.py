@@ -28,8 +28,7 @@ from ..sampling.windows import chunks_touching
 from .anemoi import DATA, stored_statistics
 from .arrays import array_in
 from .channel_names import level_index, split_channel
-from .composed_array import ComposedArray
-from .cut_array import CutArray
+from .served import Stored
 from .source import Source
 from .splits import SplitManifest
 
@@ -207,8 +206,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     if ids.size == 0:
         raise StoreError(f"split {split!r} has no chunks to compute statistics over")
     # (name, array, axes reduced over, names of the dims kept)
-    plans: list[tuple[str, zarr.Array | ComposedArray | CutArray, tuple[int, ...],
-                      tuple[str, ...]]] = []
+    plans: list[tuple[str, Stored, tuple[int, ...], tuple[str, ...]]] = []
     coords: dict[str, tuple[Any, ...]] = {}
     by_dim: dict[str, tuple[Any, ...]] = {}  # a coordinate read once, whoever keeps it
     for name in names:

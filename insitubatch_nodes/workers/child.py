@@ -29,8 +29,8 @@ import numpy as np
 from ..errors import InsitubatchError
 from ..io.chunk_cache import ChunkCache
 from ..io.partial.ranges import PartSpec
-from ..io.readers import open_reader
 from ..io.retry import RetryPolicy
+from ..io.served import open_reader
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.slots import Slot, SlotTable, SlotWhere, fill_slots, stripe_target
 from ..sampling.geometry import VariableGeometry

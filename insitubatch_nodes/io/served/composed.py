@@ -15,16 +15,16 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from ..errors import UsageTypeError
-from ..sampling.geometry import VariableGeometry
-from ..sampling.rowmap import StripePiece
-from ..store.composed_array import ComposedArray
-from .chunk_cache import ChunkCache
-from .partial.ranges import PartSpec
-from .read_paths import FrameCheck, Frames
-from .reader import StripeReader
-from .retry import NO_RETRY, RetryPolicy
-from .wrapped_reader import WrappedReader
+from ...errors import UsageTypeError
+from ...sampling.geometry import VariableGeometry
+from ...sampling.rowmap import StripePiece
+from ...store.composed_array import ComposedArray
+from ..chunk_cache import ChunkCache
+from ..partial.ranges import PartSpec
+from ..read_paths import FrameCheck, Frames
+from ..reader import StripeReader
+from ..retry import NO_RETRY, RetryPolicy
+from .wrapped import WrappedReader
 
 
 class ComposedReader(WrappedReader):

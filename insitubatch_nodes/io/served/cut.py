@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UsageTypeError
-from ..sampling.geometry import VariableGeometry
-from ..store.cut_array import CutArray, runs
-from .partial.ranges import PartSpec, merge
-from .read_paths import FrameCheck, Frames
-from .retry import NO_RETRY, RetryPolicy
-from .thread_buffer import ThreadBuffer
-from .wrapped_reader import WrappedReader
+from ...errors import UsageTypeError
+from ...sampling.geometry import VariableGeometry
+from ...store.cut_array import CutArray, runs
+from ..partial.ranges import PartSpec, merge
+from ..read_paths import FrameCheck, Frames
+from ..retry import NO_RETRY, RetryPolicy
+from ..thread_buffer import ThreadBuffer
+from .wrapped import WrappedReader
 
 _BASE = ThreadBuffer()  # the stored stripe, per pool thread
 

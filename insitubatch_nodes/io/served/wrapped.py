@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..metrics.counters import ReadTimes
-from .chunk_cache import ChunkCache
-from .partial.fetch import PartialRule
+from ...metrics.counters import ReadTimes
+from ..chunk_cache import ChunkCache
+from ..partial.fetch import PartialRule
 
 
 class WrappedReader:
