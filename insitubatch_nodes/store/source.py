@@ -27,7 +27,7 @@ from .storage import OpenedStore, explain, open_icechunk_store, open_url, redact
 
 # zarr's ZarrUserWarning for numcodecs codecs in a v3 array (message prefix)
 NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
-__all__ = ["Member", "Source", "open_icechunk", "open_source", "redact_url"]
+__all__ = ["Member", "Source", "open_icechunk", "open_source", "redact_url", "source_of_arrays"]
 
 
 def open_source(
@@ -234,43 +234,12 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
         chosen = list(variables)
         check_chosen(arrays, chosen, display, sample_dim)
 
-    geoms: list[VariableGeometry] = []
-    opened: list[zarr.Array | AxisArray] = []
-    for name in chosen:
-        arr = arrays[name]
-        dtype = np.dtype(arr.dtype)
-        if dtype.kind not in NUMERIC_KINDS:
-            raise ConfigTypeError(
-                f"variable {name!r} in {display!r} has dtype {dtype} ({arr.dtype!r}); only "
-                "numeric dtypes (bool, integers, floats, complex) can become tensors. Leave it "
-                "out of variables=."
-            )
-        if arr.ndim < 1:
-            raise StoreError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
-        dims = dimension_names(arr)
-        if sample_dim is not None and dims is not None and dims[0] != sample_dim:
-            if sample_dim not in dims:
-                raise StoreError(
-                    f"variable {name!r} has dimensions {dims}, none of them the sample "
-                    f"dimension {sample_dim!r}: leave it out of variables= (serve it with "
-                    "static=ib.open_static(...) if it is a field without that axis)")
-            moved = AxisArray(arr, sample_first(arr.ndim, dims.index(sample_dim)))
-            geoms.append(replace(_geometry(name, arr, dims), shape=moved.shape,
-                                 chunks=moved.chunks, shards=None,
-                                 dimension_names=tuple(dims[k] for k in moved.order)))
-            opened.append(moved)
-            continue
-        geoms.append(_geometry(name, arr, dims))
-        opened.append(arr)
-
-    lengths = {g.name: g.shape[0] for g in geoms}
-    if len(set(lengths.values())) > 1:
-        raise StoreError(
-            f"the variables' sample axes differ in length: {lengths}. All served variables must "
-            "share the sample axis; choose variables= with equal first dimensions."
-        )
-    n = geoms[0].shape[0]
-    grid = SampleGrid(n_samples=n, chunk_size=common_chunk_size([g.sample_chunk for g in geoms]))
+    served = [_served(name, arrays[name], dimension_names(arrays[name]), sample_dim, display)
+              for name in chosen]
+    geoms = [g for g, _ in served]
+    opened = [a for _, a in served]
+    grid = _common_grid(geoms)
+    n = grid.n_samples
     if sample_dim is None and geoms[0].dimension_names:
         sample_dim = geoms[0].dimension_names[0]
     if variables is not None and sample_dim is not None:
@@ -279,6 +248,60 @@ def _describe_group(group: zarr.Group, display: str, variables: Sequence[str] | 
                   sample_dim=sample_dim, snapshot_id=snapshot_id,
                   sample_coord=_sample_coordinate(group, sample_dim, n), group=group,
                   static=static, variables_given=variables is not None)
+
+
+def _served(name: str, arr: zarr.Array, dims: tuple[str | None, ...] | None,
+            sample_dim: str | None, display: str,
+            ) -> tuple[VariableGeometry, zarr.Array | AxisArray]:
+    """One variable's served geometry and what it is read from: the array, or the array
+    sampled along ``sample_dim`` where that is not its first dimension."""
+    dtype = np.dtype(arr.dtype)
+    if dtype.kind not in NUMERIC_KINDS:
+        raise ConfigTypeError(
+            f"variable {name!r} in {display!r} has dtype {dtype} ({arr.dtype!r}); only "
+            "numeric dtypes (bool, integers, floats, complex) can become tensors. Leave it "
+            "out of variables=."
+        )
+    if arr.ndim < 1:
+        raise StoreError(f"variable {name!r} in {display!r} is a scalar; it has no sample axis")
+    if sample_dim is None or dims is None or dims[0] == sample_dim:
+        return _geometry(name, arr, dims), arr
+    if sample_dim not in dims:
+        raise StoreError(
+            f"variable {name!r} has dimensions {dims}, none of them the sample dimension "
+            f"{sample_dim!r}: leave it out of variables= (serve it with "
+            "static=ib.open_static(...) if it is a field without that axis)")
+    moved = AxisArray(arr, sample_first(arr.ndim, dims.index(sample_dim)))
+    return replace(_geometry(name, arr, dims), shape=moved.shape, chunks=moved.chunks,
+                   shards=None, dimension_names=tuple(dims[k] for k in moved.order)), moved
+
+
+def _common_grid(geoms: Sequence[VariableGeometry]) -> SampleGrid:
+    lengths = {g.name: g.shape[0] for g in geoms}
+    if len(set(lengths.values())) > 1:
+        raise StoreError(
+            f"the variables' sample axes differ in length: {lengths}. All served variables must "
+            "share the sample axis; choose variables= with equal first dimensions."
+        )
+    return SampleGrid(n_samples=geoms[0].shape[0],
+                      chunk_size=common_chunk_size([g.sample_chunk for g in geoms]))
+
+
+def source_of_arrays(arrays: Mapping[str, zarr.Array],
+                     dims: Mapping[str, tuple[str | None, ...]], display: str,
+                     sample_dim: str, *, group: zarr.Group | None = None,
+                     sample_coord: np.ndarray | None = None,
+                     snapshot_id: str | None = None, fmt: str = "zarr") -> Source:
+    """A source serving ``arrays`` (by name) whose dimension names are ``dims`` (given:
+    formats such as OME-Zarr 0.4 keep them in their own metadata), sampled along
+    ``sample_dim`` wherever it stands in each."""
+    served = [_served(name, arr, tuple(dims[name]), sample_dim, display)
+              for name, arr in arrays.items()]
+    geoms = tuple(g for g, _ in served)
+    return Source(url=display, variables=geoms, grid=_common_grid(geoms),
+                  arrays=tuple(a for _, a in served), sample_dim=sample_dim,
+                  snapshot_id=snapshot_id, sample_coord=sample_coord, group=group,
+                  format=fmt, variables_given=True)
 
 
 def _geometry(name: str, arr: zarr.Array, dims: tuple[str | None, ...] | None,
