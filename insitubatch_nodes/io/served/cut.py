@@ -60,7 +60,7 @@ class CutReader(WrappedReader):
             if part is not None:
                 served[0] = np.concatenate([np.arange(lo, hi) for lo, hi in part.ranges])
             picks = [take[a] for a in sorted(take)]
-            got = self._parts[part] = (spec, (np.ix_(*served), np.ix_(*picks)))
+            got = self._parts[part] = (spec, (_index(served), _index(picks)))
         return got
 
     def _copy(self, stored: np.ndarray, out: np.ndarray, part: PartSpec | None) -> None:
@@ -142,3 +142,13 @@ class CutReader(WrappedReader):
                              "part (a read group's part of the grid, a region), which the GPU "
                              "decoder does not read: build the loader with "
                              "fetch.device_decode=None")
+
+
+def _index(per_axis: list[np.ndarray]) -> tuple[Any, ...]:
+    """An index of the axes after the first taking ``per_axis[k]`` along axis ``k + 1``:
+    slices where every axis is one run (a copy numpy does by strides: a grid part, a box
+    not across the antimeridian), else an open mesh (a gather)."""
+    spans = [runs(idx) for idx in per_axis]
+    if all(len(r) == 1 for r in spans):
+        return tuple(slice(r[0][0], r[0][1]) for r in spans)
+    return np.ix_(*per_axis)
