@@ -1,7 +1,8 @@
 """Reader groups, the dealing half (issue 43): balanced parts of the grid, the grid axis,
 samples dealt by model group (equal steps, uneven, elastic resume), states across read
-groups, and the refusals. The reading half (``Source.grid_part``) is stubbed where a test
-is about the deal only (``whole_grid``); the torchrun test is in test_distributed.py."""
+groups, and the refusals; each rank's batches its part of the stored grid, and under torchrun
+(4 processes, gloo) ``gather_grid`` rebuilding the whole. The reading half
+(``Source.grid_part``) is stubbed where a test is about the deal only (``whole_grid``)."""
 
 from __future__ import annotations
 
@@ -312,17 +313,11 @@ def test_gather_grid_without_a_group_of_several_returns_the_part():
 
 # -- with the reading half: each rank's batches are its part of the stored grid -----------
 
-needs_grid_part = pytest.mark.skipif(not hasattr(ib.Source, "grid_part"),
-                                     reason="the reading half (Source.grid_part) is not in "
-                                            "this build yet")
-
-
 def _batches(loader):
     with loader:
         return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
 
 
-@needs_grid_part
 @pytest.mark.parametrize("group", [2, 3, 4])
 def test_anemoi_cells_are_cut_by_the_balanced_rule(tmp_path, group):
     from anemoi_stores import read_anemoi, write_anemoi
@@ -347,7 +342,6 @@ def test_anemoi_cells_are_cut_by_the_balanced_rule(tmp_path, group):
         np.testing.assert_array_equal(whole, stored[joined[0][k]["sample_index"]])
 
 
-@needs_grid_part
 def test_latitude_rows_of_a_181_row_grid(weather):
     src, m, data = weather
     lsm = np.arange(181 * 4, dtype=np.float32).reshape(181, 4)
@@ -364,7 +358,6 @@ def test_latitude_rows_of_a_181_row_grid(weather):
 # -- 4 processes under torchrun ------------------------------------------------------------
 
 @pytest.mark.torchrun
-@needs_grid_part
 def test_torchrun_4_ranks_in_read_groups_of_2(tmp_path):
     """4 processes, read_group=2, gloo on CPU: within each group the same samples in the same
     order, the two groups disjoint and together the split exactly once; each rank's parts,

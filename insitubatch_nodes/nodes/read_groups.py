@@ -72,12 +72,7 @@ def axis_from_end(source: Source, axes: Mapping[str, int]) -> int | None:
 def cut_grid(source: Source, part: slice, axes: Mapping[str, int]) -> Source:
     """``source`` cut to ``part`` along each variable's grid axis (``axes``): it reads and
     serves only that part (``Source.grid_part``)."""
-    cut = getattr(source, "grid_part", None)
-    if cut is None:
-        raise ConfigError("read_group > 1 needs Source.grid_part, which this build of "
-                          "insitubatch_nodes does not have yet; use read_group=1")
-    out: Source = cut(part, axes)
-    return out
+    return source.grid_part(part, axes)
 
 
 def static_part(static: Mapping[str, Any], source: Source, part: slice,
