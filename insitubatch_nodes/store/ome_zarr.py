@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -52,7 +52,7 @@ class Multiscale:
 
     group: zarr.Group
     display: str
-    zarr_format: int
+    zarr_format: Literal[2, 3]
     version: str
     name: str | None
     axes: tuple[Axis, ...]

@@ -1,0 +1,234 @@
+"""OME-Zarr images as stored (NGFF 0.4 on Zarr v2, 0.5 on Zarr v3, written by ngff-zarr):
+the image and its label images sampled along z and along t of a tczyx image, every row
+equal to zarr's own read of the level array with that axis moved first, each sample once,
+threads and worker processes alike, an exact resume mid-epoch; a (band, y, x, time) stack
+along time; the refusals, each naming what is wrong and what is there."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+import insitubatch_nodes as ib
+from insitubatch_nodes.store.ome_zarr import describe_ome_zarr, open_ome_zarr
+
+pytest.importorskip("ngff_zarr")
+from ome_stores import add_labels, segmentation, volume, write_image  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+AXES = "tczyx"
+SHAPE = (4, 2, 8, 16, 16)
+CHUNKS = {"t": 2, "c": 1, "z": 4, "y": 8, "x": 8}
+SCALE = {"t": 0.5, "z": 2.0, "y": 0.25, "x": 0.25}
+SHIFT = {"t": 10.0, "z": 3.0}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """tczyx images with two label images: ``cells`` (tzyx) and ``nuclei`` (tczyx, c of
+    size 1 as the spec allows), 2 levels, in NGFF 0.4 and 0.5."""
+    root = tmp_path_factory.mktemp("ome")
+    out = {}
+    for version in ("0.4", "0.5"):
+        path = root / f"tczyx-{version}.ome.zarr"
+        data = volume(SHAPE, seed=int(version[-1]))
+        write_image(path, data, AXES, version, chunks=CHUNKS, scale=SCALE, translation=SHIFT)
+        add_labels(path, version, {"cells": (segmentation(data[:, 0]), "tzyx"),
+                                   "nuclei": (segmentation(data[:, 1:]), AXES)},
+                   chunks=CHUNKS, scale=SCALE, translation=SHIFT)
+        out[version] = path
+    return out
+
+
+def stored(path: Path, name: str, level: int, dim: str) -> np.ndarray:
+    """zarr's own read of the level array of ``name`` (the image or a label), ``dim`` moved
+    first: what the batches' rows must equal."""
+    group = zarr.open_group(path if name == "image" else path / "labels" / name, mode="r")
+    attrs = group.attrs.asdict()
+    ms = attrs.get("ome", attrs)["multiscales"][0]
+    axes = [a["name"] for a in ms["axes"]]
+    arr = zarr.open_array(group.store, path=_join(group.path, ms["datasets"][level]["path"]),
+                          mode="r")
+    return np.moveaxis(arr[...], axes.index(dim), 0)
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def loader(src, **kw):
+    kw.setdefault("batch_size", 3)
+    kw.setdefault("seed", 5)
+    manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
+    return ib.build_loader(src, manifest, "train", **kw)
+
+
+def epoch(lo, limit: int | None = None) -> list[dict[str, np.ndarray]]:
+    out = []
+    for b in lo:
+        out.append({k: v.numpy() for k, v in b.items() if hasattr(v, "numpy")})
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def check_rows(batches, path: Path, names, level: int, dim: str) -> list[int]:
+    """Every row is the stored plane at its sample index; the indices served."""
+    want = {name: stored(path, name, level, dim) for name in names}
+    seen: list[int] = []
+    for b in batches:
+        idx = b["sample_index"]
+        seen += idx.tolist()
+        for name in names:
+            np.testing.assert_array_equal(b[name], want[name][idx], err_msg=name)
+    return seen
+
+
+@pytest.mark.parametrize("version", ["0.4", "0.5"])
+@pytest.mark.parametrize("dim", ["z", "t"])
+def test_image_and_labels_along_an_axis_once_each(images, version, dim):
+    path = images[version]
+    src = open_ome_zarr(path, sample_dim=dim)
+    assert [v.name for v in src.variables] == ["image", "cells", "nuclei"]
+    n = SHAPE[AXES.index(dim)]
+    assert src.n_samples == n and src.sample_dim == dim
+    np.testing.assert_allclose(src.sample_coord, SHIFT[dim] + SCALE[dim] * np.arange(n))
+    seen = check_rows(epoch(loader(src)), path, ["image", "cells", "nuclei"], 0, dim)
+    assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("version", ["0.4", "0.5"])
+def test_a_coarser_level_and_labels_picked(images, version):
+    """level=1 reads datasets[1] of the image and of the label picked (labels=[...] picks
+    and orders); its z coordinate is level 1's scale and translation (z halved)."""
+    path = images[version]
+    src = open_ome_zarr(path, level=1, labels=["nuclei"])
+    assert [v.name for v in src.variables] == ["image", "nuclei"]
+    assert src.n_samples == SHAPE[2] // 2
+    np.testing.assert_allclose(src.sample_coord, 4.0 + 4.0 * np.arange(4))
+    seen = check_rows(epoch(loader(src, batch_size=2)), path, ["image", "nuclei"], 1, "z")
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert [v.name for v in open_ome_zarr(path, labels=[]).variables] == ["image"]
+
+
+def test_worker_processes_serve_what_threads_serve(images):
+    path = images["0.5"]
+    src = open_ome_zarr(path, sample_dim="z")
+    runs = {w: epoch(loader(src, workers=w, batch_size=2)) for w in (0, 2)}
+    assert len(runs[0]) == len(runs[2]) == 4
+    for a, b in zip(runs[0], runs[2], strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    check_rows(runs[2], path, ["image", "cells", "nuclei"], 0, "z")
+
+
+@pytest.mark.parametrize("version", ["0.4", "0.5"])
+def test_a_resume_mid_epoch_is_exact(images, version):
+    """Stopped after 2 of 4 batches along t, its state loaded into a new loader: the rest
+    of the epoch is the batches one uninterrupted run serves next."""
+    src = open_ome_zarr(images[version], sample_dim="t", labels=["cells"])
+    kw = dict(batch_size=1, seed=11)
+    whole = epoch(loader(src, **kw))
+    first = loader(src, **kw)
+    before = epoch(first, limit=2)
+    state = first.state_dict()
+    resumed = loader(src, **kw)
+    resumed.load_state_dict(state)
+    after = epoch(resumed)
+    assert len(whole) == 4 and len(before) + len(after) == 4
+    for a, b in zip(before + after, whole, strict=True):
+        for key in ("sample_index", "image", "cells"):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_band_y_x_time_stack_along_time(tmp_path):
+    """A satellite stack stored (band, y, x, time) is served along time, bands first; a
+    field without time is static (Source.static, open_static), refused as a variable."""
+    g = zarr.open_group(tmp_path / "stack.zarr", mode="w", zarr_format=3)
+    refl = g.create_array("reflectance", shape=(3, 10, 12, 20), chunks=(1, 5, 12, 4),
+                          dtype="int16", dimension_names=("band", "y", "x", "time"))
+    values = volume((3, 10, 12, 20), seed=3, dtype="int16")
+    refl[:] = values
+    mask = g.create_array("mask", shape=(10, 12), chunks=(10, 12), dtype="uint8",
+                          dimension_names=("y", "x"))
+    mask[:] = np.eye(10, 12, dtype="uint8")
+    src = ib.open_source(tmp_path / "stack.zarr", sample_dim="time")
+    assert src.variables[0].dimension_names == ("time", "band", "y", "x")
+    assert src.static == ("mask",)
+    np.testing.assert_array_equal(ib.open_static(src)["mask"], mask[:])
+    seen = []
+    for b in epoch(loader(src, batch_size=6, workers=2)):
+        seen += b["sample_index"].tolist()
+        np.testing.assert_array_equal(b["reflectance"],
+                                      np.moveaxis(values, 3, 0)[b["sample_index"]])
+    assert sorted(seen) == list(range(20))
+    with pytest.raises(ib.StoreError, match=r"'mask' has dimensions \('y', 'x'\), none of "
+                                            r"them the sample dimension 'time'.*open_static"):
+        ib.open_source(tmp_path / "stack.zarr", ["reflectance", "mask"], sample_dim="time")
+
+
+def test_refusals_name_the_input_and_what_is_valid(images, tmp_path):
+    path = images["0.4"]
+    with pytest.raises(ib.UnknownNameError,
+                       match=r"sample_dim='q'.*axes are \('t', 'c', 'z', 'y', 'x'\)"):
+        open_ome_zarr(path, sample_dim="q")
+    with pytest.raises(ib.ConfigError, match=r"level=2 .* levels are 0: 'scale0/image' "
+                                             r"\(4, 2, 8, 16, 16\), 1: 'scale1/image' "
+                                             r"\(4, 2, 4, 8, 8\)"):
+        open_ome_zarr(path, level=2)
+    with pytest.raises(ib.UnknownNameError, match=r"\['nucleus'\].*lists \['cells', "
+                                                  r"'nuclei'\]"):
+        open_ome_zarr(path, labels=["nucleus"])
+    with pytest.raises(ib.StoreError, match=r"label image 'cells' has axes \('t', 'z', 'y', "
+                                            r"'x'\), not the sample axis 'c'"):
+        open_ome_zarr(path, sample_dim="c")
+    with pytest.raises(ib.StoreError, match="not an OME-Zarr image: its attributes hold no "
+                                            "'multiscales'"):
+        open_ome_zarr(path / "labels")
+    # a label image on another grid (y halved): refused naming the axis and both sizes
+    other = tmp_path / "grid.ome.zarr"
+    data = volume((6, 8, 8))
+    write_image(other, data, "zyx", "0.5", chunks={"z": 2, "y": 8, "x": 8}, levels=1)
+    add_labels(other, "0.5", {"half": (segmentation(data[:, :4]), "zyx")},
+               chunks={"z": 2, "y": 8, "x": 8}, levels=1)
+    with pytest.raises(ib.StoreError, match=r"'half' at level 0 is on another grid than the "
+                                            r"image: axis 'y' has 4 points, the image 8"):
+        open_ome_zarr(other)
+    assert open_ome_zarr(other, labels=[]).n_samples == 6
+
+
+def test_describe_says_axes_levels_and_labels(images):
+    text = describe_ome_zarr(images["0.5"])
+    assert "OME-Zarr 0.5 image" in text and "(Zarr v3)" in text
+    assert ("axes: t (time, second), c (channel), z (space, micrometer), y (space, "
+            "micrometer), x (space, micrometer)") in text
+    assert ("0: scale0/image shape (4, 2, 8, 16, 16) chunks (2, 1, 4, 8, 8) uint16, scale "
+            "(0.5, 1, 2, 0.25, 0.25) translation (10, 0, 3, 0, 0)") in text
+    assert "1: scale1/image shape (4, 2, 4, 8, 8)" in text
+    assert text.endswith("labels: cells, nuclei")
+    assert "OME-Zarr 0.4 image" in describe_ome_zarr(images["0.4"])
+
+
+def test_segment_ome_recipe_stops_and_resumes(tmp_path):
+    """The recipe as a user runs it: train, stop after 3 steps saving the loader state;
+    run again with --resume: it continues at step 3 with the batch the first run would
+    have served next, and ends after the planned steps."""
+    base = [sys.executable, str(ROOT / "recipes" / "segment_ome.py"), "--work",
+            str(tmp_path), "--epochs", "2"]
+    first = subprocess.run(base + ["--stop-after", "3"], capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "stopping after 3 steps" in first.stdout
+    nxt = [ln for ln in first.stdout.splitlines() if ln.startswith("next batch")]
+    second = subprocess.run(base + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "resumed at step 3" in second.stdout
+    served = [ln for ln in second.stdout.splitlines() if ln.startswith("step 4:")]
+    assert nxt and served and served[0].split("z=")[1] == nxt[0].split("z=")[1]
+    assert "done: 8 steps" in second.stdout
