@@ -116,26 +116,7 @@ def cut(arr: zarr.Array | ComposedArray | CutArray | AxisArray, geom: VariableGe
     return CutArray(arr, geom, tuple(sorted(cuts)))
 
 
-# Dimension names of a grid's first axis (latitude rows, cells of an unstructured grid).
-GRID_DIMS = ("latitude", "lat", "rlat", "y", "cell", "cells", "values", "grid", "node",
-             "nodes", "ncells")
 LONGITUDES = ("longitude", "lon")  # cyclic: a region may cross the antimeridian
-
-
-def grid_axis(geom: VariableGeometry, anemoi: bool) -> int:
-    """The first grid axis of a variable: an anemoi dataset's cells (its last axis), else
-    the axis named as a grid's first (latitude rows, cells), else the first of the last two
-    (a (time, [level,] y, x) layout without names)."""
-    if anemoi:
-        return len(geom.shape) - 1
-    names = [str(d).lower() if d is not None else "" for d in geom.dimension_names or ()]
-    for i, d in enumerate(names[1:], 1):
-        if d in GRID_DIMS:
-            return i
-    if len(geom.shape) < 2:
-        raise ConfigError(f"variable {geom.name!r} of shape {geom.shape} has no grid axis "
-                          "after its sample axis to cut")
-    return max(1, len(geom.shape) - 2)
 
 
 def coordinate_index(values: np.ndarray, bound: Any, dim: str) -> np.ndarray:

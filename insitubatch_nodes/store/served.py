@@ -16,11 +16,12 @@ import zarr
 
 from ..errors import ConfigError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
+from ..sampling.grid_parts import grid_axis
 from ..sampling.rowmap import RowMap
 from .arrays import array_in
 from .axis_array import AxisArray
 from .composed_array import ComposedArray, composed_chunk
-from .cut_array import CutArray, coordinate_index, cut, grid_axis, runs
+from .cut_array import CutArray, coordinate_index, cut, runs
 from .periods import period_rows
 
 # What a served variable is read from: a stored array, several composed, or a part.
@@ -271,11 +272,16 @@ class Source:
     # -- parts of the grid ----------------------------------------------------------------
     def grid_part(self, part: slice, axes: Mapping[str, int] | None = None) -> Source:
         """Every variable cut to ``part`` of its grid axis (``axes[name]``, else
-        ``cut_array.grid_axis``: an anemoi dataset's cells, latitude rows): a read group's
-        share, read alone (only the blosc blocks holding it)."""
+        ``sampling.grid_parts.grid_axis``: an anemoi dataset's cells, latitude rows): a read
+        group's share, read alone (only the blosc blocks holding it)."""
         cuts: dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
         for i, v in enumerate(self.variables):
-            axis = (axes or {}).get(v.name, grid_axis(v, self.format == "anemoi"))
+            axis = (axes or {}).get(v.name) or grid_axis(
+                v.dimension_names, len(v.shape), last=self.format == "anemoi")
+            if axis is None:
+                raise ConfigError(f"variable {v.name!r} (dimensions {v.dimension_names}) has "
+                                  "no grid axis after its sample axis to cut; name one in "
+                                  "axes={name: axis}")
             lo, hi, step = part.indices(v.shape[axis])
             if step != 1 or lo >= hi:
                 raise ConfigError(f"grid part {part} of variable {v.name!r} (axis {axis}, "
