@@ -206,6 +206,11 @@ class SampleDataset(Dataset):
                  cache_bytes: int | str = DEFAULT_CACHE_BYTES, **options: Any) -> None:
         check_split_args(manifest, split, "SampleDataset")
         cfg = (config if config is not None else LoaderConfig()).replace(**options)
+        if cfg.sampling.read_group != 1:
+            raise ConfigError(
+                f"SampleDataset(read_group={cfg.sampling.read_group}): a dataset serves every "
+                "sample of the split on one process, with no ranks to share them; serve a part "
+                "of the grid with source.grid_part(slice) or source.region(...) instead")
         # one sample at a time, on this process, decoded on the CPU: nothing else applies
         cfg = dataclasses.replace(cfg, sampling=SamplingConfig(
                                       batch_size=1, rank=0, world_size=1,

@@ -175,3 +175,16 @@ def test_a_quarter_of_a_quarter_degree_chunk_fetches_at_most_035x_on_s3(tmp_path
             stats = loader.stats()
             assert stats.chunks_fetched_in_part == 3
             assert stats.part_bytes_fetched <= 0.35 * stats.part_frame_bytes
+
+
+def test_a_sample_dataset_of_a_grid_part_and_not_of_a_read_group(wb2):
+    path, ds = wb2
+    src = ib.open_source(path)
+    manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
+    with pytest.raises(ib.ConfigError, match="read_group=2.*grid_part"):
+        ib.SampleDataset(src, manifest, "train", read_group=2)
+    part = src.grid_part(slice(3, 8))
+    one = ib.SampleDataset(part, ib.split_by_chunk(part, (1.0,), names=["train"]), "train")
+    row = one[4]
+    np.testing.assert_array_equal(row["temperature"].numpy(),
+                                  ds["temperature"].values[4][:, 3:8])
