@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import importlib
 import io
 import pstats
 import subprocess
@@ -268,13 +267,9 @@ def stripe_costs(srcs: dict[str, Any], rounds: int) -> dict[str, Any]:
     the composed reader adds on its own, with the members' reads replaced by a no-op (no
     IO, no noise): its ``read_local`` whole, its ``_straight`` alone, and the member's
     ``read_local_retrying`` wrapper it goes through."""
-    from insitubatch_nodes.io.composed_reader import ComposedReader
     from insitubatch_nodes.io.retry import NO_RETRY
-
-    try:  # where the package keeps it (moved from io.composed_reader to io.readers)
-        open_reader = importlib.import_module("insitubatch_nodes.io.readers").open_reader
-    except ImportError:
-        open_reader = importlib.import_module("insitubatch_nodes.io.composed_reader").open_reader
+    from insitubatch_nodes.io.served import open_reader
+    from insitubatch_nodes.io.served.composed import ComposedReader
 
     one_src, comp_src = srcs["one"], srcs["composed"]
     one = open_reader(one_src.arrays[0], one_src.variables[0], one_src.url)
