@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the same names for type checkers, typed (imported lazily at
     from .store.anemoi_spec import open_anemoi
     from .store.compose import concat, join
     from .store.discovery import Discovery, discover
+    from .store.ome_zarr import describe_ome_zarr, open_ome_zarr
     from .store.served import Member
     from .store.source import Source, open_icechunk, open_source
     from .store.splits import SplitManifest, split_by_chunk, split_by_coordinate
@@ -145,6 +146,8 @@ _EXPORTS = {
     "join": ".store.compose",
     "concat": ".store.compose",
     "open_anemoi": ".store.anemoi_spec",
+    "open_ome_zarr": ".store.ome_zarr",
+    "describe_ome_zarr": ".store.ome_zarr",
     "SplitManifest": ".store.splits",
     "split_by_chunk": ".store.splits",
     "split_by_coordinate": ".store.splits",
@@ -189,5 +192,6 @@ __all__ = [
     "MissingDependencyError", "SampleIndexError", "StoreAccessError", "StoreConnectionError",
     "StoreExistsError", "StoreNotFoundError", "UnknownNameError", "UsageTypeError",
     "InternalError", "TestServerError", "join", "concat", "Member", "open_anemoi",
+    "open_ome_zarr", "describe_ome_zarr",
     "gather_grid", "read_groups", "balanced_part", "balanced_sizes",
 ]

@@ -297,6 +297,9 @@ def _coordinates(source: Source) -> dict[str, str]:
 
 
 def _gpu_verdict(reader: StripeReader) -> str:
+    if isinstance(reader, AxisStripeReader):
+        return ("no, decoded on the CPU: sampled along a stored axis other than the first "
+                "(each chunk is copied transposed)")
     chain = device_chain_from(reader.codec_chain)
     if isinstance(chain, HostOnly):
         return f"no, decoded on the CPU: {chain.reason}"

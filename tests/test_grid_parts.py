@@ -188,3 +188,24 @@ def test_a_sample_dataset_of_a_grid_part_and_not_of_a_read_group(wb2):
     row = one[4]
     np.testing.assert_array_equal(row["temperature"].numpy(),
                                   ds["temperature"].values[4][:, 3:8])
+
+
+def test_the_device_decoder_refuses_parts_and_moved_axes(wb2, tmp_path):
+    """The GPU decoder places whole stored chunks: a part of the grid, a concat's member
+    stripes or a stripe gathered across a moved axis would come out wrong, so the loader
+    refuses them at build, naming the variables, instead of serving them."""
+    from insitubatch_nodes.testing.host_frames import HostFrameDecoder
+
+    part = ib.open_source(wb2[0]).grid_part(slice(0, 5))
+    manifest = ib.split_by_chunk(part, (1.0,), names=["train"])
+    with pytest.raises(ib.ConfigError, match=r"decode='cpu'"):
+        next(iter(ib.build_loader(part, manifest, "train", batch_size=2,
+                                  decode=HostFrameDecoder(), in_place=False)))
+    g = zarr.open_group(tmp_path / "moved.zarr", mode="w", zarr_format=3)
+    g.create_array("v", shape=(3, 4, 6), chunks=(1, 4, 2), dtype="float32",
+                   dimension_names=("band", "y", "time"))[:] = np.arange(72.0).reshape(3, 4, 6)
+    moved = ib.open_source(tmp_path / "moved.zarr", sample_dim="time")
+    manifest = ib.split_by_chunk(moved, (1.0,), names=["train"])
+    with pytest.raises(ib.ConfigError, match=r"\['v'\].*decode='cpu'"):
+        next(iter(ib.build_loader(moved, manifest, "train", batch_size=2,
+                                  decode=HostFrameDecoder(), in_place=False)))

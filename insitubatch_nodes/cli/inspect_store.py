@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from .open_store import INPUT_ERRORS, fail, message, open_store
+from .open_store import INPUT_ERRORS, fail, message, ome_description, open_store
 from .plot_sample import plot_sample
 
 
@@ -63,6 +63,9 @@ def cmd_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
+        ome = ome_description(args.url)
+        if ome is not None:
+            print(ome)
         print(format_report(report))
     return 0
 

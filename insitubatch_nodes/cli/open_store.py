@@ -33,6 +33,22 @@ def open_store(parser: argparse.ArgumentParser, url: str, variables: list[str] |
     import insitubatch_nodes as ib
 
     try:
+        if ome_description(url) is not None:  # an OME-Zarr image: along z, else t
+            try:
+                return ib.open_ome_zarr(url, sample_dim="z")
+            except UnknownNameError:
+                return ib.open_ome_zarr(url, sample_dim="t")
         return ib.open_source(url, variables=variables)
     except (FileNotFoundError, KeyError, ValueError, TypeError, OSError) as e:
         fail(parser, f"cannot open {url!r}: {message(e)}")
+
+
+def ome_description(url: str) -> str | None:
+    """An OME-Zarr image's axes and levels in words (``describe_ome_zarr``); ``None`` for a
+    store that is not one."""
+    import insitubatch_nodes as ib
+
+    try:
+        return ib.describe_ome_zarr(url)
+    except (FileNotFoundError, KeyError, ValueError, TypeError, OSError):
+        return None

@@ -18,6 +18,7 @@ from ..io.device_chain import DeviceChain, HostOnly, device_chain_for
 from ..io.device_decode import FrameDecoder, StripeFrames, WindowDecoder
 from ..io.reader import StripeReader
 from ..io.served import Reader
+from ..io.served.axis import AxisStripeReader
 from ..metrics.counters import FetchStats
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan
@@ -34,12 +35,14 @@ def window_decoder_for(device_decode: FrameDecoder, readers: Sequence[Reader],
     """The device decoder of the variables whose chain the device decodes; one log line
     for each variable that stays on the CPU, saying why."""
     chains: dict[int, DeviceChain] = {}
-    plain = [r for r in readers if isinstance(r, StripeReader)]
+    plain = [r for r in readers
+             if isinstance(r, StripeReader) and not isinstance(r, AxisStripeReader)]
     if len(plain) < len(readers):
-        composed = [r.geom.name for r in readers if not isinstance(r, StripeReader)]
-        raise ConfigError(f"variables {composed} are composed of several stored arrays (a "
-                          "join on other dates, a concat or a period), which the GPU decoder "
-                          "does not read: build the loader with fetch.device_decode=None")
+        other = [r.geom.name for r in readers if r not in plain]
+        raise ConfigError(f"variables {other} are composed of several stored arrays (a join "
+                          "on other dates, a concat or a period), a part of the grid, or "
+                          "sampled along a stored axis other than the first, which the GPU "
+                          "decoder does not read: build the loader with decode='cpu'")
     for v, (reader, arr) in enumerate(zip(plain, arrays, strict=True)):
         chain = device_chain_for(arr)
         if isinstance(chain, HostOnly):

@@ -190,7 +190,7 @@ class ComposedReader(WrappedReader):
         raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is composed "
                              "of several stored arrays (a join, concat or period), which the "
                              "GPU decoder does not read: build the loader with "
-                             "fetch.device_decode=None")
+                             "decode='cpu'")
 
 
 def _straight_stripes(arr: ComposedArray, chunk: int) -> tuple[np.ndarray, np.ndarray]:

@@ -141,7 +141,7 @@ class CutReader(WrappedReader):
         raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is served in "
                              "part (a read group's part of the grid, a region), which the GPU "
                              "decoder does not read: build the loader with "
-                             "fetch.device_decode=None")
+                             "decode='cpu'")
 
 
 def _index(per_axis: list[np.ndarray]) -> tuple[Any, ...]:
