@@ -42,6 +42,7 @@ vds.vz.to_icechunk(session.store)
 session.commit("virtual references to t2m.nc")
 
 source = ib.open_icechunk("t2m-virtual", virtual_chunk_access={prefix: None})
-splits = ib.split_by_coordinate(source, {"train": (None, "2020-01-12"), "val": ("2020-01-14", None)})
+splits = ib.split_by_coordinate(source, {"train": (None, "2020-01-12"),
+                                         "val": ("2020-01-14", None)})
 for batch in ib.build_loader(source, splits, "train", batch_size=4):
-    pass   # each read a byte range of t2m.nc; batch["t2m"]: (4, 32, 64) float32
+    assert batch["t2m"].shape == (4, 32, 64)   # each read a byte range of t2m.nc
