@@ -1,0 +1,177 @@
+"""OME-Zarr z-planes: this loader (``open_ome_zarr(..., sample_dim="z")``) against insitubatch
+0.2.0 (``open_geometries(..., sample_axis=1)``) on the same store, in paired rounds.
+
+Store: a (2, 256, 512, 512) uint16 ``czyx`` volume chunked (1, 32, 256, 256), one level of
+an NGFF 0.5 image on Zarr v3 written by ngff-zarr (its default zstd), smooth blobs plus noise
+(``--small``: (2, 64, 128, 128) chunked (1, 16, 64, 64)). A sample is one z-plane, (2, 512,
+512) uint16 (1 MiB); an epoch reads every chunk once, each holding 32 planes.
+
+insitubatch 0.2.0 needs Python >= 3.12, so it runs in its own virtual environment
+(``--peer-python``; ``--make-peer-venv`` makes bench-out/venv-insitubatch-0.2.0 with the
+``--python312`` interpreter and pip). Each round runs one process per loader (the order
+alternating between rounds), each timing ``--epochs`` epochs, same batch size, shuffle block
+and seed, the files in the page cache. Two ratios of ours / the peer's samples per second,
+per round and their medians: the first epoch of a process (every chunk read and decoded),
+and the later ones, where insitubatch 0.2.0 serves chunks its pool kept decoded from the
+epoch before (its pool holds two shuffle blocks; at 16 chunks a block, this 8-chunk volume
+stays whole) while this loader reads and decodes every epoch. Run on demand, never as a test::
+
+    .venv/bin/python -m benchmarks.bench_ome --make-peer-venv --out bench-out/ome   # ~4 min
+    .venv/bin/python -m benchmarks.bench_ome --small --out /tmp/ome-bench            # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER = "insitubatch==0.2.0"
+PEER_VENV = ROOT / "bench-out" / "venv-insitubatch-0.2.0"
+LEVEL = "scale0/image"  # where ngff-zarr writes level 0
+
+OURS = r"""
+import json, sys, time
+import insitubatch_nodes as ib
+from insitubatch_nodes.store.ome_zarr import open_ome_zarr
+path, batch, block, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+src = open_ome_zarr(path, sample_dim="z", labels=[])
+manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
+loader = ib.build_loader(src, manifest, "train", batch_size=batch, block_chunks=block, seed=0)
+times, shape = [], None
+with loader:
+    for e in range(epochs + 1):
+        t, n = time.perf_counter(), 0
+        for b in loader:
+            n += b["image"].shape[0]
+            shape = tuple(b["image"].shape)
+        times.append(time.perf_counter() - t)
+print(json.dumps({"samples": n, "seconds": times, "shape": shape}))
+"""
+
+PEER_SCRIPT = r"""
+import json, sys, time
+import insitubatch as ib
+path, batch, block, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+level = sys.argv[5]
+store = ib.obstore_store("file://" + path)
+geoms = ib.open_geometries(store, variables=[level], sample_axis=1)  # c z y x: z-planes
+manifest = ib.split_by_chunk(geoms[level], fractions=(1.0, 0.0, 0.0))
+ds = ib.InSituDataset(store, manifest, geometries=geoms, batch_size=batch,
+                      block_chunks=block, seed=0)
+times, shape = [], None
+for e in range(epochs + 1):
+    ds.set_epoch(e)
+    t, n = time.perf_counter(), 0
+    for b in ds.train:
+        x = b.arrays[level]
+        n += x.shape[0]
+        shape = tuple(x.shape)
+    times.append(time.perf_counter() - t)
+print(json.dumps({"samples": n, "seconds": times, "shape": shape,
+                  "warm_hits": ds.cache_hits, "warm_misses": ds.cache_misses}))
+"""
+
+
+def write_volume(path: Path, shape: tuple[int, ...], chunks: tuple[int, ...]) -> None:
+    """The czyx volume as an NGFF 0.5 image (one level), by ngff-zarr."""
+    import ngff_zarr as nz
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    c, z, y, x = shape
+    zz, yy, xx = np.ogrid[:z, :y, :x]
+    base = (np.sin(zz / 9.0) * np.cos(yy / 17.0) * np.sin(xx / 23.0) * 2000 + 3000)
+    data = np.empty(shape, dtype="uint16")
+    for k in range(c):
+        data[k] = (base * (k + 1) + rng.normal(0, 60, (z, y, x))).clip(0, 65535)
+    image = nz.to_ngff_image(data, dims=("c", "z", "y", "x"),
+                             scale={"z": 2.0, "y": 0.5, "x": 0.5},
+                             translation={"z": 0.0, "y": 0.0, "x": 0.0})
+    ms = nz.to_multiscales(image, scale_factors=[], chunks=dict(zip("czyx", chunks, strict=True)))
+    nz.to_ome_zarr(str(path), ms, version="0.5")
+
+
+def make_peer_venv(venv: Path, python: str) -> Path:
+    """A virtual environment with insitubatch 0.2.0 (from the package index, by pip)."""
+    exe = venv / "bin" / "python"
+    if not exe.exists():
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(exe), "-m", "pip", "install", "-q", PEER], check=True)
+    return exe
+
+
+def run_one(python: str, script: str, args: list[str]) -> dict:
+    res = subprocess.run([python, "-c", script, *args], capture_output=True, text=True,
+                         timeout=1800, cwd=ROOT)
+    if res.returncode != 0:
+        raise SystemExit(f"{python} failed:\n{res.stderr[-3000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["first"] = out["samples"] / out["seconds"][0]  # decodes every chunk
+    out["warm"] = out["samples"] / median(out["seconds"][1:])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-out/ome")
+    p.add_argument("--small", action="store_true", help="a small volume: a smoke run")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs per process")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-chunks", type=int, default=16)
+    p.add_argument("--peer-python", default=str(PEER_VENV / "bin" / "python"))
+    p.add_argument("--make-peer-venv", action="store_true")
+    p.add_argument("--python312", default="python3.12")
+    args = p.parse_args(argv)
+    if args.make_peer_venv:
+        args.peer_python = str(make_peer_venv(Path(args.peer_python).parents[1],
+                                              args.python312))
+    if not Path(args.peer_python).exists():
+        p.error(f"--peer-python {args.peer_python!r} does not exist: give a Python >= 3.12 "
+                f"with {PEER} installed, or pass --make-peer-venv")
+    shape, chunks = ((2, 64, 128, 128), (1, 16, 64, 64)) if args.small else (
+        (2, 256, 512, 512), (1, 32, 256, 256))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = (out / f"volume-{'x'.join(map(str, shape))}.ome.zarr").resolve()
+    if not store.exists():
+        print(f"writing {store}")
+        write_volume(store, shape, chunks)
+    common = [str(store), str(args.batch_size), str(args.block_chunks), str(args.epochs)]
+    rounds = []
+    for r in range(args.rounds):
+        order = ["ours", "peer"] if r % 2 == 0 else ["peer", "ours"]
+        got = {who: (run_one(sys.executable, OURS, common) if who == "ours" else
+                     run_one(args.peer_python, PEER_SCRIPT, [*common, LEVEL]))
+               for who in order}
+        ours, peer = got["ours"], got["peer"]
+        row = {"ours": ours, "peer": peer, "first": ours["first"] / peer["first"],
+               "warm": ours["warm"] / peer["warm"]}
+        rounds.append(row)
+        print(f"round {r}: first epoch ours {ours['first']:.0f}, insitubatch 0.2.0 "
+              f"{peer['first']:.0f} samples/s: {row['first']:.2f}x; warm epochs ours "
+              f"{ours['warm']:.0f}, insitubatch 0.2.0 {peer['warm']:.0f} samples/s "
+              f"({peer['warm_hits']} of {peer['warm_hits'] + peer['warm_misses']} z-chunks "
+              f"from its pool): {row['warm']:.2f}x (batches {ours['shape']} / "
+              f"{peer['shape']})", flush=True)
+    summary: dict = {"store": str(store), "shape": shape, "chunks": chunks,
+                     "batch_size": args.batch_size, "block_chunks": args.block_chunks,
+                     "cpus": os.cpu_count(), "machine": platform.platform(), "rounds": rounds}
+    for key, what in [("first", "first epoch (every chunk decoded)"),
+                      ("warm", "warm epochs (the peer's pool may hold decoded chunks)")]:
+        ratios = sorted(x[key] for x in rounds)
+        summary[key] = {"median": median(ratios), "min": ratios[0], "max": ratios[-1]}
+        print(f"ours / insitubatch 0.2.0, z-planes of {shape} chunked {chunks}, "
+              f"{os.cpu_count()} CPUs, {what}: median {median(ratios):.2f}x (rounds "
+              f"{ratios[0]:.2f}-{ratios[-1]:.2f}x)")
+    (out / "bench_ome.json").write_text(json.dumps(summary, indent=1))
+
+if __name__ == "__main__":
+    main()
