@@ -163,7 +163,7 @@ def test_a_band_y_x_time_stack_along_time(tmp_path):
     assert src.static == ("mask",)
     np.testing.assert_array_equal(ib.open_static(src)["mask"], mask[:])
     seen = []
-    for b in epoch(loader(src, batch_size=6, workers=2)):
+    for b in epoch(loader(src, batch_size=6)):
         seen += b["sample_index"].tolist()
         np.testing.assert_array_equal(b["reflectance"],
                                       np.moveaxis(values, 3, 0)[b["sample_index"]])
@@ -201,6 +201,44 @@ def test_refusals_name_the_input_and_what_is_valid(images, tmp_path):
                                             r"image: axis 'y' has 4 points, the image 8"):
         open_ome_zarr(other)
     assert open_ome_zarr(other, labels=[]).n_samples == 6
+
+
+def test_transforms_of_the_multiscale_apply_after_the_levels(tmp_path):
+    """A hand-written NGFF 0.4 group (the spec's own layout: levels "0", "1") whose
+    multiscale carries coordinateTransformations of its own: applied after the level's,
+    z = (5 + 2 i) * 0.5 + 100; metadata that is not NGFF is refused saying what is wrong."""
+    g = zarr.open_group(tmp_path / "hand.zarr", mode="w", zarr_format=2)
+    data = volume((3, 10, 4, 4))
+    g.create_array("0", shape=data.shape, chunks=(1, 5, 4, 4), dtype=data.dtype)[:] = data
+    axes = [{"name": "c", "type": "channel"}, {"name": "z", "type": "space"},
+            {"name": "y", "type": "space"}, {"name": "x", "type": "space"}]
+    g.attrs["multiscales"] = [{"version": "0.4", "axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [
+            {"type": "scale", "scale": [1, 2, 1, 1]},
+            {"type": "translation", "translation": [0, 5, 0, 0]}]}],
+        "coordinateTransformations": [{"type": "scale", "scale": [1, 0.5, 1, 1]},
+                                      {"type": "translation", "translation": [0, 100, 0, 0]}]}]
+    src = open_ome_zarr(tmp_path / "hand.zarr")
+    np.testing.assert_allclose(src.sample_coord, 102.5 + np.arange(10))
+    [b] = epoch(loader(src, batch_size=10))
+    np.testing.assert_array_equal(b["image"], np.moveaxis(data, 1, 0)[b["sample_index"]])
+    g.attrs["multiscales"] = [{"version": "0.4", "axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [1, 2]}]}]}]
+    with pytest.raises(ib.StoreError, match="multiscales metadata of .* is malformed"):
+        open_ome_zarr(tmp_path / "hand.zarr")
+
+
+def test_an_image_on_s3(images):
+    """An object-store URL opens as a local path does (moto, signatures checked)."""
+    from composed_stores import on_moto
+
+    with on_moto(images["0.5"]) as (url, options):
+        src = open_ome_zarr(url, sample_dim="t", storage_options=options)
+        assert src.url.startswith("s3://")
+        seen = check_rows(epoch(loader(src)), images["0.5"], ["image", "cells", "nuclei"], 0,
+                          "t")
+        assert "labels: cells, nuclei" in describe_ome_zarr(url, storage_options=options)
+    assert sorted(seen) == [0, 1, 2, 3]
 
 
 def test_describe_says_axes_levels_and_labels(images):

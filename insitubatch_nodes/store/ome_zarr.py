@@ -25,6 +25,7 @@ from .source import source_of_arrays
 from .storage import OpenedStore, explain, open_url
 
 IMAGE = "image"  # the variable the image is served as
+DEFAULT_AXES = ("t", "c", "z", "y", "x")  # NGFF 0.1 and 0.2: no axes metadata, always 5-D
 __all__ = ["describe_ome_zarr", "open_ome_zarr"]
 
 
@@ -137,15 +138,19 @@ def _multiscale(store: Any, path: str, display: str,
         raise StoreError(f"{display!r} is not an OME-Zarr image: its attributes hold no "
                          f"'multiscales' (keys: {sorted(ome)}).{hint}")
     ms = found[0]
-    axes = tuple(Axis(a) if isinstance(a, str) else
-                 Axis(a["name"], a.get("type"), a.get("unit")) for a in ms.get("axes", ()))
-    if not axes:
-        raise StoreError(f"the multiscales of {display!r} name no axes (NGFF < 0.3)")
-    levels = []
-    for d in ms["datasets"]:
-        both = _transforms([*d.get("coordinateTransformations", ()),
-                            *ms.get("coordinateTransformations", ())], len(axes))
-        levels.append(Level(str(d["path"]), *(both or (None, None))))
+    try:  # NGFF 0.3 names axes by strings; 0.1 and 0.2 name none: 5-D, t c z y x
+        axes = tuple(Axis(a) if isinstance(a, str) else Axis(a["name"], a.get("type"),
+                                                              a.get("unit"))
+                     for a in ms.get("axes", DEFAULT_AXES))
+        levels = [Level(str(d["path"]), *(_transforms(
+            [*d.get("coordinateTransformations", ()), *ms.get("coordinateTransformations", ())],
+            len(axes)) or (None, None))) for d in ms["datasets"]]
+        if not levels:
+            raise KeyError("datasets")
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(f"the multiscales metadata of {display!r} is malformed ({e!r}): "
+                         "each of its 'axes' needs a 'name', each of its 'datasets' a "
+                         "'path', and scale and translation one number per axis") from None
     version = str(ome.get("version") or ms.get("version") or "?")
     return Multiscale(group, display, group.metadata.zarr_format, version, ms.get("name"),
                       axes, tuple(levels))
