@@ -6,6 +6,7 @@ along time; the refusals, each naming what is wrong and what is there."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,61 @@ def test_image_and_labels_along_an_axis_once_each(images, version, dim):
     np.testing.assert_allclose(src.sample_coord, SHIFT[dim] + SCALE[dim] * np.arange(n))
     seen = check_rows(epoch(loader(src)), path, ["image", "cells", "nuclei"], 0, dim)
     assert sorted(seen) == list(range(n))
+
+
+# ome-zarr-py >= 0.19 (the OME's own writer) needs Python >= 3.12: it writes in a process of
+# its own, with OME_ZARR_PYTHON or bench-out/venv-ome-zarr made by
+#   python3.12 -m venv bench-out/venv-ome-zarr
+#   bench-out/venv-ome-zarr/bin/python -m pip install "ome-zarr>=0.19"
+OME_ZARR_WRITER = r"""
+import sys, numpy as np, zarr
+from ome_zarr.format import FormatV04, FormatV05
+from ome_zarr.writer import write_image, write_labels
+data, cells = np.load(sys.argv[1]), np.load(sys.argv[2])
+scale = {"t": 0.5, "z": 2.0, "y": 0.25, "x": 0.25}
+for path, fmt in [(sys.argv[3], FormatV04()), (sys.argv[4], FormatV05())]:
+    root = zarr.open_group(path, mode="w", zarr_format=fmt.zarr_format)
+    write_image(data, root, scale_factors=[2], axes="tczyx", fmt=fmt, scale=scale,
+                storage_options={"chunks": (2, 1, 4, 8, 8)})
+    write_labels(cells, root, name="cells", scale_factors=[2], axes="tzyx", fmt=fmt,
+                 scale=scale, storage_options={"chunks": (2, 4, 8, 8)})
+"""
+
+
+def ome_zarr_python() -> str | None:
+    for exe in (os.environ.get("OME_ZARR_PYTHON"),
+                str(ROOT / "bench-out" / "venv-ome-zarr" / "bin" / "python")):
+        if exe and Path(exe).exists() and subprocess.run(
+                [exe, "-c", "import ome_zarr"], capture_output=True).returncode == 0:
+            return exe
+    return None
+
+
+def test_images_written_by_ome_zarr_py(tmp_path):
+    """NGFF 0.4 and 0.5 as ome-zarr-py 0.21 writes them (levels "s0", "s1", labels by
+    write_labels): image and label along t and z equal zarr's reads, once each."""
+    exe = ome_zarr_python()
+    if exe is None:
+        pytest.skip("no Python >= 3.12 with ome-zarr >= 0.19: set OME_ZARR_PYTHON or make "
+                    "bench-out/venv-ome-zarr")
+    data = volume(SHAPE, seed=7)
+    np.save(tmp_path / "d.npy", data)
+    np.save(tmp_path / "c.npy", segmentation(data[:, 0]))
+    paths = [tmp_path / "v04.ome.zarr", tmp_path / "v05.ome.zarr"]
+    res = subprocess.run([exe, "-c", OME_ZARR_WRITER, str(tmp_path / "d.npy"),
+                          str(tmp_path / "c.npy"), *map(str, paths)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for path, version in zip(paths, ("0.4", "0.5"), strict=True):
+        assert describe_ome_zarr(path).startswith(f"OME-Zarr {version} image")
+        for dim in ("t", "z"):
+            src = open_ome_zarr(path, sample_dim=dim)
+            assert [v.name for v in src.variables] == ["image", "cells"]
+            seen = check_rows(epoch(loader(src)), path, ["image", "cells"], 0, dim)
+            assert sorted(seen) == list(range(SHAPE[AXES.index(dim)]))
+        src = open_ome_zarr(path, level=1)
+        check_rows(epoch(loader(src)), path, ["image", "cells"], 1, "z")
+        np.testing.assert_allclose(src.sample_coord, 2.0 * np.arange(8))
 
 
 @pytest.mark.parametrize("version", ["0.4", "0.5"])
