@@ -7,6 +7,7 @@ along time; the refusals, each naming what is wrong and what is there."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -326,3 +327,26 @@ def test_segment_ome_recipe_stops_and_resumes(tmp_path):
     served = [ln for ln in second.stdout.splitlines() if ln.startswith("step 4:")]
     assert nxt and served and served[0].split("z=")[1] == nxt[0].split("z=")[1]
     assert "done: 8 steps" in second.stdout
+
+
+def test_segment_ome_recipe_usage_errors(images, tmp_path, capsys):
+    """A wrong label, level or a resume without a checkpoint is a usage error saying what
+    there is, before anything is read or trained."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("segment_ome",
+                                                  ROOT / "recipes" / "segment_ome.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    for argv, said in [
+            (["--resume"], "--resume: there is no checkpoint at"),
+            (["--image", str(images["0.5"]), "--label", "nucleus"],
+             "labels ['nucleus'] are not label images of .* lists ['cells', 'nuclei']"),
+            (["--image", str(images["0.4"]), "--level", "3"],
+             "level=3 is not a level of the OME-Zarr image .* levels are 0: 'scale0/image'")]:
+        with pytest.raises(SystemExit) as e:
+            recipe.main(["--work", str(tmp_path), *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(said.replace("[", r"\[").replace("]", r"\]"), err), err
+    assert not (tmp_path / "segment.pt").exists()
