@@ -39,9 +39,8 @@ LEVEL = "scale0/image"  # where ngff-zarr writes level 0
 OURS = r"""
 import json, sys, time
 import insitubatch_nodes as ib
-from insitubatch_nodes.store.ome_zarr import open_ome_zarr
 path, batch, block, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-src = open_ome_zarr(path, sample_dim="z", labels=[])
+src = ib.open_ome_zarr(path, sample_dim="z", labels=[])
 manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
 loader = ib.build_loader(src, manifest, "train", batch_size=batch, block_chunks=block, seed=0)
 times, shape = [], None

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 import insitubatch_nodes as ib
-from insitubatch_nodes.store.ome_zarr import describe_ome_zarr, open_ome_zarr
 
 
 def write_volume(path: Path, shape: tuple[int, int, int] = (32, 64, 64), seed: int = 0) -> None:
@@ -80,7 +79,7 @@ def open_volume(p: argparse.ArgumentParser, args: argparse.Namespace) -> ib.Sour
     """The image and the label image asked for, checked before anything is read: a wrong
     name or level is a usage error that says what there is."""
     try:
-        return open_ome_zarr(args.image, level=args.level, sample_dim="z",
+        return ib.open_ome_zarr(args.image, level=args.level, sample_dim="z",
                              labels=None if args.label is None else [args.label])
     except ib.InsitubatchError as e:
         p.error(f"--image {args.image}: {e}")
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     source = open_volume(p, args)
     label = label_of(source, p)
     source = source.select(["image", label])
-    print(describe_ome_zarr(args.image))
+    print(ib.describe_ome_zarr(args.image))
     print(f"training on {source.n_samples} z-planes: image and label {label!r}")
     manifest = ib.split_by_chunk(source, (1.0,), names=["train"], seed=args.seed)
     loader = ib.build_loader(source, manifest, "train", batch_size=args.batch_size,
