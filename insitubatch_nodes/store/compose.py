@@ -54,8 +54,10 @@ def _coord(s: Source, k: int, what: str) -> np.ndarray:
         raise StoreError(f"{what}: member {k} ({s.url}) has no coordinate along its sample "
                          f"dimension {s.sample_dim!r}, so its samples cannot be matched to "
                          "the others'")
-    if coord.size > 1 and not (np.diff(coord) > np.diff(coord)[:1] * 0).all():
-        at = int(np.flatnonzero(~(np.diff(coord) > np.diff(coord)[:1] * 0))[0])
+    steps = np.diff(coord)
+    rising = steps > np.zeros(1, dtype=steps.dtype)
+    if not rising.all():
+        at = int(np.flatnonzero(~rising)[0])
         raise StoreError(f"{what}: member {k} ({s.url})'s {s.sample_dim!r} does not increase "
                          f"({coord[at]} then {coord[at + 1]})")
     return coord

@@ -104,6 +104,9 @@ class ComposedReader(WrappedReader):
                             retry: RetryPolicy = NO_RETRY,
                             submitted: float | None = None, *,
                             part: PartSpec | None = None) -> int:
+        if len(indices) == 1 and self._member[indices[0]] >= 0:  # a worker's one stripe
+            return self.members[self._member[indices[0]]].read_local_retrying(
+                [self._stripe[indices[0]]], outs, retry, submitted, part=part)
         attempts = 0
         straight: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         for index, out in zip(indices, outs, strict=True):
