@@ -156,3 +156,19 @@ def test_a_period_reads_only_its_dates(stores):
         stores["single"][1], src.names[0], times.values))
     with pytest.raises(ib.ConfigError, match="not a multiple"):
         ib.open_source(stores["single"][0]).period(frequency="5h")
+
+
+def test_a_join_of_anemoi_joins_keeps_each_members_data_apart(tmp_path):
+    """An anemoi join inside another: every member's ``data`` stays its own variable (no
+    two named alike), batch["data"] holds each name from its member, in order."""
+    from anemoi_stores import read_anemoi, write_anemoi
+
+    paths = [write_anemoi(tmp_path / f"{n}.zarr", (n,), "2020-01-01", 8, offset=10 * k)
+             for k, n in enumerate(("2t", "msl", "q"))]
+    inner = ib.join([ib.open_source(paths[0]), ib.open_source(paths[1])])
+    src = ib.join([inner, ib.open_source(paths[2])])
+    assert len(set(src.names)) == 3 and src.selection == ("2t", "msl", "q")
+    want = np.stack([read_anemoi(p).column(n) for p, n in zip(paths, ("2t", "msl", "q"),
+                                                                strict=True)], axis=1)
+    for b in loader(src, batch_size=4):
+        np.testing.assert_array_equal(b["data"].numpy(), want[b["sample_index"].numpy()])

@@ -100,7 +100,8 @@ def _check_served(source: Source, item: Any, name: str,
         have += f", named channels: {list(labelled)}"
     if source.static:
         have += f"; static fields (static=): {list(source.static)}"
-    stored = source.group is not None and name in source.group.array_keys()
+    stored = any(g is not None and name in g.array_keys()
+                 for g in (source.group, *(m.group for m in source.members)))
     why = (f"; {name!r} is in the store but not in open_source(variables=...): add it there"
            if stored and source.variables_given else "")
     raise UnknownNameError(f"unknown channel {item!r}: {name!r} is not a variable served by "

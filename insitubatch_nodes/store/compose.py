@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import ConfigError, ConfigTypeError, StoreError
 from ..sampling.geometry import SampleGrid, common_chunk_size
 from ..sampling.rowmap import RowMap, RowRun
+from .anemoi import DATA
 from .composed_array import ComposedArray
 from .periods import regular_step
 from .served import Member, Source, as_composed, compose, own_member
@@ -91,8 +92,8 @@ def join(sources: Sequence[Source], align: str = "exact") -> Source:
                     f"({sources[seen[name]].url}) and member {k} ({s.url}); rename it in "
                     f"one (source.rename({{{name!r}: '{name}_{k}'}})) or drop it there")
             seen.setdefault(name, k)
-            if anemoi and k:  # one "data" per member: the labels say what each holds
-                geom = replace(geom, name=f"{name}.{k}")
+            if anemoi and variables:  # a "data" per member (the labels say what each
+                geom = replace(geom, name=f"{DATA}.{len(variables)}")  # holds): data, data.1..
             variables.append(geom)
             arrays.append(arr)
             origins.append(s.origin(i))

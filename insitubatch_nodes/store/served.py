@@ -95,21 +95,10 @@ class Source:
         raise UnknownNameError(f"no coordinate array {dim!r} in {self.url}; arrays: "
                                f"{sorted(have)}")
 
-    def has_array(self, name: str) -> bool:
-        """Whether a store of this source (any member's) holds an array ``name``."""
-        groups = [self.group] + [m.group for m in self.members]
-        return any(g is not None and name in g.array_keys() for g in groups)
-
     def origin(self, i: int) -> tuple[str, str | None]:
         """The store (URL without credentials) and icechunk snapshot variable ``i`` is read
         from: its chunk keys are that store's, cached under it, named in its errors."""
         return self.origins[i] if self.origins else (self.url, self.snapshot_id)
-
-    def members_text(self) -> str | None:
-        """Every member described, for manifests and states; ``None`` for one store."""
-        if not self.members:
-            return None
-        return " | ".join(f"member {i}: {m.describe()}" for i, m in enumerate(self.members))
 
     def batch_coords(self) -> dict[str, np.ndarray]:
         """Per-sample values to put in each batch: datetimes as int64 nanoseconds."""
