@@ -90,7 +90,7 @@ class RowMap:
             stripe = int(local[i] // c)
             j = i + 1
             step = int(local[j] - local[i]) if j < g.size and member[j] == m else 1
-            while (j < g.size and member[j] == m and local[j] // c == stripe
+            while (step >= 1 and j < g.size and member[j] == m and local[j] // c == stripe
                    and local[j] - local[j - 1] == step):
                 j += 1
             lo = int(local[i] - stripe * c)

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, ConfigTypeError, StoreError
-from ..sampling.geometry import SampleGrid, common_chunk_size
+from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from ..sampling.rowmap import RowMap, RowRun
 from .anemoi import DATA
 from .composed_array import ComposedArray
 from .periods import regular_step
-from .served import Member, Source, as_composed, compose, own_member
+from .served import Member, Source, Stored, as_composed, compose, own_member
 
 ALIGNS = ("exact", "inner")
 
@@ -81,7 +81,9 @@ def join(sources: Sequence[Source], align: str = "exact") -> Source:
     else:
         _check_equal(sources)
     anemoi = sources[0].format == "anemoi"
-    variables, arrays, origins = [], [], []
+    variables: list[VariableGeometry] = []
+    arrays: list[Stored] = []
+    origins: list[tuple[str, str | None]] = []
     seen: dict[str, int] = {}
     for k, s in enumerate(sources):
         for i, (geom, arr) in enumerate(zip(s.variables, s.arrays, strict=True)):

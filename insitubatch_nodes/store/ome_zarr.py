@@ -145,12 +145,13 @@ def _multiscale(store: Any, path: str, display: str,
         levels = [Level(str(d["path"]), *(_transforms(
             [*d.get("coordinateTransformations", ()), *ms.get("coordinateTransformations", ())],
             len(axes)) or (None, None))) for d in ms["datasets"]]
-        if not levels:
-            raise KeyError("datasets")
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"the multiscales metadata of {display!r} is malformed ({e!r}): "
                          "each of its 'axes' needs a 'name', each of its 'datasets' a "
                          "'path', and scale and translation one number per axis") from None
+    if not levels:
+        raise StoreError(f"the multiscales metadata of {display!r} lists no 'datasets' (its "
+                         "levels): an image needs at least one")
     version = str(ome.get("version") or ms.get("version") or "?")
     return Multiscale(group, display, group.metadata.zarr_format, version, ms.get("name"),
                       axes, tuple(levels))
