@@ -172,3 +172,15 @@ def test_a_join_of_anemoi_joins_keeps_each_members_data_apart(tmp_path):
                                                                 strict=True)], axis=1)
     for b in loader(src, batch_size=4):
         np.testing.assert_array_equal(b["data"].numpy(), want[b["sample_index"].numpy()])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_part_of_the_grid_of_a_concat(stores, workers):
+    """Composed first, then cut: each member's chunks are read for the box alone and the
+    rows served are xarray's of the same latitude rows, across the gap's both sides."""
+    src = ib.concat([ib.open_source(stores["a"][0]),
+                     ib.open_source(stores["b"][0])]).grid_part(slice(2, 6))
+    both = xr.concat([stores["a"][1], stores["b"][1]], "time").isel(latitude=slice(2, 6))
+    seen = served(list(loader(src, workers=workers)), src,
+                  {"temperature": both, "2m_temperature": both})
+    assert seen and not set(seen) & set(src.missing)
