@@ -15,13 +15,11 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from ...errors import UsageTypeError
 from ...sampling.geometry import VariableGeometry
 from ...sampling.rowmap import StripePiece
 from ...store.composed_array import ComposedArray
 from ..chunk_cache import ChunkCache
 from ..partial.ranges import PartSpec
-from ..read_paths import FrameCheck, Frames
 from ..reader import StripeReader
 from ..retry import NO_RETRY, RetryPolicy
 from .wrapped import WrappedReader
@@ -31,13 +29,13 @@ class ComposedReader(WrappedReader):
     """Fills ``out`` (shape ``geom.stripe_shape``) with composed stripe ``index``; the
     calls a ``StripeReader`` answers for the fetch paths and decode workers."""
 
+    KIND = "composed of several stored arrays (a join, concat or period)"
+
     def __init__(self, arr: ComposedArray, geom: VariableGeometry, source_url: str) -> None:
         self.arr = arr
-        self.geom = geom
-        self.source_url = source_url
         self.members = [StripeReader(a, g, u) for a, g, u in
                         zip(arr.arrays, arr.geoms, arr.urls, strict=True)]
-        super().__init__(list(self.members))
+        super().__init__(list(self.members), geom, source_url)
         self.fill_value = np.asarray(arr.fill).astype(geom.dtype)
         self._chunks = arr.member_chunks()
         self._pieces: dict[int, list[StripePiece]] = {}
@@ -94,11 +92,6 @@ class ComposedReader(WrappedReader):
             self.members[m].read_local(self._stripe[index], out, submitted, part=part)
         else:
             self.read_local_retrying([index], [out], NO_RETRY, submitted, part=part)
-
-    def read_local_many(self, indices: list[int], outs: list[np.ndarray],
-                        submitted: float | None = None, *,
-                        part: PartSpec | None = None) -> None:
-        self.read_local_retrying(indices, outs, NO_RETRY, submitted, part=part)
 
     def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
                             retry: RetryPolicy = NO_RETRY,
@@ -178,22 +171,6 @@ class ComposedReader(WrappedReader):
         self._gaps(index, out)
         return attempts
 
-    async def read_group(self, indices: list[int], outs: list[np.ndarray],
-                         loop: asyncio.AbstractEventLoop, pool: Executor,
-                         retry: RetryPolicy = NO_RETRY, *,
-                         part: PartSpec | None = None) -> int:
-        attempts = 0
-        for index, out in zip(indices, outs, strict=True):
-            attempts += await self.read(index, out, loop, pool, retry, part=part)
-        return attempts
-
-    async def read_frames(self, indices: list[int], check: FrameCheck,
-                          loop: asyncio.AbstractEventLoop, pool: Executor,
-                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
-        raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is composed "
-                             "of several stored arrays (a join, concat or period), which the "
-                             "GPU decoder does not read: build the loader with "
-                             "decode='cpu'")
 
 
 def _straight_stripes(arr: ComposedArray, chunk: int) -> tuple[np.ndarray, np.ndarray]:

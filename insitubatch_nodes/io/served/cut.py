@@ -16,11 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import UsageTypeError
 from ...sampling.geometry import VariableGeometry
 from ...store.cut_array import CutArray, runs
 from ..partial.ranges import PartSpec, merge
-from ..read_paths import FrameCheck, Frames
 from ..retry import NO_RETRY, RetryPolicy
 from ..thread_buffer import ThreadBuffer
 from .wrapped import WrappedReader
@@ -32,12 +30,12 @@ class CutReader(WrappedReader):
     """Fills ``out`` (the cut variable's ``geom.stripe_shape``) with stripe ``index``,
     reading the stored stripe through ``base`` (its own reader) for the box alone."""
 
+    KIND = "served in part (a read group's part of the grid, a region)"
+
     def __init__(self, arr: CutArray, geom: VariableGeometry, source_url: str,
                  base: Any) -> None:
-        super().__init__([base])
+        super().__init__([base], geom, source_url)
         self.arr = arr
-        self.geom = geom
-        self.source_url = source_url
         self.base = base
         self._index = {a: arr.index(a) for a in range(1, len(geom.shape))}
         self._parts: dict[PartSpec | None, tuple[PartSpec, tuple[Any, ...]]] = {}
@@ -75,15 +73,6 @@ class CutReader(WrappedReader):
                 else np.empty(g.stripe_shape, dtype=g.dtype))
 
     # -- local stores, on the calling (pool) thread ----------------------------------------
-    def read_local(self, index: int, out: np.ndarray, submitted: float | None = None, *,
-                   part: PartSpec | None = None) -> None:
-        self.read_local_retrying([index], [out], NO_RETRY, submitted, part=part)
-
-    def read_local_many(self, indices: list[int], outs: list[np.ndarray],
-                        submitted: float | None = None, *,
-                        part: PartSpec | None = None) -> None:
-        self.read_local_retrying(indices, outs, NO_RETRY, submitted, part=part)
-
     def read_local_retrying(self, indices: list[int], outs: list[np.ndarray],
                             retry: RetryPolicy = NO_RETRY,
                             submitted: float | None = None, *,
@@ -126,22 +115,6 @@ class CutReader(WrappedReader):
         self._copy(stored, out, part)
         return attempts
 
-    async def read_group(self, indices: list[int], outs: list[np.ndarray],
-                         loop: asyncio.AbstractEventLoop, pool: Executor,
-                         retry: RetryPolicy = NO_RETRY, *,
-                         part: PartSpec | None = None) -> int:
-        attempts = 0
-        for index, out in zip(indices, outs, strict=True):
-            attempts += await self.read(index, out, loop, pool, retry, part=part)
-        return attempts
-
-    async def read_frames(self, indices: list[int], check: FrameCheck,
-                          loop: asyncio.AbstractEventLoop, pool: Executor,
-                          retry: RetryPolicy = NO_RETRY) -> tuple[list[Frames], int]:
-        raise UsageTypeError(f"variable {self.geom.name!r} of {self.source_url} is served in "
-                             "part (a read group's part of the grid, a region), which the GPU "
-                             "decoder does not read: build the loader with "
-                             "decode='cpu'")
 
 
 def _index(per_axis: list[np.ndarray]) -> tuple[Any, ...]:
