@@ -117,6 +117,10 @@ class FetchConfig:
     ``worker_timeout_s``: a decode worker running one job this long, holding jobs this
     long without taking one, or not ready max(this, 30 s) after its start is taken for
     hung, killed and started again, its jobs run again on the live workers.
+    ``keep_decoded``: bytes of decoded stripes (chunks of several samples) kept across
+    epochs, so each is decoded once and later epochs copy from memory; ``None`` keeps them
+    where a split fits in one window on the decode threads (no memory beyond the window's),
+    ``0`` never; a size is added to the resident bound (``defaults.resolve_keep_decoded``).
     """
 
     max_inflight: int = 32
@@ -130,9 +134,16 @@ class FetchConfig:
     prefetch_next_epoch: bool = True
     workers: int | str = "auto"
     worker_timeout_s: float = 300.0
+    keep_decoded: int | str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("fetch", "max_inflight", self.max_inflight)
+        k = self.keep_decoded
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, str))
+                              or (isinstance(k, int) and k < 0)):
+            raise ConfigError(f"fetch.keep_decoded must be None (keep where a split fits in "
+                              f"one window), 0 (never) or a byte size such as '2GB', "
+                              f"got {k!r}")
         t = self.worker_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigError(f"fetch.worker_timeout_s must be a number of seconds > 0 (how "

@@ -18,6 +18,7 @@ from .config import FetchConfig, SamplingConfig
 from .errors import ConfigError
 from .io.device_decode import FrameDecoder
 from .io.reader import groups_reads
+from .memory.budget import held_stripes_nbytes, parse_bytes, runs_in
 from .sampling.windows import SampleWindow, default_run_chunks
 from .store.cut_array import stored_arrays
 from .store.source import Source
@@ -330,3 +331,51 @@ def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
                              f"{block_chunks}: a window holds whole runs")
         run_chunks = min(run_chunks, block_chunks)
     return block_chunks, run_chunks
+
+
+# -- decoded stripes kept across epochs ---------------------------------------------------
+def _why_not_kept(source: Source, in_place: bool, workers: int, device: bool) -> str | None:
+    """Why this loader cannot keep decoded stripes (``None``: it can): its decode threads
+    must decode them, for a window of a local store or a batch's copies (in place)."""
+    if workers:
+        return "decode workers decode into batches themselves"
+    if device:
+        return "decode='gpu' decodes on the device"
+    if in_place:
+        return ("every variable holds one sample per chunk, decoded straight into its batch "
+                "row" if _one_sample_per_chunk(source) else None)
+    local = all(groups_reads(a) for arr in source.arrays for a in stored_arrays(arr))
+    return None if local else "windows of object stores are read on the event loop"
+
+
+def resolve_keep_decoded(source: Source, f: FetchConfig, in_place: bool, workers: int,
+                         device: bool, n_chunks: int, block_chunks: int,
+                         steps: SampleWindow | None, run_chunks: int | None,
+                         ) -> tuple[int, int, bool]:
+    """``fetch.keep_decoded`` as (bytes of stripes kept, bytes the resident bound adds,
+    ``in_place``). ``None``: a split that fits in one window (``n_chunks <=
+    block_chunks``) whose stripes the decode threads decode keeps them, in the memory the
+    bound holds for one window's (nothing added), so every epoch after the first copies
+    from memory; with ``in_place=None`` its batches are then gathered from the kept
+    stripes (a few batches in memory at once, not a window's: the first epoch touched
+    half the fresh memory, measured in bench_ome). A size: that many, added to the
+    bound, or an error saying why stripes cannot be kept here."""
+    if f.keep_decoded is None:
+        if n_chunks > block_chunks:
+            return 0, 0, in_place
+        if (f.in_place is None and in_place and not workers and not device
+                and not _one_sample_per_chunk(source)):
+            in_place = False  # several samples a chunk of a local store: gathered
+        if _why_not_kept(source, in_place, workers, device) is not None:
+            return 0, 0, in_place
+        held = held_stripes_nbytes(source.grid, source.variables, block_chunks, steps,
+                                   runs_in(block_chunks, run_chunks))
+        return held, 0, in_place
+    why_not = _why_not_kept(source, in_place, workers, device)
+    kept = parse_bytes(f.keep_decoded)
+    if kept and why_not is not None:
+        raise ConfigError(f"keep_decoded={f.keep_decoded!r} (fetch.keep_decoded): decoded "
+                          f"stripes are kept only where the decode threads decode them for a "
+                          f"window or a batch's copies, not here: {why_not}. Use "
+                          "keep_decoded=None or 0.")
+    return kept, kept, in_place

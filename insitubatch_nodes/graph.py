@@ -29,6 +29,7 @@ from .defaults import (
     every_steps,
     in_place_possible,
     resolve_in_place,
+    resolve_keep_decoded,
     resolve_prefetch,
     resolve_workers,
     window_size,
@@ -95,6 +96,7 @@ class Resolved:
     layout: BatchLayout | None  # where each variable lands in a host-gathered batch
     in_place: bool  # chunks decoded straight into their batch rows (no window, no gather)
     workers: int  # decode worker processes (0: decode threads in this process)
+    keep_decoded: int  # bytes of decoded stripes kept across epochs (0: none)
     decode_threads: int  # the decode pool's threads (``defaults.decode_threads``)
     # reader groups: ranks r // G dealt samples as one rank (``deal.group`` of
     # ``deal.groups``), rank r % G reading ``grid_part`` of the grid along ``grid_axes``
@@ -304,8 +306,11 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                           run_chunks)
     units = _check_world_size(ctx, deal, split)
     _check_batches(ctx, deal, split, s.batch_size, s.drop_last)
+    keep, kept_bound, in_place = resolve_keep_decoded(
+        source, f, in_place, workers, decoder is not None, len(chunk_ids), block_chunks, steps,
+        run_chunks)
     bound = check_budget(source.grid, source.variables, f.memory_budget, block_chunks,
-                         prefetch, s.batch_size, steps, in_place, run_chunks)
+                         prefetch, s.batch_size, steps, in_place, run_chunks, kept_bound)
     return Resolved(
         config=config, source=source, rank=rank, world_size=world_size,
         prefetch_windows=prefetch, grid=grid,
@@ -313,7 +318,7 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         resident_bound=bound, shuffle_quality=_quality(source, ctx, units, s.batch_size),
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
-        in_place=in_place, workers=workers,
+        in_place=in_place, workers=workers, keep_decoded=keep,
         decode_threads=decode_threads(f, source, in_place),
         deal=deal, grid_part=part, grid_axes=axes,
     )
@@ -472,7 +477,8 @@ def build_graph(source: Source, manifest: SplitManifest, split: str, resolved: R
                            retry=f.retry, device_decode=resolved.frame_decoder, arena=arena,
                            batch_size=s.batch_size, prefetch_next_epoch=f.prefetch_next_epoch,
                            workers=resolved.workers, shared=shared, cache=f.cache,
-                           worker_timeout_s=f.worker_timeout_s)
+                           worker_timeout_s=f.worker_timeout_s,
+                           keep_decoded=resolved.keep_decoded)
     if fetch.workers:
         # Worker processes import (0.3-0.5 s) while the training script builds its model,
         # instead of before the first batch.

@@ -100,6 +100,7 @@ def collect_stats(nodes: Sequence[BaseNode], meter: ConsumerMeter, bound: int | 
         windows_fetched=fs.windows if fs else 0,
         chunks_fetched=fs.chunks if fs else 0,
         stripes_fetched=fs.stripes if fs else 0,
+        stripes_kept=fs.stripes_kept if fs else 0,
         retries=fs.retries if fs else 0,
         stripes_in_flight=fs.in_flight if fs else 0,
         peak_stripes_in_flight=fs.peak_in_flight if fs else 0,

@@ -72,8 +72,9 @@ def is_in_place(loader) -> bool:
 def test_equal_to_the_gather_path_over_store_kinds(kind, batch, block, seed, drop_last):
     name, src, m, data = kind
     kw = dict(batch_size=batch, block_chunks=block, seed=seed, drop_last=drop_last)
-    forced = {"in_place": True} if name in GATHERED_BY_DEFAULT else {}
-    if forced:
+    # (keep_decoded=0: a split that fits in one window is gathered from kept stripes)
+    forced = {"in_place": True} if name in GATHERED_BY_DEFAULT else {"keep_decoded": 0}
+    if name in GATHERED_BY_DEFAULT:
         with ib.build_loader(src, m, "train", **kw) as default:
             assert not is_in_place(default)
     with ib.build_loader(src, m, "train", **forced, **kw) as new, \
@@ -309,7 +310,7 @@ def test_a_corrupt_chunk_fails_its_batch_by_name_and_again(tmp_path, per_chunk):
     (path / "x" / "c" / str(bad) / "0").write_bytes(b"garbage, not blosc")
     src = ib.open_source(path)
     with ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train", batch_size=4,
-                         retry=ib.RetryPolicy(attempts=2, base_delay=0)) as ld:
+                         retry=ib.RetryPolicy(attempts=2, base_delay=0), keep_decoded=0) as ld:
         assert is_in_place(ld)
         it = iter(ld)
         served: list[int] = []
@@ -351,7 +352,7 @@ def test_batches_go_out_before_their_whole_window_is_decoded(weather, monkeypatc
 
     monkeypatch.setattr(LocalFiles, "get_scratch", get_scratch)
     with ib.build_loader(src, m, "train", batch_size=2, block_chunks=80,
-                         prefetch_windows=0) as ld:
+                         prefetch_windows=0, keep_decoded=0) as ld:
         fetch = ld.node(ib.AsyncFetchNode)
         first = next(iter(ld))
         pending, finished = fetch.windows_pending()

@@ -99,7 +99,8 @@ class FirstBatchHold:
         assert ctx.arena is not None
         first = self.take_starting()
         job = prepare_in_place(plan, ctx.arena, ctx.decode_threads, ctx.grouped,
-                               ctx.sample_chunks, first=first, parts=ctx.parts, skip=skip)
+                               ctx.sample_chunks, first=first, parts=ctx.parts, skip=skip,
+                               kept=ctx.kept_stripe if ctx.kept is not None else None)
         if first and job.copies:
             self.head = job
         return job

@@ -21,6 +21,7 @@ from ..io.retry import RetryPolicy
 from ..io.served import Reader
 from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
+from ..memory.kept_stripes import KeptStripe
 from ..memory.slots import (
     Slot,
     SlotTable,
@@ -175,13 +176,17 @@ class Scatter:
     into slot ``dsts[k]`` of batch ``batches[k]`` (``memory.slots``, the slot filler the
     workers run too): the one copy a many-samples chunk needs, made on the decode thread,
     not a window buffer gathered on the training thread. ``keep``: decode into this buffer
-    instead, held for the copies made after the first batch (``prepare_scattered``)."""
+    instead, held for the copies made after the first batch (``prepare_scattered``).
+    ``kept``: the stripe kept across epochs (``memory.kept_stripes``): decoded into it
+    once, copied from it after; ``decoded`` says whether this read decoded it."""
 
     rows: list[int]
     dsts: list[Slot]
     batches: list[int]
     keep: np.ndarray | None = None
     part: PartSpec | None = None  # the levels the slots take: only their blocks decoded
+    kept: KeptStripe | None = None
+    decoded: bool = True
 
     def target(self, reader: Reader, scratch: bool = True) -> np.ndarray:
         """The buffer to decode the stripe into: the held one, else the slot filler's
@@ -229,6 +234,8 @@ class LazyRows:
 Item = tuple[int, int, int, "np.ndarray | Scatter | tuple[int, int]"]
 # an ``Item`` resolved (``InPlaceJob.resolve``): decoded into ``out``, or scattered
 Ready = tuple[int, int, int, "np.ndarray | Scatter"]
+# the stripe of (variable, index) kept across epochs, if it is (``FetchContext.kept_stripe``)
+KeptOf = Callable[[int, int], KeptStripe | None]
 
 _SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
 
@@ -237,6 +244,9 @@ def read_item(reader: Reader, index: int, out: np.ndarray | Scatter,
               submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
     """Read and decode one in-place item on this pool thread; with ``retry``, with its
     tries and error notes (an item alone in its task, or each of a failed group's)."""
+    if isinstance(out, Scatter) and out.kept is not None:
+        read_kept(reader, index, out, out.kept, submitted, retry)
+        return
     if isinstance(out, Scatter):
         stripe, part = out.target(reader), out.part
     else:
@@ -247,6 +257,25 @@ def read_item(reader: Reader, index: int, out: np.ndarray | Scatter,
         reader.read_local_retrying([index], [stripe], retry, submitted, part=part)
     if isinstance(out, Scatter):
         out.fill_from(stripe)
+
+
+def read_kept(reader: Reader, index: int, out: Scatter, kept: KeptStripe,
+              submitted: float | None, retry: RetryPolicy | None) -> None:
+    """``read_item`` of a stripe kept across epochs: decoded into its kept buffer by the
+    first task to reach it (a failure leaves it to the next), copied from there."""
+    out.decoded = bool(kept.claim())
+    if out.decoded:
+        ok = False
+        try:
+            if retry is None:
+                reader.read_local(index, kept.array, submitted, part=out.part)
+            else:
+                reader.read_local_retrying([index], [kept.array], retry, submitted,
+                                           part=out.part)
+            ok = True
+        finally:
+            kept.done(ok)
+    out.fill_from(kept.array)
 
 
 def batch_writes(items: Sequence[Item]) -> dict[int, int]:
@@ -337,7 +366,8 @@ def slot_parts(arena: BatchArena, sample_shapes: Sequence[tuple[int, ...]],
 
 def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: bool,
                      sample_chunks: Sequence[int] = (), first: bool = False,
-                     parts: Sequence[PartSpec | None] = (), skip: int = 0) -> InPlaceJob:
+                     parts: Sequence[PartSpec | None] = (), skip: int = 0,
+                     kept: KeptOf | None = None) -> InPlaceJob:
     """Where every chunk of an in-place window goes: each (sample, step) a draw reads lands
     in (batch, row, step). With one sample per chunk (``sample_chunks`` all 1) the chunk is
     decoded straight into its slot; one feeding several slots (a neighbour's history,
@@ -354,7 +384,7 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
         # several samples per chunk, or a sample split across channels: decoded into
         # scratch once, each slot's part copied out (``Scatter``)
         return prepare_scattered(plan, arena, threads, sample_chunks, first,
-                                 parts or (None,) * len(plan.reads), skip)
+                                 parts or (None,) * len(plan.reads), skip, kept)
     # each sample in one slot (no copies): batches taken as their first row is written
     s = _window_slots(plan, arena, skip, lazy=True)
     sample, batch, row, step, n_steps = s.sample, s.batch, s.row, s.step, s.n_steps
@@ -410,7 +440,8 @@ def prepare_in_place(plan: ReadPlan, arena: BatchArena, threads: int, grouped: b
 
 def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
                       sample_chunks: Sequence[int], first: bool = False,
-                      parts: Sequence[PartSpec | None] = (), skip: int = 0) -> InPlaceJob:
+                      parts: Sequence[PartSpec | None] = (), skip: int = 0,
+                      kept: KeptOf | None = None) -> InPlaceJob:
     """``prepare_in_place`` where chunks hold several samples (variable ``v``: stripes of
     ``sample_chunks[v]``): every stripe the window's slots read is decoded once, on a decode
     thread, into that thread's scratch buffer and its samples copied into their slots
@@ -424,7 +455,11 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
     that batch's rows copied at once; the rest are copied by the last task to finish,
     after it (at 24 samples per chunk, copying the whole window before the first batch
     made it ~12 % later than the gather path's). One window's stripes held so: the resident
-    bound counts them (``budget.resident_bound``)."""
+    bound counts them (``budget.resident_bound``).
+
+    ``kept`` (``FetchContext.kept_stripe``): a stripe kept across epochs is decoded into its
+    kept buffer once and all its samples copied from there, by the task that reads it; no
+    stripe is held for a first batch then (the kept ones take that memory)."""
     s = _window_slots(plan, arena, skip)
     if not s.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return InPlaceJob(plan, [], [], list(s.arrays), arena.generation)
@@ -441,10 +476,16 @@ def prepare_scattered(plan: ReadPlan, arena: BatchArena, threads: int,
         dsts = s.views(v, bs, s.row[order].tolist(), s.step[order].tolist())
         # a split variable's slots are parts of a sample: scattered from scratch as usual,
         # only the blocks of the levels they take decoded (``part``)
-        head = dsts[0] if b0 is not None and isinstance(dsts[0], np.ndarray) else None
+        # (not with kept stripes: their memory is what the held ones would take)
+        head = (dsts[0] if b0 is not None and kept is None and isinstance(dsts[0], np.ndarray)
+                else None)
         part = None if head is not None or not parts else parts[v]
         for a, z in zip([0, *cuts], [*cuts, len(bs)], strict=True):
-            if head is None or b0 is None:
+            got = None if kept is None else kept(v, int(st[a]))
+            if got is not None:
+                out = Scatter(offs[a:z], dsts[a:z], bs[a:z], part=parts[v] if parts else None,
+                              kept=got)
+            elif head is None or b0 is None:
                 out = Scatter(offs[a:z], dsts[a:z], bs[a:z], part=part)
             else:  # the first batch's rows now, the others once every stripe is in
                 keep = arena.pool.take((per, *head.shape[1:]), head.dtype)

@@ -186,10 +186,26 @@ class LoopSubmit(SubmitPath):
         lt = self.loop.lt
         assert lt is not None
         reader = self.ctx.readers[v]
+        kept = out.kept if isinstance(out, Scatter) else None
+        # a kept stripe: decoded into its buffer once; the loop never waits for another
+        # task's decode of it (None: read it the usual way)
+        claim = kept.claim(wait=False) if kept is not None else None
         if isinstance(out, Scatter):
-            stripe, part = out.target(reader, scratch=False), out.part
+            out.decoded = claim is not False
+            if claim is False:
+                assert kept is not None
+                out.fill_from(kept.array)
+                return
+            stripe, part = (out.target(reader, scratch=False) if kept is None or claim is None
+                            else kept.array), out.part
         else:
             stripe, part = out, None
-        await reader.read(index, stripe, lt.loop, lt.pool, self.ctx.retry, part=part)
+        ok = False
+        try:
+            await reader.read(index, stripe, lt.loop, lt.pool, self.ctx.retry, part=part)
+            ok = True
+        finally:
+            if claim and kept is not None:
+                kept.done(ok)
         if isinstance(out, Scatter):
             out.fill_from(stripe)

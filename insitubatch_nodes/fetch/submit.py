@@ -22,11 +22,12 @@ from ..io.pool_task import OneShot
 from ..io.retry import RetryPolicy
 from ..io.served import Reader
 from ..memory.arena import BatchArena
+from ..memory.kept_stripes import KeptStripe, KeptStripes
 from ..memory.ledger import BufferPool
 from ..metrics.counters import FetchStats
 from ..sampling.plan import ReadPlan
 from ..workers.engine import WindowRun, WorkerEngine
-from .jobs import DirectWindow, Item, batch_writes
+from .jobs import DirectWindow, Item, Scatter, batch_writes
 
 Window = Future | DirectWindow | WindowRun  # a window being fetched, as the queue holds it
 # A pool task's read of one variable's stripe group: (variable, stripes, buffers, time
@@ -54,6 +55,15 @@ class FetchContext:
     row_bytes: tuple[int, ...]  # in place: one batch row's bytes per variable, else ()
     # in place: per variable, the levels its slots take where not all (partial reads)
     parts: tuple[PartSpec | None, ...] = ()
+    # in place, several samples a chunk: stripes decoded once and kept across epochs
+    kept: KeptStripes | None = None
+
+    def kept_stripe(self, v: int, index: int) -> KeptStripe | None:
+        """Stripe ``index`` of variable ``v`` kept across epochs, if it is (or now fits)."""
+        if self.kept is None:
+            return None
+        geom = self.readers[v].geom
+        return self.kept.get((v, index), geom.stripe_shape, geom.dtype)
 
     @property
     def grouped(self) -> bool:
@@ -92,13 +102,31 @@ def stripe_buffers(ctx: FetchContext,
     return [[next(got[v]) for _ in idxs] for v, idxs in jobs]
 
 
+def kept_buffers(ctx: FetchContext,
+                 jobs: list[tuple[int, list[int]]]) -> list[list[np.ndarray]]:
+    """``stripe_buffers`` where stripes are kept across epochs: a stripe's kept buffer
+    (decoded or to be), from the pool where it is not kept."""
+    kept = [[ctx.kept_stripe(v, i) for i in idxs] for v, idxs in jobs]
+    rest = [(v, [i for i, k in zip(idxs, ks, strict=True) if k is None])
+            for (v, idxs), ks in zip(jobs, kept, strict=True)]
+    pooled = [iter(b) for b in stripe_buffers(ctx, rest)]
+    return [[k.array if k is not None else next(p) for k in ks]
+            for ks, p in zip(kept, pooled, strict=True)]
+
+
 def items_landed(ctx: FetchContext, items: Sequence[Item], generation: int) -> None:
     """In-place stripes ``(variable, index, batch, out)`` were read: count them, and tell
     each batch how many of its rows landed."""
     assert ctx.arena is not None
     per_var: dict[int, int] = {}
-    for v, _, _, _ in items:
+    kept = 0
+    for v, _, _, out in items:
+        if isinstance(out, Scatter) and not out.decoded:
+            kept += 1  # copied from a stripe kept decoded: not read
+            continue
         per_var[v] = per_var.get(v, 0) + 1
+    if kept:
+        ctx.stats.stripes_from_kept(kept)
     for v, n in per_var.items():
         ctx.stats.stripes_read(n, ctx.readers[v].geom.stripe_nbytes)
     for b, n in batch_writes(items).items():
@@ -146,24 +174,29 @@ class PoolTasks:
         self.slot = PoolSlot.of(ctx)
 
     def submit(self, plan: ReadPlan, lt: LoopThread, jobs: list[tuple[int, list[int]]],
-               read: GroupRead, refetch: Refetch | None = None) -> DirectWindow:
+               read: GroupRead, refetch: Refetch | None = None,
+               bufs: list[list[np.ndarray]] | None = None) -> DirectWindow:
         """``read(v, stripes, outs, submitted)`` on a pool thread, in one of the
         ``max_inflight`` slots, returns the stripes it could not read (``refetch`` gets
-        them when the window is waited for)."""
-        bufs = stripe_buffers(self.ctx, jobs)
+        them when the window is waited for). ``bufs``: the stripes' buffers, given (kept
+        stripes, which ``read`` counts itself), else taken from the pool."""
+        counted = bufs is not None
+        if bufs is None:
+            bufs = stripe_buffers(self.ctx, jobs)
         now = time.perf_counter()
-        tasks = [OneShot(self.run, read, v, idxs, out, now)
+        tasks = [OneShot(self.run, read, v, idxs, out, now, counted)
                  for (v, idxs), out in zip(jobs, bufs, strict=True)]
         return DirectWindow(plan, jobs, bufs, lt.pool, tasks, refetch)
 
     def run(self, read: GroupRead, v: int, idxs: list[int], outs: list[np.ndarray],
-            submitted: float) -> list[int]:
+            submitted: float, counted: bool = False) -> list[int]:
         """One ``submit`` task; the stripes it read are counted here, on the pool (the ones
-        it missed count when refetched)."""
+        it missed count when refetched), unless ``read`` counts them."""
         with self.slot:
             missed = read(v, idxs, outs, submitted)
-        self.ctx.stats.stripes_read(len(idxs) - len(missed),
-                                    self.ctx.readers[v].geom.stripe_nbytes)
+        if not counted:
+            self.ctx.stats.stripes_read(len(idxs) - len(missed),
+                                        self.ctx.readers[v].geom.stripe_nbytes)
         return missed
 
 

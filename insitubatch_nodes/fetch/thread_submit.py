@@ -17,7 +17,14 @@ from ..io.pool_task import OneShot
 from ..sampling.plan import ReadPlan
 from .hold import FirstBatchHold
 from .jobs import DirectWindow, InPlaceJob, Item, read_item, read_local_items
-from .submit import FetchContext, PoolTasks, SubmitPath, items_landed, stripe_jobs
+from .submit import (
+    FetchContext,
+    PoolTasks,
+    SubmitPath,
+    items_landed,
+    kept_buffers,
+    stripe_jobs,
+)
 
 
 class ThreadSubmit(SubmitPath):
@@ -32,7 +39,35 @@ class ThreadSubmit(SubmitPath):
     def submit(self, plan: ReadPlan, lt: LoopThread, skip: int = 0) -> DirectWindow:
         if plan.slots is not None and self.ctx.arena is not None:
             return self.in_place(self.hold.prepare(plan, self.ctx, skip), lt)
-        return self.tasks.submit(plan, lt, stripe_jobs(self.ctx, plan), self.read_local_group)
+        jobs = stripe_jobs(self.ctx, plan)
+        if self.ctx.kept is not None:
+            return self.tasks.submit(plan, lt, jobs, self.read_kept_group,
+                                     bufs=kept_buffers(self.ctx, jobs))
+        return self.tasks.submit(plan, lt, jobs, self.read_local_group)
+
+    def read_kept_group(self, v: int, idxs: list[int], outs: list[np.ndarray],
+                        submitted: float) -> list[int]:
+        """``read_local_group`` where stripes are kept across epochs: a kept one decoded
+        once (by the first task to reach it), later only handed on (counted here)."""
+        ctx, reader, hits = self.ctx, self.ctx.readers[v], 0
+        for i, out in zip(idxs, outs, strict=True):
+            kept = ctx.kept_stripe(v, i)
+            claim = True if kept is None or kept.array is not out else kept.claim()
+            if not claim:
+                hits += 1
+                continue
+            ok = False
+            try:
+                reader.read_local_retrying([i], [out], ctx.retry, submitted)
+                ok = True
+            finally:
+                if kept is not None and kept.array is out:
+                    kept.done(ok)
+            submitted = time.perf_counter()  # only the first stripe waited in the queue
+        if hits:
+            ctx.stats.stripes_from_kept(hits)
+        ctx.stats.stripes_read(len(idxs) - hits, reader.geom.stripe_nbytes)
+        return []
 
     def read_local_group(self, v: int, idxs: list[int], outs: list[np.ndarray],
                          submitted: float) -> list[int]:

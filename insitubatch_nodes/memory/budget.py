@@ -44,9 +44,8 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
     stripes a start's head window holds for the copies after its first batch (one window's:
     a batch straddling its end brings the next windows in before those copies are done). A
     decode thread's scratch stripe is not counted: one chunk per thread."""
-    halo = 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
-    # a window of ``runs`` runs reads each run's halo
-    window_bytes = max_window_nbytes(grid, variables, block_chunks + 2 * halo * runs)
+    halo = _halo(grid, steps)
+    window_bytes = held_stripes_nbytes(grid, variables, block_chunks, steps, runs)
     if in_place:
         per_row = 1 if steps is None else steps.history + len(steps.lead)
         sample_bytes = per_row * sum(v.sample_nbytes for v in variables)
@@ -63,6 +62,20 @@ def resident_bound(grid: SampleGrid, variables: Sequence[VariableGeometry], bloc
     straddle = max_window_nbytes(grid, variables, min(batch_size, block_chunks)
                                  + 2 * halo * min(runs, batch_size))
     return (1 + prefetch_windows) * window_bytes + straddle
+
+
+def _halo(grid: SampleGrid, steps: SampleWindow | None) -> int:
+    """Chunks a run of time windows reads beyond each of its ends."""
+    return 0 if steps is None else -(-max(steps.before, steps.after) // grid.chunk_size)
+
+
+def held_stripes_nbytes(grid: SampleGrid, variables: Sequence[VariableGeometry],
+                        block_chunks: int, steps: SampleWindow | None = None,
+                        runs: int = 1) -> int:
+    """One window's decoded stripes, each of its ``runs`` runs with its halo: what the
+    resident bound holds for a start's head window, or for the stripes kept across epochs
+    of a split that fits in one window (``defaults.resolve_keep_decoded``)."""
+    return max_window_nbytes(grid, variables, block_chunks + 2 * _halo(grid, steps) * runs)
 
 
 def largest_block_chunks(grid: SampleGrid, variables: Sequence[VariableGeometry], budget: int,
@@ -85,11 +98,13 @@ def runs_in(block_chunks: int, run_chunks: int | None) -> int:
 def check_budget(grid: SampleGrid, variables: Sequence[VariableGeometry],
                  memory_budget: int | str | None, block_chunks: int, prefetch_windows: int,
                  batch_size: int, steps: SampleWindow | None = None,
-                 in_place: bool = False, run_chunks: int | None = None) -> int:
-    """The resident bound of this configuration; a ``ValueError`` naming the largest
+                 in_place: bool = False, run_chunks: int | None = None,
+                 kept: int = 0) -> int:
+    """The resident bound of this configuration, with ``kept`` bytes of stripes kept
+    across epochs (``fetch.keep_decoded``); a ``ConfigError`` naming the largest
     ``block_chunks`` that fits when it exceeds ``memory_budget``."""
-    need = resident_bound(grid, variables, block_chunks, prefetch_windows, batch_size, steps,
-                          in_place, runs_in(block_chunks, run_chunks))
+    need = kept + resident_bound(grid, variables, block_chunks, prefetch_windows, batch_size,
+                                 steps, in_place, runs_in(block_chunks, run_chunks))
     if memory_budget is None:
         return need
     budget = parse_bytes(memory_budget)
@@ -100,7 +115,7 @@ def check_budget(grid: SampleGrid, variables: Sequence[VariableGeometry],
                 "even block_chunks=1 does not fit; lower prefetch_windows or raise the budget")
         raise ConfigError(
             f"memory_budget={memory_budget!r} ({budget:,} B) is below the {need:,} B that "
-            f"block_chunks={block_chunks} with prefetch_windows={prefetch_windows} can hold "
-            f"resident; {hint}"
+            f"block_chunks={block_chunks} with prefetch_windows={prefetch_windows}"
+            + (f" and keep_decoded={kept:,} B" if kept else "") + f" can hold resident; {hint}"
         )
     return need

@@ -192,6 +192,7 @@ class FetchStats:
     windows: int = 0  # windows fully fetched
     chunks: int = 0  # sample-grid chunks of those windows
     stripes: int = 0  # stripe reads completed
+    stripes_kept: int = 0  # stripes copied from their decoded copy kept across epochs
     bytes_decoded: int = 0  # decoded bytes of those stripes (the "bytes fetched")
     wait_s: float = 0.0  # time the consumer blocked on a window that was not ready
     next_s: float = 0.0  # consumer time inside next() (wait_s, planning, submitting)
@@ -220,6 +221,11 @@ class FetchStats:
         with self._lock:
             self.stripes += stripes
             self.bytes_decoded += stripes * stripe_nbytes
+
+    def stripes_from_kept(self, stripes: int) -> None:
+        """``stripes`` were served from their decoded copy kept across epochs, not read."""
+        with self._lock:
+            self.stripes_kept += stripes
 
     def stripes_done(self, stripes: int, nbytes: int) -> None:
         """``stripes`` reads of ``nbytes`` decoded bytes in all completed (the decode

@@ -43,6 +43,7 @@ class Fetched:
     windows_in_flight: int  # windows submitted to the fetch loop, not yet handed over
     windows_ready: int  # of those, fully decoded and waiting for the shuffle buffer
     worker_restarts: int = 0  # decode worker processes that died and were started again
+    stripes_kept: int = 0  # stripes served from their decoded copy kept across epochs
 
 
 @dataclass(frozen=True)

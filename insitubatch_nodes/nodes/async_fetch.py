@@ -36,6 +36,7 @@ from ..io.loop_thread import LoopThread
 from ..io.retry import RetryPolicy
 from ..io.served import Reader, open_reader
 from ..memory.arena import BatchArena
+from ..memory.kept_stripes import KeptStripes
 from ..memory.ledger import BufferPool, MemoryLedger
 from ..metrics.counters import FetchStats
 from ..sampling.items import DecodedBatch, DecodedWindow
@@ -105,7 +106,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
                  prefetch_next_epoch: bool = True, workers: int = 0,
                  shared: SharedMemoryArena | None = None,
                  cache: ChunkCache | None = None,
-                 worker_timeout_s: float = JOB_TIMEOUT_S) -> None:
+                 worker_timeout_s: float = JOB_TIMEOUT_S, keep_decoded: int = 0) -> None:
         super().__init__()
         if max_inflight < 1:
             raise ConfigError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -145,7 +146,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
             tuple(arena.layout.row_nbytes(v) for v in range(len(self.readers)))
             if arena is not None else (),
             slot_parts(arena, [r.geom.sample_shape for r in self.readers])
-            if arena is not None else ())
+            if arena is not None else (),
+            self._kept(keep_decoded, sample_chunks, device_decode is not None))
         self._loop = FetchLoop(self.decode_threads, self.window_decoder is not None)
         self._hold = FirstBatchHold(arena is not None)
         path = submit_path(self._ctx, self._hold, self._loop, self.window_decoder)
@@ -161,6 +163,26 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         # In place: the batches cut from the windows handed on, the restore's skip, and the
         # position after the last batch yielded.
         self._cut = BatchCut()
+
+    def _kept(self, keep_decoded: int, sample_chunks: tuple[int, ...], device: bool,
+              ) -> KeptStripes | None:
+        """Stripes kept decoded across epochs (``keep_decoded`` bytes of them): only where
+        this node's decode threads decode stripes a window or a batch copies from (windows
+        of local stores, or in place with several samples a chunk), refused elsewhere."""
+        if keep_decoded <= 0:
+            return None
+        local = all(r.groups_reads for r in self.readers)
+        why = ("decode workers decode into batches themselves" if self.workers else
+               "the device decodes" if device else
+               "one sample per chunk is decoded straight into its batch row"
+               if self.arena is not None and set(sample_chunks) == {1} else
+               "windows of object stores are read on the event loop"
+               if self.arena is None and not local else None)
+        if why is not None:
+            raise ConfigError(f"keep_decoded={keep_decoded}: stripes are kept decoded only "
+                              f"where the decode threads decode them for a window or for "
+                              f"copies into batches; not here: {why}. Pass keep_decoded=0")
+        return KeptStripes(keep_decoded, self.ledger)
 
     def _open_readers(self, dataset: Source,
                       cache: ChunkCache | None) -> tuple[Reader, ...]:
@@ -219,6 +241,8 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         torchdata ``Prefetcher`` still pulling must not bring the loop back."""
         self._loop.shut_down = True
         self.close()
+        if self._ctx.kept is not None:
+            self._ctx.kept.clear()
         if self.shared is not None:
             self.shared.close()
         shutdown_source(self.source)
