@@ -12,9 +12,11 @@ insitubatch 0.2.0 needs Python >= 3.12, so it runs in its own virtual environmen
 alternating between rounds), each timing ``--epochs`` epochs, same batch size, shuffle block
 and seed, the files in the page cache. Two ratios of ours / the peer's samples per second,
 per round and their medians: the first epoch of a process (every chunk read and decoded),
-and the later ones, where insitubatch 0.2.0 serves chunks its pool kept decoded from the
+the later ones, where insitubatch 0.2.0 serves chunks its pool kept decoded from the
 epoch before (its pool holds two shuffle blocks; at 16 chunks a block, this 8-chunk volume
-stays whole) while this loader reads and decodes every epoch. Run on demand, never as a test::
+stays whole) and this loader its stripes kept decoded (``fetch.keep_decoded``: the split
+fits in one window), and all the epochs of a process together. Run on demand, never as a
+test::
 
     .venv/bin/python -m benchmarks.bench_ome --make-peer-venv --out bench-out/ome   # ~4 min
     .venv/bin/python -m benchmarks.bench_ome --small --out /tmp/ome-bench            # seconds
@@ -114,6 +116,7 @@ def run_one(python: str, script: str, args: list[str]) -> dict:
     out = json.loads(res.stdout.strip().splitlines()[-1])
     out["first"] = out["samples"] / out["seconds"][0]  # decodes every chunk
     out["warm"] = out["samples"] / median(out["seconds"][1:])
+    out["overall"] = out["samples"] * len(out["seconds"]) / sum(out["seconds"])  # a run
     return out
 
 
@@ -152,19 +155,22 @@ def main(argv: list[str] | None = None) -> None:
                for who in order}
         ours, peer = got["ours"], got["peer"]
         row = {"ours": ours, "peer": peer, "first": ours["first"] / peer["first"],
-               "warm": ours["warm"] / peer["warm"]}
+               "warm": ours["warm"] / peer["warm"],
+               "overall": ours["overall"] / peer["overall"]}
         rounds.append(row)
         print(f"round {r}: first epoch ours {ours['first']:.0f}, insitubatch 0.2.0 "
               f"{peer['first']:.0f} samples/s: {row['first']:.2f}x; warm epochs ours "
               f"{ours['warm']:.0f}, insitubatch 0.2.0 {peer['warm']:.0f} samples/s "
               f"({peer['warm_hits']} of {peer['warm_hits'] + peer['warm_misses']} z-chunks "
               f"from its pool): {row['warm']:.2f}x (batches {ours['shape']} / "
-              f"{peer['shape']})", flush=True)
+              f"{peer['shape']}); all {args.epochs + 1} epochs: {row['overall']:.2f}x",
+              flush=True)
     summary: dict = {"store": str(store), "shape": shape, "chunks": chunks,
                      "batch_size": args.batch_size, "block_chunks": args.block_chunks,
                      "cpus": os.cpu_count(), "machine": platform.platform(), "rounds": rounds}
     for key, what in [("first", "first epoch (every chunk decoded)"),
-                      ("warm", "warm epochs (the peer's pool may hold decoded chunks)")]:
+                      ("warm", "later epochs (both keep the decoded volume)"),
+                      ("overall", f"all {args.epochs + 1} epochs of a process")]:
         ratios = sorted(x[key] for x in rounds)
         summary[key] = {"median": median(ratios), "min": ratios[0], "max": ratios[-1]}
         print(f"ours / insitubatch 0.2.0, z-planes of {shape} chunked {chunks}, "
