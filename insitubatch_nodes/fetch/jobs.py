@@ -17,24 +17,13 @@ import numpy as np
 
 from ..io.partial.ranges import PartSpec
 from ..io.pool_task import OneShot
-from ..io.retry import RetryPolicy
-from ..io.served import Reader
-from ..io.thread_buffer import ThreadBuffer
 from ..memory.arena import BatchArena
 from ..memory.kept_stripes import KeptStripe
-from ..memory.slots import (
-    Slot,
-    SlotTable,
-    SlotWhere,
-    fill_slots,
-    is_direct,
-    part_view,
-    stripe_target,
-    write_slot,
-)
+from ..memory.slots import Slot, SlotTable, SlotWhere, is_direct, part_view, write_slot
 from ..sampling.cuts import THREAD_LIMITS, cut_jobs
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan, kept_slots
+from .scatter import Scatter
 
 if TYPE_CHECKING:
     import torch
@@ -100,14 +89,6 @@ class DirectWindow:
         return DecodedWindow(self.plan, arrays)
 
 
-def read_local_items(items: list[tuple[Reader, int, np.ndarray | Scatter]],
-                      submitted: float | None) -> None:
-    """Read and decode each ``(reader, stripe, out)`` on this pool thread, in order."""
-    for reader, index, out in items:
-        read_item(reader, index, out, submitted)
-        submitted = None  # only the first stripe waited in the queue
-
-
 @dataclass(frozen=True, eq=False)
 class InPlaceJob:
     """A window prepared for in-place decoding: its read jobs ``(variable, stripe, batch,
@@ -169,38 +150,6 @@ class InPlaceJob:
         arena.fail(self.batches, e, self.generation)
 
 
-@dataclass(eq=False, slots=True)
-class Scatter:
-    """Where the samples of a stripe holding several (or of a split slot) go: decoded once
-    into this thread's scratch buffer (hot in cache), then sample ``rows[k]`` of it copied
-    into slot ``dsts[k]`` of batch ``batches[k]`` (``memory.slots``, the slot filler the
-    workers run too): the one copy a many-samples chunk needs, made on the decode thread,
-    not a window buffer gathered on the training thread. ``keep``: decode into this buffer
-    instead, held for the copies made after the first batch (``prepare_scattered``).
-    ``kept``: the stripe kept across epochs (``memory.kept_stripes``): decoded into it
-    once, copied from it after; ``decoded`` says whether this read decoded it."""
-
-    rows: list[int]
-    dsts: list[Slot]
-    batches: list[int]
-    keep: np.ndarray | None = None
-    part: PartSpec | None = None  # the levels the slots take: only their blocks decoded
-    kept: KeptStripe | None = None
-    decoded: bool = True
-
-    def target(self, reader: Reader, scratch: bool = True) -> np.ndarray:
-        """The buffer to decode the stripe into: the held one, else the slot filler's
-        (``memory.slots.stripe_target``: its one slot, or this thread's scratch;
-        ``scratch=False``: a fresh one, for reads that await on the event loop)."""
-        if self.keep is not None:
-            return self.keep
-        return stripe_target(self.dsts, reader.geom.stripe_shape, reader.geom.dtype,
-                             _SCRATCH.array if scratch else np.empty)
-
-    def fill_from(self, stripe: np.ndarray) -> None:
-        fill_slots(stripe, self.rows, self.dsts)
-
-
 @dataclass(frozen=True, eq=False)
 class LazyRows:
     """The batch rows of a window decoded one sample per chunk, each sample in one slot,
@@ -236,47 +185,6 @@ Item = tuple[int, int, int, "np.ndarray | Scatter | tuple[int, int]"]
 Ready = tuple[int, int, int, "np.ndarray | Scatter"]
 # the stripe of (variable, index) kept across epochs, if it is (``FetchContext.kept_stripe``)
 KeptOf = Callable[[int, int], KeptStripe | None]
-
-_SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
-
-
-def read_item(reader: Reader, index: int, out: np.ndarray | Scatter,
-              submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
-    """Read and decode one in-place item on this pool thread; with ``retry``, with its
-    tries and error notes (an item alone in its task, or each of a failed group's)."""
-    if isinstance(out, Scatter) and out.kept is not None:
-        read_kept(reader, index, out, out.kept, submitted, retry)
-        return
-    if isinstance(out, Scatter):
-        stripe, part = out.target(reader), out.part
-    else:
-        stripe, part = out, None
-    if retry is None:
-        reader.read_local(index, stripe, submitted, part=part)
-    else:
-        reader.read_local_retrying([index], [stripe], retry, submitted, part=part)
-    if isinstance(out, Scatter):
-        out.fill_from(stripe)
-
-
-def read_kept(reader: Reader, index: int, out: Scatter, kept: KeptStripe,
-              submitted: float | None, retry: RetryPolicy | None) -> None:
-    """``read_item`` of a stripe kept across epochs: decoded into its kept buffer by the
-    first task to reach it (a failure leaves it to the next), copied from there."""
-    out.decoded = bool(kept.claim())
-    if out.decoded:
-        ok = False
-        try:
-            if retry is None:
-                reader.read_local(index, kept.array, submitted, part=out.part)
-            else:
-                reader.read_local_retrying([index], [kept.array], retry, submitted,
-                                           part=out.part)
-            ok = True
-        finally:
-            kept.done(ok)
-    out.fill_from(kept.array)
-
 
 def batch_writes(items: Sequence[Item]) -> dict[int, int]:
     """Row writes per batch that ``items`` make once read."""

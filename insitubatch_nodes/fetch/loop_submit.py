@@ -21,8 +21,9 @@ from ..io.pool_task import OneShot
 from ..sampling.items import DecodedWindow
 from ..sampling.plan import ReadPlan
 from .hold import FirstBatchHold
-from .jobs import DirectWindow, InPlaceJob, Item, Scatter, read_local_items
+from .jobs import DirectWindow, InPlaceJob, Item
 from .loop import FetchLoop
+from .scatter import Scatter, read_local_items
 from .submit import (
     FetchContext,
     PoolTasks,

@@ -27,7 +27,8 @@ from ..memory.ledger import BufferPool
 from ..metrics.counters import FetchStats
 from ..sampling.plan import ReadPlan
 from ..workers.engine import WindowRun, WorkerEngine
-from .jobs import DirectWindow, Item, Scatter, batch_writes
+from .jobs import DirectWindow, Item, batch_writes
+from .scatter import Scatter
 
 Window = Future | DirectWindow | WindowRun  # a window being fetched, as the queue holds it
 # A pool task's read of one variable's stripe group: (variable, stripes, buffers, time

@@ -16,7 +16,8 @@ from ..io.loop_thread import LoopThread
 from ..io.pool_task import OneShot
 from ..sampling.plan import ReadPlan
 from .hold import FirstBatchHold
-from .jobs import DirectWindow, InPlaceJob, Item, read_item, read_local_items
+from .jobs import DirectWindow, InPlaceJob, Item
+from .scatter import read_item, read_local_items
 from .submit import (
     FetchContext,
     PoolTasks,
