@@ -22,6 +22,7 @@ from .errors import ConfigError, ConfigTypeError, UnknownNameError
 from .io.chunk_cache import ChunkCache
 from .io.device_decode import FrameDecoder
 from .io.retry import RetryPolicy
+from .memory.budget import parse_bytes
 from .sampling.schedule import UNEVEN_POLICIES
 from .sampling.windows import SampleWindow, steps_keyword
 from .store.splits import SplitManifest
@@ -91,6 +92,15 @@ class SamplingConfig:
         # rank/world_size are checked together with the process group (permute.resolve_rank)
 
 
+def _reads_as_bytes(value: int | str) -> bool:
+    """Whether ``parse_bytes`` reads ``value`` (``"2GB"``, ``512 * 2**20``)."""
+    try:
+        parse_bytes(value)
+    except ConfigError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class FetchConfig:
     """How windows are read: reads in flight, windows fetched ahead, decode threads and
@@ -140,7 +150,7 @@ class FetchConfig:
         _positive_int("fetch", "max_inflight", self.max_inflight)
         k = self.keep_decoded
         if k is not None and (isinstance(k, bool) or not isinstance(k, (int, str))
-                              or (isinstance(k, int) and k < 0)):
+                              or (isinstance(k, int) and k < 0) or not _reads_as_bytes(k)):
             raise ConfigError(f"fetch.keep_decoded must be None (keep where a split fits in "
                               f"one window), 0 (never) or a byte size such as '2GB', "
                               f"got {k!r}")

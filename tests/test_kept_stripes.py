@@ -139,7 +139,7 @@ def test_refused_where_nothing_can_be_kept(tmp_path, kw, names):
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5, [1]])
+@pytest.mark.parametrize("bad", [-1, True, 1.5, [1], "lots"])
 def test_a_bad_size_is_named(bad):
     with pytest.raises(ib.ConfigError, match="keep_decoded"):
         ib.FetchConfig(keep_decoded=bad)
