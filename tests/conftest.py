@@ -3,7 +3,10 @@ and how the suite runs on several processes (``scripts/test``: ``pytest -n``).""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +88,31 @@ def _threads_unless_asked():
     saved, defaults.WORKERS_FROM_CORES = defaults.WORKERS_FROM_CORES, 10**6
     yield
     defaults.WORKERS_FROM_CORES = saved
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory) -> Callable[[str, Callable[[Path], object]], Path]:
+    """``once(name, make)``: a folder that ``make(folder)`` filled once in this whole run,
+    whichever test process (``pytest -n``) asks first; the others wait for it under a lock
+    and get the same folder. For what is expensive to make and only read afterwards (a
+    torchrun job stopped mid-epoch, its store): a module-scoped fixture would make it again
+    in every process that runs one of the module's tests."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's, shared by its test processes
+
+    def get(name: str, make: Callable[[Path], object]) -> Path:
+        folder = base / f"once-{name}"
+        with open(base / f"once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not (folder / ".made").exists():
+                shutil.rmtree(folder, ignore_errors=True)  # a failed attempt's
+                folder.mkdir()
+                make(folder)
+                (folder / ".made").touch()
+        return folder
+
+    return get
 
 
 @pytest.fixture

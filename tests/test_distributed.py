@@ -174,10 +174,11 @@ def test_merge_refuses_mixed_epochs(uneven_source):
 # -- recipes in real subprocesses ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo_store(tmp_path_factory):
-    return make_demo_store(tmp_path_factory.mktemp("demo") / "d.zarr",
-                           DemoSpec(n_times=200, n_lat=16, n_lon=32, time_chunk=8),
-                           progress=False)
+def demo_store(once):
+    """One store for the whole run: the stopped jobs' checkpoints name it."""
+    spec = DemoSpec(n_times=200, n_lat=16, n_lon=32, time_chunk=8)
+    return once("dist-demo", lambda f: make_demo_store(f / "d.zarr", spec,
+                                                        progress=False)) / "d.zarr"
 
 
 def _records(folder, world):
@@ -230,20 +231,20 @@ def _late(demo_store, folder, uneven: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stopped_late(demo_store, tmp_path_factory):
+def stopped_late(demo_store, once):
     """``stopped_late(uneven, tmp_path)``: 2 ranks stopped after step 11 of 12 (checkpoint
     ``c.pt``, records in ``before/``), copied into ``tmp_path`` to resume from. The stopped
-    job runs once per ``uneven`` in a process: an exact and an elastic resume share it."""
-    done: dict[str, Path] = {}
+    job runs once per ``uneven`` in the whole run (``once``: whichever test process asks
+    first): an exact and an elastic resume share it."""
 
     def stopped(uneven: str, tmp_path: Path) -> Path:
-        if uneven not in done:
-            folder = tmp_path_factory.mktemp(f"stopped-{uneven}")
+        def stop(folder: Path) -> None:
             _torchrun(2, *_late(demo_store, folder, uneven), "--stop-after", "11",
                       "--record", str(folder / "before"), cwd=folder)
-            done[uneven] = folder
-        shutil.copy(done[uneven] / "c.pt", tmp_path / "c.pt")
-        shutil.copytree(done[uneven] / "before", tmp_path / "before")
+
+        done = once(f"stopped-{uneven}", stop)
+        shutil.copy(done / "c.pt", tmp_path / "c.pt")
+        shutil.copytree(done / "before", tmp_path / "before")
         return tmp_path
 
     return stopped
