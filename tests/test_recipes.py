@@ -76,33 +76,37 @@ def test_forecast_recipe_periods_from_the_command_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("layout", ["wb2", "anemoi"])
-def test_forecast_recipe_on_the_archives_people_train_on(tmp_path, layout):
+def test_forecast_recipe_on_the_archives_people_train_on(tmp_path, capsys, layout):
+    """The recipe's ``main`` in this process (test_forecast_recipe runs it as a script)."""
     from insitubatch_nodes.synthetic import WB2Spec, write_anemoi_store, write_wb2_store
 
     store = (write_wb2_store(tmp_path / "w.zarr", WB2Spec.small(n_times=40), progress=False)
              if layout == "wb2" else write_anemoi_store(tmp_path / "a.zarr", n_dates=40,
                                                          missing=(17,)))
-    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "forecast.py"), "--store",
-                          str(store), "--epochs", "2", "--batch-size", "4"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert (f"{layout if layout == 'anemoi' else 'zarr'} store" in res.stdout)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("epoch")]
+    _recipe("forecast").main(["--store", str(store), "--epochs", "2", "--batch-size", "4"])
+    out = capsys.readouterr().out
+    assert (f"{layout if layout == 'anemoi' else 'zarr'} store" in out)
+    lines = [ln for ln in out.splitlines() if ln.startswith("epoch")]
     assert len(lines) == 2 and "served" in lines[0] and "val loss" in lines[0]
     losses = [float(ln.split("train loss ")[1].split()[0]) for ln in lines]
     assert all(np.isfinite(losses))  # a missing date (NaN) never reaches the model
 
 
-@pytest.mark.parametrize("recipe", ["train_resume.py", "ddp_torchrun.py",
-                                    "lightning_datamodule.py"])
-def test_resume_without_a_checkpoint_is_a_clear_usage_error(tmp_path, recipe):
+@pytest.mark.parametrize("recipe", ["train_resume", "ddp_torchrun", "lightning_datamodule"])
+def test_resume_without_a_checkpoint_is_a_clear_usage_error(tmp_path, capsys, monkeypatch,
+                                                            recipe):
+    """The recipe's ``main`` in this process: argparse's usage error (SystemExit 2), not
+    another exception (a traceback); ddp_torchrun's ``main`` reads ``sys.argv``."""
     missing = tmp_path / "none.pt"
-    res = subprocess.run([sys.executable, str(ROOT / "recipes" / recipe), "--resume",
-                          "--checkpoint", str(missing)], capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 2, res.stderr  # argparse's usage error, not a traceback
-    assert f"--resume: there is no checkpoint at {str(missing)!r}" in res.stderr
-    assert "Traceback" not in res.stderr
+    argv = ["--resume", "--checkpoint", str(missing)]
+    module = _recipe(recipe)
+    monkeypatch.setattr(sys, "argv", [f"{recipe}.py", *argv])
+    with pytest.raises(SystemExit) as done:
+        module.main() if recipe == "ddp_torchrun" else module.main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--resume: there is no checkpoint at {str(missing)!r}" in err
+    assert "Traceback" not in err
 
 
 @pytest.fixture(scope="module")
