@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -88,8 +89,10 @@ Places = list[tuple[int, int, Table, list[int]]]
 
 _SCRATCH = ThreadBuffer()
 # How often a worker's read counters (store/decode seconds, retries, cache hits) reach the
-# loader's: merging them per job cost the engine thread ~1 us per sample.
-TIMES_EVERY_S = 0.05
+# loader's: merging them per job cost the engine thread ~1 us per sample, every 0.05 s
+# ~0.5 us (an unpickle and a merge a few jobs, on cold caches).
+TIMES_EVERY_S = 0.5
+TIMES_IDLE_S = 0.05
 
 
 class Worker:
@@ -281,55 +284,82 @@ def serve(conn: Connection, status: StatusPage) -> None:
         return
 
 
+class _Inbox:
+    """What the socket brought, read in the order sent: jobs (``held``, run in that
+    order), segments mapped and key tables kept as they come (each before the jobs that
+    use it). Read ahead so that the worker knows how many jobs it holds (``_jobs``)."""
+
+    def __init__(self, conn: Connection, worker: Worker) -> None:
+        self.conn, self.worker = conn, worker
+        self.tables: dict[int, Table] = {}
+        self.held: deque[tuple[int, bool, Places, np.ndarray]] = deque()
+        self._waiting = select.poll()  # is a message in the socket? (no selector per ask)
+        self._waiting.register(conn.fileno(), select.POLLIN)
+        self._sock: socket.socket | None = None  # the socket again, for descriptors
+
+    def read(self) -> None:
+        """One message, waiting for it; the socket's end is ``_Gone``."""
+        import pickle
+
+        try:
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            raise _Gone from None
+        if data[0] != PICKLE:
+            self.held.append(decode_job(data, self.tables))
+            return
+        msg = pickle.loads(data)
+        if msg[0] == "table":
+            self.tables[msg[1]] = msg[2]
+        elif msg[0] == "segment":
+            _, index, nbytes = msg
+            if self._sock is None:
+                self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            try:
+                fd = wire.recv_fd(self._sock)
+            except (EOFError, OSError):
+                raise _Gone from None
+            self.worker.segments[index] = map_segment(index, fd, nbytes)
+            os.close(fd)  # the mapping stays
+
+    def read_waiting(self) -> None:
+        """Every message the socket holds now (a message begun is read whole)."""
+        while self._waiting.poll(0):
+            self.read()
+
+
 def _jobs(conn: Connection, worker: Worker, status: StatusPage) -> None:
     """The job loop: segments to map, key tables, jobs to run and answer, in the order
     sent, until the socket ends. Each job's start and end go on the status page (the
     engine's deadlines and blame: ``deadlines``). Answers go back in groups (``wire``: one
-    wake-up of the training process for ``GROUP`` jobs): a job's answer waits while
-    another job waits in the socket, up to ``GROUP`` answers, unless it is urgent or an
-    error."""
-    import pickle
-
+    wake-up of the training process for a group): a job's answer waits while the worker
+    holds two jobs or more not started, up to ``GROUP`` answers, unless it is urgent or an
+    error; so it answers as it starts its last job in hand (the engine refills it meanwhile)."""
     kill, pause = _kill_stripe(), float(_seam("JOB_SLEEP_S") or 0)
-    tables: dict[int, Table] = {}
-    waiting = select.poll()  # is a message in the socket? (Connection.poll builds a selector)
-    waiting.register(conn.fileno(), select.POLLIN)
+    inbox = _Inbox(conn, worker)
+    held = inbox.held
     pending: list[bytes] = []  # answers not sent yet
-    sent = time.perf_counter()  # read counters go back every TIMES_EVERY_S, not every job
-    sock: socket.socket | None = None  # the socket again, for descriptors (``wire.recv_fd``)
+    sent = time.perf_counter()  # when the read counters last went back (``_done``)
     while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            raise _Gone from None
-        if data[0] != PICKLE:
-            ident, urgent, places, targets = decode_job(data, tables)
-            status.took(ident)
-            if kill is not None and any((v, s) == kill for v, s in targets[
-                    :, [VAR, STRIPE]].tolist()) and _first():
-                os.kill(os.getpid(), signal.SIGKILL)
-            if pause:
-                time.sleep(pause)
-            answer, sent, failed = _run(worker, ident, targets, places, sent)
-            status.idle()
-            pending.append(answer)
-            if urgent or failed or len(pending) >= GROUP or not waiting.poll(0):
-                _write(conn, b"".join(pending))
-                pending.clear()
-            continue
-        msg = pickle.loads(data)
-        if msg[0] == "table":
-            tables[msg[1]] = msg[2]
-        elif msg[0] == "segment":
-            _, index, nbytes = msg
-            if sock is None:
-                sock = socket.socket(fileno=os.dup(conn.fileno()))
-            try:
-                fd = wire.recv_fd(sock)
-            except (EOFError, OSError):
-                raise _Gone from None
-            worker.segments[index] = map_segment(index, fd, nbytes)
-            os.close(fd)  # the mapping stays
+        while not held:
+            inbox.read()
+        inbox.read_waiting()
+        ident, urgent, places, targets = held.popleft()
+        status.took(ident)
+        if kill is not None and any((v, s) == kill for v, s in targets[
+                :, [VAR, STRIPE]].tolist()) and _first():
+            os.kill(os.getpid(), signal.SIGKILL)
+        if pause:
+            time.sleep(pause)
+        error = _run(worker, ident, targets, places)
+        status.idle()
+        inbox.read_waiting()
+        if error is None:
+            answer, sent = _done(worker, ident, sent, idle=not held)
+        pending.append(answer if error is None else error)
+        if urgent or error is not None or len(pending) >= GROUP or len(held) <= 1:
+            _write(conn, b"".join(pending))
+            pending.clear()
 
 
 def _write(conn: Connection, data: bytes) -> None:
@@ -342,20 +372,27 @@ def _write(conn: Connection, data: bytes) -> None:
         raise _Gone from None
 
 
-def _run(worker: Worker, ident: int, targets: np.ndarray, places: Places,
-         sent: float) -> tuple[bytes, float, bool]:
-    """One job's answer as a frame (done, as integers or with read counters, or an error),
-    when read counters last went back, and whether it failed."""
+def _run(worker: Worker, ident: int, targets: np.ndarray, places: Places) -> bytes | None:
+    """Run one job: ``None`` when done, else its error's frame."""
     import pickle
 
     try:
         worker.run(targets, places)
     except BaseException as e:  # noqa: BLE001 - every failure goes to the loader
-        return wire.framed(pickle.dumps(("error", ident, _sendable(e)))), sent, True
+        return wire.framed(pickle.dumps(("error", ident, _sendable(e))))
+    return None
+
+
+def _done(worker: Worker, ident: int, sent: float, idle: bool) -> tuple[bytes, float]:
+    """Job ``ident``'s answer, as integers or with the read counters (every
+    ``TIMES_EVERY_S``, or ``TIMES_IDLE_S`` when the worker has no job left: an epoch's
+    counters are then the loader's soon after its end), and when they last went back."""
+    import pickle
+
     now = time.perf_counter()
-    if now - sent < TIMES_EVERY_S:
-        return wire.done(ident), sent, False
-    return wire.framed(pickle.dumps(("done", ident, worker.times.take()))), now, False
+    if now - sent < (TIMES_IDLE_S if idle else TIMES_EVERY_S):
+        return wire.done(ident), sent
+    return wire.framed(pickle.dumps(("done", ident, worker.times.take()))), now
 
 
 def main(argv: list[str]) -> int:

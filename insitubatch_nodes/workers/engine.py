@@ -2,8 +2,9 @@
 what lands, and turn a worker's failure into an error a training loop can act on.
 
 One thread (``insitubatch-workers``) does all of it: it waits on the workers' sockets
-and a wake-up pipe (one epoll set), gives each ready worker up to ``CREDIT`` jobs at a
-time (its next job is in its socket when it finishes one), takes a batch's memory from the
+and a wake-up pipe (one epoll set), gives each ready worker its credit of jobs at a time
+(``wire.credit``: 5, up to 9 for small jobs; its next job is in its socket when it
+finishes one), takes a batch's memory from the
 arena only when the first job writing it goes out (so batch buffers come back warm from
 the pool, as on the thread path), and tells the arena each job's row writes when it is
 done. The training thread only queues a prepared window (``submit``): a few microseconds
@@ -53,7 +54,7 @@ from .shared_memory import SharedMemoryArena
 
 log = logging.getLogger("insitubatch_nodes")
 
-CREDIT = wire.CREDIT  # jobs given to one worker at a time (answered in groups: ``wire``)
+CREDIT = wire.CREDIT  # jobs given to one worker at a time, at least (``wire.credit``)
 JOB_TIMEOUT_S = 300.0  # fetch.worker_timeout_s's default (``deadlines``)
 READ_BYTES = 1 << 16  # a worker's socket is read this much at a time (every answer it holds)
 _FRAME, _DONE = wire.FRAME, wire.DONE
@@ -142,7 +143,8 @@ class WorkerEngine(Deaths):
         if self.stopped:
             raise InternalError("these decode workers were stopped (the fetch node was closed): "
                                "a bug if reached, the node starts new ones")
-        run = WindowRun(window, self, len(window.jobs), threading.Condition(self._lock))
+        run = WindowRun(window, self, len(window.jobs), threading.Condition(self._lock),
+                        credit=wire.credit(window.job_nbytes))
         if self._for_good:
             assert self.broken is not None
             run.failed = WorkerError(self.broken)
@@ -273,8 +275,9 @@ class WorkerEngine(Deaths):
                     self._flush(proc)
 
     def _pick(self) -> list[tuple[WorkerProc[Task], int, Task]]:
-        """Under one lock, every job the ready workers' credit takes, each counted out and
-        given to the ready worker holding the fewest."""
+        """Under one lock, every job the ready workers' credit takes (a window's credit:
+        ``wire.credit``), each counted out and given to the ready worker holding the
+        fewest."""
         picked: list[tuple[WorkerProc[Task], int, Task]] = []
         takers = self._takers
         if not takers:
@@ -283,16 +286,18 @@ class WorkerEngine(Deaths):
         with self._lock:
             queue = self._queue
             while queue:
-                proc, least = None, CREDIT
+                task = queue[0]
+                run = task.run
+                if run.cancelled or run.failed is not None:
+                    queue.popleft()
+                    continue
+                proc, least = None, run.credit
                 for p in takers:
                     if len(p.jobs) < least:
                         proc, least = p, len(p.jobs)
                 if proc is None:
                     break
-                task = queue.popleft()
-                run = task.run
-                if run.cancelled or run.failed is not None:
-                    continue
+                queue.popleft()
                 ident = self._next_id
                 self._next_id += 1
                 proc.jobs[ident] = task
@@ -343,17 +348,21 @@ class WorkerEngine(Deaths):
             self._count_done([task])
 
     def _count_done(self, tasks: list[Task]) -> None:
-        """``tasks`` are done: their row writes counted in the arena, their stripes in the
-        fetch's counters, their windows told (one lock for all)."""
+        """``tasks`` are done: their row writes counted in the arena (one call for all),
+        their stripes in the fetch's counters, their windows told (one lock for all)."""
         stripes = nbytes = 0
         arena = self.arena
+        gen = arena.generation
+        writes: dict[int, int] = {}
         for run, job, _ in tasks:
-            gen = run.window.generation
-            if gen == arena.generation and not run.cancelled:
-                arena.landed_many(job.writes, gen)
+            if run.window.generation == gen and not run.cancelled:
+                for b, n in job.writes.items():
+                    writes[b] = writes.get(b, 0) + n
                 for n, size in job.reads:
                     stripes += n
                     nbytes += n * size
+        if writes:  # (not counted if the arena was cleared since ``gen`` was read)
+            arena.landed_many(writes, gen)
         if stripes:
             self.stats.stripes_done(stripes, nbytes)
         self._answered([t.run for t in tasks], finished=True)

@@ -47,13 +47,15 @@ class ReadJob:
 @dataclass(frozen=True, eq=False)
 class WorkerWindow:
     """A window prepared for the workers: its jobs in the order they should run (the first
-    batch's first, split across the workers), the batches it feeds, and the arena's
-    generation when prepared (a job of an older one is dropped, never written)."""
+    batch's first, split across the workers), the batches it feeds, the arena's generation
+    when prepared (a job of an older one is dropped, never written) and the bytes its
+    largest job writes (a worker's credit: ``wire.credit``)."""
 
     plan: ReadPlan
     jobs: list[ReadJob]
     batches: list[int]
     generation: int
+    job_nbytes: int = 0
 
 
 def read_starts(targets: np.ndarray) -> np.ndarray:
@@ -156,7 +158,7 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
         nbytes = np.tile(np.asarray(row_bytes, dtype=np.int64), len(t) // n_vars)
         cuts = cut_jobs(nbytes, workers, WORKER_LIMITS, t[:, BATCH])
         return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
-                            arena.generation)
+                            arena.generation, _largest(nbytes, cuts))
     t, starts = _in_slot_order(_targets(kept, sample_chunks))
     var = t[starts, VAR]
     nbytes = np.asarray(row_bytes, dtype=np.int64)[var] * np.diff(np.append(starts, len(t)))
@@ -165,7 +167,13 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
     else:  # a stripe feeds many batches: the window one run, about two jobs a worker
         cuts = cut_jobs(nbytes, 2 * workers, WORKER_LIMITS)
     jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, workers)
-    return WorkerWindow(plan, jobs, batches, arena.generation)
+    return WorkerWindow(plan, jobs, batches, arena.generation, _largest(nbytes, cuts))
+
+
+def _largest(nbytes: np.ndarray, cuts: Sequence[int]) -> int:
+    """The bytes the largest job writes (``nbytes``: per row of the cut, ``cuts``: where
+    each job starts, then the end)."""
+    return int(np.add.reduceat(nbytes, np.asarray(cuts[:-1])).max()) if len(cuts) > 1 else 0
 
 
 def _one_each_jobs(t: np.ndarray, cuts: list[int], stripe_nbytes: Sequence[int],

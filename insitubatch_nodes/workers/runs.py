@@ -51,6 +51,7 @@ class WindowRun:
     cancelled: bool = False
     failed: BaseException | None = None
     waiting: int = 0  # threads in ``settle``: only then is an answer notified
+    credit: int = 5  # jobs a worker may hold while it is given this window's (``wire.credit``)
 
     def cancel(self) -> bool:
         """Drop the jobs not yet given to a worker; ``settle`` waits for the others."""

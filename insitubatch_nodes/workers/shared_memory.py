@@ -97,6 +97,8 @@ class SharedMemoryArena:
         self._by_start: list[int] = []  # segment index of each address in _starts
         self._used = 0  # bytes used of the last segment
         self._free: dict[int, list[tuple[int, int]]] = {}  # block size -> (segment, offset)
+        # id of each live block's buffer array -> (segment, offset, bytes) (``where``)
+        self._homes: dict[int, tuple[int, int, int]] = {}
         self.allocated = 0  # bytes asked for in fresh blocks (a reused block not again)
         self.closed = False
         self._fds: list[int] = []
@@ -121,10 +123,15 @@ class SharedMemoryArena:
             else:
                 seg, offset = self._bump(size)
                 self.allocated += n
-            block = self.segments[seg].whole[offset:offset + n]
-        arr = block.view(dt).reshape(shape)
-        weakref.finalize(arr, self._give_back, size, seg, offset)
-        return arr
+            # its own buffer object (not a slice of the segment's array): every view of the
+            # block has it as its ``base``, which ``where`` looks up instead of an address
+            raw = np.frombuffer(self.segments[seg].whole.data[offset:offset + n],
+                                dtype=dt)
+            self._homes[id(raw)] = (seg, offset, n)
+        # back to the free blocks once nothing over it is left (a view outliving the pool's
+        # array included), and forgotten by ``where`` then
+        weakref.finalize(raw, self._give_back, size, seg, offset, id(raw))
+        return raw.reshape(shape)
 
     def _bump(self, size: int) -> tuple[int, int]:
         """A fresh block of ``size`` bytes at the end of the last segment, or of a new one
@@ -146,8 +153,9 @@ class SharedMemoryArena:
         self._used += size
         return len(self.segments) - 1, offset
 
-    def _give_back(self, size: int, seg: int, offset: int) -> None:
+    def _give_back(self, size: int, seg: int, offset: int, ident: int) -> None:
         with self._lock:
+            self._homes.pop(ident, None)
             self._free.setdefault(size, []).append((seg, offset))
 
     def place(self, arr: np.ndarray) -> Place:
@@ -166,7 +174,12 @@ class SharedMemoryArena:
 
     def where(self, arr: np.ndarray) -> tuple[int, int]:
         """(segment, byte offset) of ``arr`` (an array of this arena's, C-contiguous): what a
-        job names per array, its shape and dtype being the batch's (``wire``)."""
+        job names per array, its shape and dtype being the batch's (``wire``). A whole
+        block (a batch's array: contiguous, as many bytes as the block, over its buffer) is
+        looked up by its base; the address is read only for anything else (microseconds)."""
+        home = self._homes.get(id(arr.base))
+        if home is not None and arr.nbytes == home[2] and arr.flags.c_contiguous:
+            return home[0], home[1]
         address = arr.__array_interface__["data"][0]
         at = bisect.bisect(self._starts, address) - 1
         seg = self.segments[self._by_start[at]] if at >= 0 else None

@@ -16,16 +16,20 @@ the job's ``targets`` (``jobs.ReadJob``) as int64 rows. Worker -> engine, per jo
 
 **Answers in groups.** Every wake-up of the training process costs it tens of
 microseconds on a machine whose cores the workers keep busy (its caches are cold when it
-runs): one per job was most of its CPU per sample. So a worker holds up to ``CREDIT`` jobs
-and answers them ``GROUP`` at a time, in one write: it sends what it has done when it
-starts its last job in hand (the engine then refills it while it runs that one), when no
-job waits in its socket, or at once for an ``urgent`` job (the first batch of a window, an
-error). Batches then also complete in groups, so the training thread waits for one in
-``GROUP`` only. Groups of 4 (credit 5) took the engine thread from 4.4-5.5 to 3.4-3.8 us of
-CPU per sample against pairs (credit 3) on t2m one step per chunk, 2 workers, 2-core VM
-(``benchmarks.profile_workers``, the two credits interleaved; docs/benchmarks.md). A
-healthy worker is so silent for up to ``GROUP`` jobs: its deadlines time each job from
-when it took it, read from its status page, not its silence (``deadlines``).
+runs): one per job was most of its CPU per sample. So a worker holds several jobs (its
+credit, ``credit``) and answers them together, in one write: it reads every job its socket
+holds as it goes, and sends what it has done when it starts its last job in hand (the
+engine then refills it while it runs that one), at most ``GROUP`` answers, or at once for
+an ``urgent`` job (the first batch of a window, an error). Batches then also complete in
+groups, so the training thread waits for one in a group only. The credit is ``CREDIT`` (5)
+jobs, more for small jobs (``credit``: up to ``MAX_CREDIT`` while a worker holds less than
+``CREDIT_BYTES``): groups of 4 took the engine thread from 4.4-5.5 to 3.4-3.8 us of CPU per
+sample against pairs, groups of 8 (a batch of t2m one step per chunk is 8 MB) the training
+process from ~9.4 to ~6.4 us (``benchmarks.profile_workers``, 2 workers, 2-core VM,
+interleaved; docs/benchmarks.md). A job of 16 MB or more keeps the credit of 5, so the
+memory in flight grows only for small jobs, to ~``CREDIT_BYTES`` a worker. A healthy
+worker is so silent for up to ``GROUP`` jobs: its deadlines time each job from when it
+took it, read from its status page, not its silence (``deadlines``).
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ DONE = struct.Struct("<qq")  # TAG_DONE, job id
 TAG_JOB = 1
 TAG_DONE = 2
 PICKLE = 0x80  # the first byte of a pickle (protocol >= 2)
-CREDIT = 5  # jobs a worker holds at a time
-GROUP = CREDIT - 1  # answers a worker sends together (see above)
+CREDIT = 5  # jobs a worker holds at a time, at least (``credit``)
+MAX_CREDIT = 9  # ... at most, for jobs of less than CREDIT_BYTES / CREDIT bytes
+CREDIT_BYTES = 80 << 20  # what a worker's credit holds, about, where jobs are small
+GROUP = MAX_CREDIT - 1  # answers a worker sends together, at most (see above)
 COLUMNS = 6  # of a job's targets (``jobs.VAR`` .. ``jobs.STEP``)
 # The one byte a segment's descriptor rides on (SCM_RIGHTS), right after the segment's
 # message: its value is the count of descriptors, as ``multiprocessing.reduction`` sends them.
@@ -56,11 +62,17 @@ FD_BYTE = b"\x01"
 Table = tuple[tuple[str, tuple[int, ...], str], ...]
 
 
+def credit(job_nbytes: int) -> int:
+    """Jobs a worker may hold at a time for jobs of up to ``job_nbytes`` bytes written:
+    ``CREDIT``, more (up to ``MAX_CREDIT``) while they hold less than ``CREDIT_BYTES``."""
+    return min(MAX_CREDIT, max(CREDIT, CREDIT_BYTES // max(1, job_nbytes)))
+
+
 def encode_job(ident: int, places: list[tuple[int, ...]], targets: np.ndarray,
                urgent: bool = False) -> bytes:
     """A job's frame: its places (one tuple of integers per batch it writes) and targets;
     ``urgent``: answered as soon as it is done, not with the next."""
-    flat = [x for p in places for x in p]
+    flat = places[0] if len(places) == 1 else [x for p in places for x in p]
     return b"".join((FRAME.pack(JOB.size + 8 * len(flat) + targets.nbytes),
                      JOB.pack(TAG_JOB, ident, urgent, len(places), len(targets)),
                      struct.pack(f"<{len(flat)}q", *flat), targets.tobytes()))
