@@ -39,6 +39,10 @@ class FakeArena:
     def expect(self, b: int, n: int) -> None:
         self.expected.setdefault(b, n)
 
+    def expect_many(self, first: int, rows: list[int]) -> None:
+        for b, n in enumerate(rows, first):
+            self.expect(b, n)
+
 
 def restore_point(case, data) -> tuple[int, int]:
     """Where a restore may start: the head window and the draws into it, at the start of

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from _thread import allocate_lock
+from _thread import LockType, allocate_lock
 
 import numpy as np
 
@@ -54,9 +54,11 @@ class _Filling:
     """One batch being filled: its arrays (``None`` until its first write asks for them),
     its rows, the row writes still to come, and whether it is complete (or failed).
 
-    ``latch`` is a lock held until the batch is complete: the consumer blocks on it. A
-    ``threading.Event`` per batch (a condition, a lock and a waiter list, each made and
-    notified per batch) cost both threads several microseconds a batch."""
+    ``latch`` is a lock held until the batch is complete, made only when a consumer has
+    to wait (``take``): it blocks on it. A ``threading.Event`` per batch (a condition, a
+    lock and a waiter list, each made and notified per batch) cost both threads several
+    microseconds a batch, and most batches are complete when asked for (answers come in
+    groups)."""
 
     __slots__ = ("arrays", "n_rows", "remaining", "complete", "latch", "error")
 
@@ -66,20 +68,23 @@ class _Filling:
         self.n_rows = n_rows
         self.remaining = remaining
         self.complete = False
-        self.latch = allocate_lock()
-        self.latch.acquire()
+        self.latch: LockType | None = None
         self.error: BaseException | None = None
 
     def finish(self) -> None:
         """Complete (or failed): let the consumer through, once (under the arena's lock)."""
         if not self.complete:
             self.complete = True
-            self.latch.release()
+            if self.latch is not None:
+                self.latch.release()
 
-    def wait(self) -> None:
-        """Until complete; the latch is left open for whoever asks again."""
-        self.latch.acquire()
-        self.latch.release()
+    def waiter(self) -> LockType:
+        """A latch to wait on until complete (under the arena's lock, the batch not
+        complete): acquire it, then release it for whoever asks again."""
+        if self.latch is None:
+            self.latch = allocate_lock()
+            self.latch.acquire()
+        return self.latch
 
 
 class BatchFuture:
@@ -200,6 +205,16 @@ class BatchArena:
             if b not in self._batches:
                 self._batches[b] = _Filling(None, n, n * self.writes_per_row)
 
+    def expect_many(self, first: int, rows: list[int]) -> None:
+        """``expect`` for batches ``first``, ``first + 1``, ... of ``rows`` rows each (a
+        window's batches: one lock)."""
+        per_row = self.writes_per_row
+        with self._lock:
+            batches = self._batches
+            for b, n in enumerate(rows, first):
+                if b not in batches:
+                    batches[b] = _Filling(None, n, n * per_row)
+
     def arrays_of(self, b: int, generation: int) -> dict[str, np.ndarray]:
         """Batch ``b``'s arrays for a read of ``generation``, allocated now if this is its
         first write; ``StaleBatch`` for a read from before a new epoch or a restore."""
@@ -274,9 +289,11 @@ class BatchArena:
             got = self._batches.get(b) if gen == self.generation else None
             if got is None:
                 raise self._stale(b, gen)
-        if not got.complete:
+            latch = None if got.complete else got.waiter()
+        if latch is not None:
             t0 = time.perf_counter()
-            got.wait()  # let through by its last write, a failure, or a clear()
+            latch.acquire()  # let through by its last write, a failure, or a clear()
+            latch.release()
             self.wait_s += time.perf_counter() - t0
         with self._lock:
             if self._batches.get(b) is not got:  # cleared while waiting, or taken

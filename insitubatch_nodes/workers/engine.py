@@ -99,6 +99,7 @@ class WorkerEngine(Deaths):
         self._queue: deque[Task] = deque()
         self._places = Places(arena, shared)
         self._next_id = 0
+        self._done: list[Task] = []  # jobs answered, counted after the round (``_readable``)
         self.stopped = False
         self.reaped = False  # every process is gone: nothing writes for any window now
         # why the windows in flight failed for want of workers: a slot's workers could not
@@ -195,6 +196,8 @@ class WorkerEngine(Deaths):
                     self._start_down()
                 if self._queue:
                     self._dispatch()
+                if self._done:  # after the refill: the consumer wakes as this thread sleeps
+                    self._count_done(self._take_done())
                 for fd, events in poll(tick):
                     proc = by_fd.get(fd)
                     if proc is not None:
@@ -214,12 +217,20 @@ class WorkerEngine(Deaths):
             self._for_good = True
             self._fail_all()
         finally:
+            if self._done and not self._for_good:
+                self._count_done(self._take_done())
             self._shut()
 
+    def _take_done(self) -> list[Task]:
+        done, self._done = self._done, []
+        return done
+
     def _readable(self, proc: WorkerProc[Task]) -> None:
-        """Every answer ``proc``'s socket holds (one read), then its end if it closed. The
-        answers' counts are folded: one lock and one counter update per read, not per job
-        (each costs the engine thread microseconds on a machine whose cores are busy)."""
+        """Every answer ``proc``'s socket holds (one read), then its end if it closed. Jobs
+        done wait in ``_done`` until the round's refill went out: then one count for all
+        (``_count_done``: a lock and a counter update per round, not per job, each costing
+        microseconds on busy cores), and the consumer it wakes finds this thread asleep
+        rather than holding the GIL."""
         if proc.gone:  # died earlier in this round
             return
         try:
@@ -235,23 +246,19 @@ class WorkerEngine(Deaths):
             proc.inbox += data
             data, proc.inbox = bytes(proc.inbox), bytearray()
         at, n = 0, len(data)
-        done: list[Task] = []
+        jobs, done = proc.jobs, self._done
         while n - at >= 4:
             size = _FRAME.unpack_from(data, at)[0]
             if n - at - 4 < size:
                 break
             if data[at + 4] == wire.PICKLE:
-                if done:  # in order: a pickled answer may fail the window of those done
-                    self._count_done(done)
-                    done = []
                 self._answer(proc, pickle.loads(data[at + 4:at + 4 + size]))
+                done = self._done
             else:  # a job done, as integers: the usual
-                task = proc.jobs.pop(_DONE.unpack_from(data, at + 4)[1], None)
+                task = jobs.pop(_DONE.unpack_from(data, at + 4)[1], None)
                 if task is not None:  # else not held any more: dropped, never counted twice
                     done.append(task)
             at += 4 + size
-        if done:
-            self._count_done(done)
         if at < n:
             proc.inbox += data[at:]
 
@@ -345,7 +352,7 @@ class WorkerEngine(Deaths):
             self.stats.read.merge(times)
         task = proc.jobs.pop(ident, None)
         if task is not None:  # else not held any more: dropped, never counted twice
-            self._count_done([task])
+            self._done.append(task)
 
     def _count_done(self, tasks: list[Task]) -> None:
         """``tasks`` are done: their row writes counted in the arena (one call for all),
@@ -373,6 +380,8 @@ class WorkerEngine(Deaths):
         if kind == "done":
             self._job_finished(proc, msg[1], msg[2])
             return
+        if self._done:  # in order: this answer may fail the window of jobs done before it
+            self._count_done(self._take_done())
         if kind == "ready":
             proc.ready = True
             proc.start_deaths = ()

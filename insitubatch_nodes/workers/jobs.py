@@ -75,10 +75,12 @@ def _expect(plan: ReadPlan, arena: BatchArena, skip: int) -> tuple[KeptSlots, li
     assert slots is not None, "an in-place window has batch slots"
     kept = kept_slots(plan, skip)
     b = kept.batch
-    batches = list(range(int(b[0]), int(b[-1]) + 1)) if b.size else []
-    for k in batches:
-        arena.expect(k, slots.rows_in(k))
-    return kept, batches
+    if not b.size:
+        return kept, []
+    first, last = int(b[0]), int(b[-1])
+    size, total = slots.batch_size, slots.total
+    arena.expect_many(first, [min(size, total - k * size) for k in range(first, last + 1)])
+    return kept, list(range(first, last + 1))
 
 
 def _distinct(plan: ReadPlan, kept: KeptSlots) -> bool:
