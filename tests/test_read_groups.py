@@ -342,6 +342,28 @@ def test_anemoi_cells_are_cut_by_the_balanced_rule(tmp_path, group):
         np.testing.assert_array_equal(whole, stored[joined[0][k]["sample_index"]])
 
 
+def test_the_grid_axis_of_anemoi_batches_with_channels_last(tmp_path):
+    """(batch, cells, variables): the cells one from the end, where gather_grid joins the
+    parts."""
+    from anemoi_stores import read_anemoi, write_anemoi
+
+    path = write_anemoi(tmp_path / "a.zarr", ("2t", "msl"), "2020-01-01", 8, n_cells=11)
+    stored = read_anemoi(path).data  # (dates, variables, ensemble, cells)
+    src = ib.open_source(path)
+    m = ib.split_by_chunk(src, (1.0,))
+    joined = []
+    for r in range(2):
+        ld = ib.build_loader(src, m, "train", rank=r, world_size=2, read_group=2,
+                             batch_size=4, block_chunks=4, channels_last=True,
+                             drop_ensemble=True)
+        assert ld.grid_axis == -2
+        joined.append(_batches(ld))
+    for k in range(len(joined[0])):
+        whole = np.concatenate([j[k]["data"] for j in joined], axis=-2)
+        want = np.moveaxis(stored[joined[0][k]["sample_index"]][:, :, 0], 1, -1)
+        np.testing.assert_array_equal(whole, want)
+
+
 def test_latitude_rows_of_a_181_row_grid(weather):
     src, m, data = weather
     lsm = np.arange(181 * 4, dtype=np.float32).reshape(181, 4)

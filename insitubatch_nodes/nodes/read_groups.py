@@ -61,11 +61,13 @@ def grid_part_of(source: Source, deal: Deal) -> tuple[slice, dict[str, int]]:
     return balanced_part(n, deal.read_group, deal.member), axes
 
 
-def axis_from_end(source: Source, axes: Mapping[str, int]) -> int | None:
+def axis_from_end(source: Source, axes: Mapping[str, int],
+                  channels_last: bool = False) -> int | None:
     """The grid axis of the batch tensors counted from the end (-2: latitude rows of
-    (..., lat, lon); -1: an anemoi dataset's cells) where every variable has it there;
+    (..., lat, lon); -1: an anemoi dataset's cells) where every variable has it there, one
+    further with ``channels_last`` (the channels, before the grid as stored, go last);
     ``None`` without reader groups (no ``axes``) or where variables differ."""
-    found = {a - len(source.variable(n).shape) for n, a in axes.items()}
+    found = {a - len(source.variable(n).shape) - int(channels_last) for n, a in axes.items()}
     return found.pop() if len(found) == 1 else None
 
 
