@@ -2,6 +2,7 @@
 nodes do not probe each other, and a torchdata node that shuts the graph down stops it."""
 
 import ast
+import functools
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import insitubatch_nodes as ib
 PKG = Path(ib.__file__).parent
 
 
+@functools.cache  # parsed once per test process (only read: every test walks the same trees)
 def _modules() -> dict[str, ast.Module]:
     out = {}
     for path in sorted(PKG.rglob("*.py")):
