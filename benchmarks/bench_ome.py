@@ -45,15 +45,16 @@ path, batch, block, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), in
 src = ib.open_ome_zarr(path, sample_dim="z", labels=[])
 manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
 loader = ib.build_loader(src, manifest, "train", batch_size=batch, block_chunks=block, seed=0)
-times, shape = [], None
+times, cpu, shape = [], [], None
 with loader:
     for e in range(epochs + 1):
-        t, n = time.perf_counter(), 0
+        t, c, n = time.perf_counter(), time.process_time(), 0
         for b in loader:
             n += b["image"].shape[0]
             shape = tuple(b["image"].shape)
         times.append(time.perf_counter() - t)
-print(json.dumps({"samples": n, "seconds": times, "shape": shape}))
+        cpu.append(time.process_time() - c)
+print(json.dumps({"samples": n, "seconds": times, "cpu": cpu, "shape": shape}))
 """
 
 PEER_SCRIPT = r"""
@@ -66,16 +67,17 @@ geoms = ib.open_geometries(store, variables=[level], sample_axis=1)  # c z y x: 
 manifest = ib.split_by_chunk(geoms[level], fractions=(1.0, 0.0, 0.0))
 ds = ib.InSituDataset(store, manifest, geometries=geoms, batch_size=batch,
                       block_chunks=block, seed=0)
-times, shape = [], None
+times, cpu, shape = [], [], None
 for e in range(epochs + 1):
     ds.set_epoch(e)
-    t, n = time.perf_counter(), 0
+    t, c, n = time.perf_counter(), time.process_time(), 0
     for b in ds.train:
         x = b.arrays[level]
         n += x.shape[0]
         shape = tuple(x.shape)
     times.append(time.perf_counter() - t)
-print(json.dumps({"samples": n, "seconds": times, "shape": shape,
+    cpu.append(time.process_time() - c)
+print(json.dumps({"samples": n, "seconds": times, "cpu": cpu, "shape": shape,
                   "warm_hits": ds.cache_hits, "warm_misses": ds.cache_misses}))
 """
 
@@ -156,21 +158,27 @@ def main(argv: list[str] | None = None) -> None:
         ours, peer = got["ours"], got["peer"]
         row = {"ours": ours, "peer": peer, "first": ours["first"] / peer["first"],
                "warm": ours["warm"] / peer["warm"],
-               "overall": ours["overall"] / peer["overall"]}
+               "overall": ours["overall"] / peer["overall"],
+               # the peer's CPU seconds / ours: work done, whatever the machine's load
+               "first_cpu": peer["cpu"][0] / ours["cpu"][0],
+               "warm_cpu": median(peer["cpu"][1:]) / median(ours["cpu"][1:])}
         rounds.append(row)
         print(f"round {r}: first epoch ours {ours['first']:.0f}, insitubatch 0.2.0 "
               f"{peer['first']:.0f} samples/s: {row['first']:.2f}x; warm epochs ours "
               f"{ours['warm']:.0f}, insitubatch 0.2.0 {peer['warm']:.0f} samples/s "
               f"({peer['warm_hits']} of {peer['warm_hits'] + peer['warm_misses']} z-chunks "
               f"from its pool): {row['warm']:.2f}x (batches {ours['shape']} / "
-              f"{peer['shape']}); all {args.epochs + 1} epochs: {row['overall']:.2f}x",
-              flush=True)
+              f"{peer['shape']}); all {args.epochs + 1} epochs: {row['overall']:.2f}x; "
+              f"the peer's CPU time / ours: first epoch {row['first_cpu']:.2f}x, later "
+              f"{row['warm_cpu']:.2f}x", flush=True)
     summary: dict = {"store": str(store), "shape": shape, "chunks": chunks,
                      "batch_size": args.batch_size, "block_chunks": args.block_chunks,
                      "cpus": os.cpu_count(), "machine": platform.platform(), "rounds": rounds}
     for key, what in [("first", "first epoch (every chunk decoded)"),
                       ("warm", "later epochs (both keep the decoded volume)"),
-                      ("overall", f"all {args.epochs + 1} epochs of a process")]:
+                      ("overall", f"all {args.epochs + 1} epochs of a process"),
+                      ("first_cpu", "the peer's CPU seconds / ours, first epoch"),
+                      ("warm_cpu", "the peer's CPU seconds / ours, later epochs")]:
         ratios = sorted(x[key] for x in rounds)
         summary[key] = {"median": median(ratios), "min": ratios[0], "max": ratios[-1]}
         print(f"ours / insitubatch 0.2.0, z-planes of {shape} chunked {chunks}, "
