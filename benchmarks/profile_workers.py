@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import threading
 import time
@@ -92,12 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     with ib.build_loader(src, manifest, "train", **kw) as loader:
         for _ in loader:  # warm: workers started, pools filled, page cache
             pass
+        runs = []
         for _ in range(a.repeat):
             r = measure(loader, a.epochs, a.profile)
+            runs.append(r)
             threads = ", ".join(f"{k} {v:.2f}" for k, v in r["threads_us"].items() if v > 0.05)
             print(f"workers={a.workers}: {r['samples_per_s']:.0f} samples/s, process "
                   f"{r['process_us']:.2f} us/sample; threads: {threads}")
+    if len(runs) > 1:
+        print(f"median of {len(runs)}: " + median_line(runs))
     return 0
+
+
+def median_line(runs: list[dict[str, Any]]) -> str:
+    """The runs' medians: samples/s, process and per-thread CPU per sample (a machine
+    shared with other work spreads single runs by a third)."""
+    names = sorted({k for r in runs for k, v in r["threads_us"].items() if v > 0.05})
+    threads = ", ".join(f"{k} {statistics.median(r['threads_us'].get(k, 0.0) for r in runs):.2f}"
+                        for k in names)
+    return (f"{statistics.median(r['samples_per_s'] for r in runs):.0f} samples/s, process "
+            f"{statistics.median(r['process_us'] for r in runs):.2f} us/sample; threads: "
+            f"{threads}")
 
 
 if __name__ == "__main__":

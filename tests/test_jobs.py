@@ -153,8 +153,9 @@ def stripes_of(targets: np.ndarray) -> list[list[list[int]]]:
 
 def check_window(win: WorkerWindow, plan, skip: int, chunks, row_bytes, stripe_nbytes,
                  workers: int, expected: dict[int, int]) -> Counter:
-    """``win`` is the window ``prepare_window`` is defined to make; returns its row writes
-    per batch."""
+    """``win`` is the window ``prepare_window`` is defined to make (``workers``: its first
+    batch split across that many and answered at once; 0 for a window not holding a
+    start's first batch, not split); returns its row writes per batch."""
     slots = slots_by_definition(plan, skip)
     want = sorted((v, s // c, s % c, b, r, k) for s, b, r, k in slots
                   for v, c in enumerate(chunks))
@@ -196,12 +197,13 @@ def check_window(win: WorkerWindow, plan, skip: int, chunks, row_bytes, stripe_n
         first = [k for k, bs in enumerate(per_job_batches) if bs == {b0}]
         n_first = sum(len(stripes_of(win.jobs[k].targets)) for k in first)
         assert first == list(range(len(first)))
-        assert len(first) >= min(workers, n_first)
+        split = max(1, workers)
+        assert len(first) >= min(split, n_first)
         fits = (n_first <= WORKER_LIMITS.reads
                 and sum(row_bytes[r[VAR]] for k in first for r in win.jobs[k].targets.tolist())
                 <= WORKER_LIMITS.nbytes)
         if fits:
-            assert len(first) == min(workers, n_first)
+            assert len(first) == min(split, n_first)
     return writes
 
 
@@ -214,11 +216,13 @@ def epoch_jobs(c, workers, head, skip, row_bytes, stripe_nbytes) -> None:
     rows: Counter = Counter()
     expected: dict[int, int] = {}
     n_steps = 1
-    for plan in c.plans()[head:]:
+    for k, plan in enumerate(c.plans()[head:]):
         arena = FakeArena()
-        win = prepare_window(plan, arena, workers, chunks, row_bytes, stripe_nbytes, skip)
-        writes += check_window(win, plan, skip, chunks, row_bytes, stripe_nbytes, workers,
-                               arena.expected)
+        # the start's head window first, split and urgent; the others not
+        win = prepare_window(plan, arena, workers, chunks, row_bytes, stripe_nbytes, skip,
+                             head=k == 0)
+        writes += check_window(win, plan, skip, chunks, row_bytes, stripe_nbytes,
+                               workers if k == 0 else 0, arena.expected)
         n_steps = len(np.asarray(plan.offsets))
         rows += Counter(b for p, b in enumerate(plan.slots.batch.tolist()) if p >= skip
                         and b >= 0)

@@ -97,6 +97,30 @@ def test_shared_memory_is_seen_by_a_second_mapping_and_blocks_are_reused():
         arena.allocate((1,), np.float32)
 
 
+def test_a_block_is_found_by_its_buffer_and_freed_once_its_last_view_is_gone():
+    """``where`` finds a whole block by its buffer (a pooled batch is a view of it) and
+    reads the address of anything else; a view outliving the array it was made from keeps
+    the block from being handed out again."""
+    arena = SharedMemoryArena(segment_bytes=1 << 16)
+    a = arena.allocate((4, 5), np.float32)
+    seg, offset = arena.place(a)[:2]
+    assert arena.where(a) == arena.where(a.view()) == (seg, offset)
+    assert arena.where(a[1:]) == (seg, offset + 20)  # contiguous, not the whole block
+    with pytest.raises(ValueError, match="not a contiguous block"):
+        arena.where(a[:, :2])
+    view = a.view()
+    del a
+    gc.collect()
+    b = arena.allocate((4, 5), np.float32)
+    assert arena.place(b)[:2] != (seg, offset)  # still in use, through ``view``
+    del view
+    gc.collect()
+    c = arena.allocate((4, 5), np.float32)
+    assert arena.place(c)[:2] == (seg, offset)  # free once its last view went
+    assert arena.where(c.view()) == (seg, offset)
+    arena.close()
+
+
 # -- bit for bit -------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def kind(request, tmp_path_factory):

@@ -36,6 +36,10 @@ class WorkerSubmit(SubmitPath):
         self.shared, self.cache, self.fallback = shared, cache, fallback
         self._engine: WorkerEngine | None = None
         self._stripe_nbytes = [r.geom.stripe_nbytes for r in ctx.readers]
+        # the arena's generation of the last window submitted, and the first batch since
+        # that start (a start's first window: the next generation; ``prepare_window``)
+        self._generation = -1
+        self._first_batch: int | None = None
         self.finalizer: weakref.finalize | None = None
 
     @property
@@ -66,11 +70,27 @@ class WorkerSubmit(SubmitPath):
 
     def submit(self, plan: ReadPlan, lt: LoopThread, skip: int = 0) -> Window:
         ctx = self.ctx
-        if plan.slots is not None and ctx.arena is not None and self._engine is not None:
-            window = prepare_window(plan, ctx.arena, self.workers, ctx.sample_chunks,
-                                    ctx.row_bytes, self._stripe_nbytes, skip)
+        arena = ctx.arena
+        if plan.slots is not None and arena is not None and self._engine is not None:
+            if arena.generation != self._generation:  # a start: its first batch comes first
+                self._generation, self._first_batch = arena.generation, None
+            window = prepare_window(plan, arena, self.workers, ctx.sample_chunks,
+                                    ctx.row_bytes, self._stripe_nbytes, skip,
+                                    head=self._holds_first(plan, skip))
+            if self._first_batch is None and window.batches:
+                self._first_batch = window.batches[0]
             return self._engine.submit(window)
         return self.fallback.submit(plan, lt, skip)
+
+    def _holds_first(self, plan: ReadPlan, skip: int) -> bool:
+        """Whether ``plan``'s window holds rows of the start's first batch: the first
+        window with a batch since the start, or one whose first kept draw is in that batch
+        (a batch across the window's edge)."""
+        if self._first_batch is None:
+            return True
+        slots = plan.slots
+        assert slots is not None
+        return bool(slots.batch.size > skip and int(slots.batch[skip]) == self._first_batch)
 
     def all_cached(self, plan: ReadPlan) -> bool:
         return self.fallback.all_cached(plan)

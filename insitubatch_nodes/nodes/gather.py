@@ -87,14 +87,15 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
             if self._error is not None:
                 raise self._error
             draw = next(self.source)
-            ready = self._ready(draw)
+            ready = None if draw.ready is None else self._ready(draw)
         except BaseException:  # StopIteration included: the wait counts on both sides
             dt = time.perf_counter() - t0
             stats.upstream_s += dt
             stats.next_s += dt
             raise
         stats.upstream_s += time.perf_counter() - t0
-        n = int(draw.sample_index.size)
+        index = draw.sample_index
+        n = index.size
         batch: dict[str, torch.Tensor] = {}
         nbytes = 0
         if ready is not None:  # decoded in place: the batch is already made
@@ -107,9 +108,9 @@ class GatherNode(BaseNode[dict[str, torch.Tensor]]):
             for v in sorted(on_device):  # stripes decoded on a GPU: gathered there
                 nbytes += self._gather_tensors(self.variables[v], draw.parts[v], n, batch)
             nbytes += self._gather_arrays(draw, n, batch, skip=on_device)
-        batch["sample_index"] = torch.from_numpy(draw.sample_index.astype(np.int64, copy=False))
+        batch["sample_index"] = torch.from_numpy(index.astype(np.int64, copy=False))
         for name, values in self.coords.items():
-            batch[name] = torch.from_numpy(values[draw.sample_index])
+            batch[name] = torch.from_numpy(values[index])
         stats.batches += 1
         stats.samples += n
         stats.nbytes += nbytes

@@ -172,10 +172,30 @@ class ShuffleBufferNode(BaseNode[BatchDraw]):
 
     def next(self) -> BatchDraw:
         t0 = time.perf_counter()
+        if self._passing and not self._exhausted:
+            return self._pass_on(t0)
         try:
             return self._next()
         finally:
             self.stats.next_s += time.perf_counter() - t0
+
+    def _pass_on(self, t0: float) -> BatchDraw:
+        """The next batch the fetch cut (decoded in place), as it is: nothing is resident
+        and nothing drawn here, so this is the whole of ``_next`` and ``_pull`` then (a
+        few calls a batch on the training thread)."""
+        stats = self.stats
+        try:
+            item = next(self.source)
+        except StopIteration:
+            self._exhausted = True
+            raise
+        finally:
+            dt = time.perf_counter() - t0
+            stats.upstream_s += dt
+            stats.next_s += dt
+        if not isinstance(item, DecodedBatch):
+            raise LoaderUsageError(_MIXED)
+        return BatchDraw(item.sample_index, (), ready=item.arrays)
 
     def _next(self) -> BatchDraw:
         if not self._resident and not self._exhausted:

@@ -25,12 +25,13 @@ VAR, STRIPE, OFFSET, BATCH, ROW, STEP = range(6)
 Target = tuple[int, int, int, int]
 
 
-@dataclass(frozen=True, eq=False, slots=True)
+@dataclass(eq=False, slots=True)
 class ReadJob:
     """One worker's task: the slots its stripes fill (``targets``, a stripe's rows together,
     the first where it decodes), the row writes they make per batch (what the arena is told
     once the job is done) and its stripes as (count, decoded bytes of one) pairs (the
-    fetch's counters: one pair per stripe size, not one per variable)."""
+    fetch's counters: one pair per stripe size, not one per variable). Never changed once
+    made; not frozen, whose ``__init__`` costs a call per field (a window makes ~16)."""
 
     targets: np.ndarray  # (slots, 6) int64, columns VAR .. STEP
     writes: dict[int, int]
@@ -135,7 +136,8 @@ def _one_slot_each(kept: KeptSlots, n_vars: int, batch_size: int) -> np.ndarray:
 
 def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
                    sample_chunks: Sequence[int], row_bytes: Sequence[int],
-                   stripe_nbytes: Sequence[int], skip: int = 0) -> WorkerWindow:
+                   stripe_nbytes: Sequence[int], skip: int = 0,
+                   head: bool = True) -> WorkerWindow:
     """Where every stripe of an in-place window goes, cut into jobs. Each (sample, step) a
     kept draw reads is a slot (batch, row, step), as ``schedule.batch_slots`` placed it;
     every variable's stripe holding that sample fills its part of the slot. A stripe is read
@@ -146,8 +148,13 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
 
     ``sample_chunks[v]``: samples per stripe of variable ``v``; ``row_bytes[v]``: the bytes
     it writes into one slot; ``stripe_nbytes[v]``: the decoded bytes of one of its stripes;
-    ``skip``: the draws of a restore's head window delivered before, not read."""
+    ``skip``: the draws of a restore's head window delivered before, not read; ``head``:
+    the window holds the first batch of a start (an epoch, a restore): that batch is split
+    across the ``workers`` and answered at once (``urgent``), so it lands first. Any other
+    window's first batch is a job like the rest, answered with its group (``wire``): one
+    wake-up of the training process less per window, and a job less."""
     kept, batches = _expect(plan, arena, skip)
+    urgent = workers if head else 0
     if not kept.sample.size:  # every draw dropped (drop_last) or delivered before a restore
         return WorkerWindow(plan, [], batches, arena.generation)
     n_vars = len(sample_chunks)
@@ -157,18 +164,19 @@ def prepare_window(plan: ReadPlan, arena: BatchArena, workers: int,
         assert plan.slots is not None
         t = _one_slot_each(kept, n_vars, plan.slots.batch_size)
         # a job per batch, the first split across the workers (``sampling.cuts``)
-        nbytes = np.tile(np.asarray(row_bytes, dtype=np.int64), len(t) // n_vars)
-        cuts = cut_jobs(nbytes, workers, WORKER_LIMITS, t[:, BATCH])
-        return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, workers), batches,
+        nbytes = (np.full(len(t), row_bytes[0], dtype=np.int64) if n_vars == 1 else
+                  np.tile(np.asarray(row_bytes, dtype=np.int64), len(t) // n_vars))
+        cuts = cut_jobs(nbytes, max(1, urgent), WORKER_LIMITS, t[:, BATCH])
+        return WorkerWindow(plan, _one_each_jobs(t, cuts, stripe_nbytes, urgent), batches,
                             arena.generation, _largest(nbytes, cuts))
     t, starts = _in_slot_order(_targets(kept, sample_chunks))
     var = t[starts, VAR]
     nbytes = np.asarray(row_bytes, dtype=np.int64)[var] * np.diff(np.append(starts, len(t)))
-    if all(n == 1 for n in sample_chunks):  # a job per batch, the first split
-        cuts = cut_jobs(nbytes, workers, WORKER_LIMITS, t[starts, BATCH])
+    if all(n == 1 for n in sample_chunks):  # a job per batch, a start's first split
+        cuts = cut_jobs(nbytes, max(1, urgent), WORKER_LIMITS, t[starts, BATCH])
     else:  # a stripe feeds many batches: the window one run, about two jobs a worker
         cuts = cut_jobs(nbytes, 2 * workers, WORKER_LIMITS)
-    jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, workers)
+    jobs = _jobs(t, starts, np.asarray(cuts), var, stripe_nbytes, urgent)
     return WorkerWindow(plan, jobs, batches, arena.generation, _largest(nbytes, cuts))
 
 

@@ -46,14 +46,21 @@ class Places:
 
     def _place(self, b: int, arrays: dict[str, Any]) -> tuple[int, ...]:
         """Batch ``b``'s place: (b, rows, key table, then segment and offset per key)."""
-        names = tuple(arrays)
-        number = self._table_of.get(names)
+        number = self._table_of.get(tuple(arrays))
         if number is None:
-            table = tuple((k, tuple(a.shape[1:]), a.dtype.str) for k, a in arrays.items())
-            number = self._table_of[names] = self._tables.setdefault(table, len(self._tables))
-        rows = next(iter(arrays.values())).shape[0] if arrays else 0
+            number = self._table(arrays)
         where = self.shared.where
-        return (b, rows, number, *[x for a in arrays.values() for x in where(a)])
+        place = [b, 0, number]
+        for a in arrays.values():
+            place[1] = len(a)  # (every array of a batch has its rows)
+            place += where(a)
+        return tuple(place)
+
+    def _table(self, arrays: dict[str, Any]) -> int:
+        """The number of the key table of ``arrays`` (a new one the first time)."""
+        table = tuple((k, tuple(a.shape[1:]), a.dtype.str) for k, a in arrays.items())
+        number = self._table_of[tuple(arrays)] = self._tables.setdefault(table, len(self._tables))
+        return number
 
     def send_setup(self, proc: WorkerProc[Any]) -> None:
         """Queue what ``proc`` needs before a job on the places handed out so far: the
