@@ -154,11 +154,14 @@ class WorkerEngine(Deaths):
         if run.left == 0:
             return run
         with self._lock:
-            idle = not self._queue  # else the engine dispatches at its next answer anyway
             self._queue.extend([Task(run, job) for job in window.jobs])
+            # else every ready worker is full: the engine dispatches at its next answer
+            # anyway (it looks at the queue after taking answers, this looked after adding
+            # to it), and a wake-up costs both threads a GIL hand-over
+            wake = any(len(p.jobs) < run.credit for p in self._takers) or not self._takers
             if self._down:  # slots that could not start: try them again for this window
-                self._revive = idle = True
-        if idle:
+                self._revive = wake = True
+        if wake:
             self._wake()
         return run
 
