@@ -4,12 +4,12 @@ what lands, and turn a worker's failure into an error a training loop can act on
 One thread (``insitubatch-workers``) does all of it: it waits on the workers' sockets
 and a wake-up pipe (one epoll set), gives each ready worker its credit of jobs at a time
 (``wire.credit``: 5, up to 9 for small jobs; its next job is in its socket when it
-finishes one), takes a batch's memory from the
-arena only when the first job writing it goes out (so batch buffers come back warm from
-the pool, as on the thread path), and tells the arena each job's row writes when it is
-done. The training thread only queues a prepared window (``submit``): a few microseconds
-per window. What crosses a socket per job is integers (``wire``): no pickle, one read for
-every answer a worker's socket holds, one write per round of jobs.
+finishes one), takes a batch's memory from the arena only when the first job writing it
+goes out (so batch buffers come back warm from the pool, as on the thread path), and tells
+the arena the row writes of the jobs answered once the round's refill went out. The
+training thread only queues a prepared window (``submit``): a few microseconds per window.
+What crosses a socket per job is integers (``wire``): no pickle, one read for every answer
+a worker's socket holds, one write per round of jobs.
 
 The thread never blocks on a worker: sends go through non-blocking outboxes (``outbox``),
 a worker's progress is read from its status page at the thread's ticks (``deadlines``:
