@@ -227,9 +227,8 @@ class InSituLoader(Loader):
         # read_group: this rank's part of the grid, its axes (nodes/read_groups.py)
         self.grid_part: slice = resolved.grid_part if resolved is not None else slice(None)
         self.grid_axes: dict[str, int] = dict(resolved.grid_axes) if resolved is not None else {}
-        self.grid_axis: int | None = (None if resolved is None else
-                                      axis_from_end(resolved.source, resolved.grid_axes,
-                                                    resolved.config.sample.channels_last))
+        self.grid_axis: int | None = None if resolved is None else axis_from_end(
+            resolved.source, resolved.grid_axes, resolved.config.sample.channels_last)
         self.ledger: MemoryLedger | None = ledger
         self.snapshot_id: str | None = snapshot_id
         self.allow_snapshot_change: bool = (resolved is not None and
