@@ -14,22 +14,24 @@ the integers (batch, rows, table, then a segment and an offset per key of that t
 the job's ``targets`` (``jobs.ReadJob``) as int64 rows. Worker -> engine, per job done:
 ``DONE`` (tag, id); a job's error, read counters and the start-up messages are pickles.
 
-**Answers in groups.** Every wake-up of the training process costs it tens of
-microseconds on a machine whose cores the workers keep busy (its caches are cold when it
-runs): one per job was most of its CPU per sample. So a worker holds several jobs (its
-credit, ``credit``) and answers them together, in one write: it reads every job its socket
-holds as it goes, and sends what it has done when it starts its last job in hand (the
-engine then refills it while it runs that one), at most ``GROUP`` answers, or at once for
-an ``urgent`` job (the first batch of a window, an error). Batches then also complete in
-groups, so the training thread waits for one in a group only. The credit is ``CREDIT`` (5)
-jobs, more for small jobs (``credit``: up to ``MAX_CREDIT`` while a worker holds less than
+**Answers in groups.** Every wake-up of the training process costs it tens of microseconds
+on a machine whose cores the workers keep busy (its caches are cold when it runs): one per
+job was most of its CPU per sample. So a worker holds several jobs (its credit, ``credit``)
+and answers them together, in one write: it reads every job its socket holds as it goes, and
+sends what it has done when it starts its last job in hand (the engine then refills it while
+it runs that one), at most ``GROUP`` answers, or at once for an ``urgent`` job (the first
+batch of a start: an epoch, a restore) or an error. Batches then also complete in groups, so
+the training thread waits for one in a group only. The credit is ``CREDIT`` (5) jobs, more
+for small jobs (``credit``: up to ``MAX_CREDIT`` while a worker holds less than
 ``CREDIT_BYTES``): groups of 4 took the engine thread from 4.4-5.5 to 3.4-3.8 us of CPU per
-sample against pairs, groups of 8 (a batch of t2m one step per chunk is 8 MB) the training
-process from ~9.4 to ~6.4 us (``benchmarks.profile_workers``, 2 workers, 2-core VM,
-interleaved; docs/benchmarks.md). A job of 16 MB or more keeps the credit of 5, so the
-memory in flight grows only for small jobs, to ~``CREDIT_BYTES`` a worker. A healthy
-worker is so silent for up to ``GROUP`` jobs: its deadlines time each job from when it
-took it, read from its status page, not its silence (``deadlines``).
+sample against pairs; groups of 8 (a batch of t2m one step per chunk is 8 MB), with a
+window's first batch answered at once only at a start (``jobs.prepare_window``), the
+training process from 9.0 to 6.5 us (medians of 5 pairs, the engine thread 4.05 -> 2.17;
+``benchmarks.profile_workers``, 2 workers, 2-core VM under load, alternating). A job of 16
+MB or more keeps the credit of 5, so the memory in flight grows only for small jobs, to
+~``CREDIT_BYTES`` a worker (t2m: peak 0.25 -> 0.31-0.36 GB, bound 0.56 GB). A healthy worker
+is so silent for up to ``GROUP`` jobs: its deadlines time each job from when it took it,
+read from its status page, not its silence (``deadlines``).
 """
 
 from __future__ import annotations
