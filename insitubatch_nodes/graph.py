@@ -54,11 +54,11 @@ from .nodes import (
 from .nodes.channels import resolve_channels, served_by
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .nodes.read_groups import cut_grid, grid_part_of, static_part
+from .sampling.deal_checks import check_batches, check_world_size, schedule_quality
 from .sampling.geometry import SampleGrid
 from .sampling.grid_parts import Deal, deal_of
 from .sampling.permute import resolve_rank
-from .sampling.quality import shuffle_quality
-from .sampling.schedule import ScheduleContext, n_units, rank_schedule
+from .sampling.schedule import ScheduleContext
 from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching
 from .store.anemoi import DATA
 from .store.source import Source
@@ -203,70 +203,6 @@ def _served_chunks(source: Source, manifest: SplitManifest, split: str, grid: Sa
     return chunk_ids, excluded
 
 
-def _groups_text(deal: Deal) -> str:
-    """How an error names the ranks samples are dealt to: ``world_size=W``, or with reader
-    groups the model groups they make."""
-    if deal.read_group == 1:
-        return f"world_size={deal.world_size}"
-    return (f"world_size={deal.world_size} in model groups of read_group={deal.read_group} "
-            f"({deal.groups} groups)")
-
-
-def _check_world_size(ctx: ScheduleContext, deal: Deal, split: str) -> int:
-    """The units (chunks, or blocks of runs) the schedule deals out; fewer than ranks (model
-    groups) is an error, since a chunk is served by one rank (group)."""
-    units = n_units(ctx)
-    if deal.groups > units:
-        fewer = (f"{units} ranks" if deal.read_group == 1 else
-                 f"{units} model groups ({units * deal.read_group} ranks)")
-        raise ConfigError(
-            f"{_groups_text(deal)} exceeds the {units} "
-            f"{'blocks' if ctx.contiguous else 'chunks'} of split {split!r}: a chunk "
-            f"is served by one {'rank' if deal.read_group == 1 else 'model group'}, so some "
-            f"would get nothing. Use at most {fewer}, or a split with more chunks."
-        )
-    return units
-
-
-def _check_batches(ctx: ScheduleContext, deal: Deal, split: str, batch_size: int,
-                   drop_last: bool) -> None:
-    """Refuse a split that yields this rank no batch in an epoch (fewer samples than
-    ``batch_size`` with ``drop_last``, or none): an epoch that yields nothing, without a
-    word, is a training loop that silently does nothing. Counted as ``len(loader)``
-    counts, on this rank's (model group's) share of the first epoch (exactly, whenever it
-    could be short)."""
-    rank, world_size = deal.group, deal.groups
-    total = ctx.grid.n_samples_of(ctx.chunk_ids)
-    window = ctx.block_chunks * ctx.grid.chunk_size
-    if total // world_size >= 2 * (batch_size + window):
-        return  # every rank's share is far above a batch, however the windows are dealt
-    share = rank_schedule(ctx, 0, rank, world_size).target
-    if share >= (batch_size if drop_last else 1):
-        return
-    who = (f"rank {rank} of {world_size}" if deal.read_group == 1 else
-           f"model group {rank} of {world_size} (rank {deal.rank}, read_group="
-           f"{deal.read_group})")
-    ranks = f" ({who} gets {share})" if world_size > 1 else ""
-    if share == 0:
-        raise ConfigError(f"split {split!r} ({total} samples) yields {who} no sample in an "
-                          "epoch: use fewer ranks, or uneven='pad' (equal shares)")
-    raise ConfigError(
-        f"split {split!r} yields no batch: its {total} samples{ranks} make no batch of "
-        f"batch_size={batch_size} with drop_last=True; use batch_size <= {share}, "
-        f"or drop_last=False (one batch of {share})")
-
-
-def _quality(source: Source, ctx: ScheduleContext, units: int, batch_size: int) -> float:
-    """The modelled shuffle quality of the schedule ``ctx``."""
-    if ctx.contiguous:
-        # mixing is over runs: samples of one run are neighbours in time, so a batch of
-        # them is as correlated as a batch of one chunk
-        return shuffle_quality(units, ctx.run_length * source.grid.chunk_size,
-                               ctx.runs_per_window, batch_size)
-    return shuffle_quality(len(ctx.chunk_ids), source.grid.chunk_size, ctx.block_chunks,
-                           batch_size)
-
-
 def resolve(source: Source, manifest: SplitManifest, split: str,
             config: LoaderConfig) -> Resolved:
     """Check ``config`` against the source and split and size the graph; every error a
@@ -304,8 +240,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
                                                  workers)
     ctx = ScheduleContext(chunk_ids, grid, s.seed, block_chunks, s.uneven, steps is not None,
                           run_chunks)
-    units = _check_world_size(ctx, deal, split)
-    _check_batches(ctx, deal, split, s.batch_size, s.drop_last)
+    units = check_world_size(ctx, deal, split)
+    check_batches(ctx, deal, split, s.batch_size, s.drop_last)
     keep, kept_bound, in_place = resolve_keep_decoded(
         source, f, in_place, workers, decoder is not None, len(chunk_ids), block_chunks, steps,
         run_chunks)
@@ -315,7 +251,8 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
         config=config, source=source, rank=rank, world_size=world_size,
         prefetch_windows=prefetch, grid=grid,
         n_chunks=len(chunk_ids), block_chunks=block_chunks, run_chunks=run_chunks,
-        resident_bound=bound, shuffle_quality=_quality(source, ctx, units, s.batch_size),
+        resident_bound=bound,
+        shuffle_quality=schedule_quality(ctx, source.grid.chunk_size, units, s.batch_size),
         frame_decoder=decoder, channels=channels, channels_key=channels_key, layout=layout,
         excluded=tuple(int(c) for c in excluded),
         in_place=in_place, workers=workers, keep_decoded=keep,
