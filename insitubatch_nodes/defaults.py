@@ -334,7 +334,7 @@ def window_size(source: Source, s: SamplingConfig, steps: SampleWindow | None,
 
 
 # -- decoded stripes kept across epochs ---------------------------------------------------
-def _why_not_kept(source: Source, in_place: bool, workers: int, device: bool) -> str | None:
+def why_not_kept(source: Source, in_place: bool, workers: int, device: bool) -> str | None:
     """Why this loader cannot keep decoded stripes (``None``: it can): its decode threads
     must decode them, for a window of a local store or a batch's copies (in place)."""
     if workers:
@@ -357,8 +357,8 @@ def resolve_keep_decoded(source: Source, f: FetchConfig, in_place: bool, workers
     block_chunks``) whose stripes the decode threads decode keeps them, in the memory the
     bound holds for one window's (nothing added), so every epoch after the first copies
     from memory; with ``in_place=None`` its batches are then gathered from the kept
-    stripes (a few batches in memory at once, not a window's: the first epoch touched
-    half the fresh memory, measured in bench_ome). A size: that many, added to the
+    stripes (a few batches in memory at once, not a window's: the first epoch touches
+    half the fresh memory). A size: that many, added to the
     bound, or an error saying why stripes cannot be kept here."""
     if f.keep_decoded is None:
         if n_chunks > block_chunks:
@@ -366,12 +366,12 @@ def resolve_keep_decoded(source: Source, f: FetchConfig, in_place: bool, workers
         if (f.in_place is None and in_place and not workers and not device
                 and not _one_sample_per_chunk(source)):
             in_place = False  # several samples a chunk of a local store: gathered
-        if _why_not_kept(source, in_place, workers, device) is not None:
+        if why_not_kept(source, in_place, workers, device) is not None:
             return 0, 0, in_place
         held = held_stripes_nbytes(source.grid, source.variables, block_chunks, steps,
                                    runs_in(block_chunks, run_chunks))
         return held, 0, in_place
-    why_not = _why_not_kept(source, in_place, workers, device)
+    why_not = why_not_kept(source, in_place, workers, device)
     kept = parse_bytes(f.keep_decoded)
     if kept and why_not is not None:
         raise ConfigError(f"keep_decoded={f.keep_decoded!r} (fetch.keep_decoded): decoded "

@@ -57,39 +57,30 @@ _SCRATCH = ThreadBuffer()  # a decode thread's stripe of a many-samples chunk
 def read_item(reader: Reader, index: int, out: np.ndarray | Scatter,
               submitted: float | None = None, retry: RetryPolicy | None = None) -> None:
     """Read and decode one in-place item on this pool thread; with ``retry``, with its
-    tries and error notes (an item alone in its task, or each of a failed group's)."""
-    if isinstance(out, Scatter) and out.kept is not None:
-        read_kept(reader, index, out, out.kept, submitted, retry)
+    tries and error notes (an item alone in its task, or each of a failed group's). A
+    stripe kept across epochs is decoded into its kept buffer by the first task to reach
+    it (a failure leaves it to the next) and copied from there."""
+    if not isinstance(out, Scatter):
+        _read(reader, index, out, None, submitted, retry)
         return
-    if isinstance(out, Scatter):
-        stripe, part = out.target(reader), out.part
+    kept = out.kept
+    if kept is None:
+        stripe = out.target(reader)
+        _read(reader, index, stripe, out.part, submitted, retry)
     else:
-        stripe, part = out, None
+        stripe = kept.array
+        out.decoded = kept.decode_once(
+            lambda buf: _read(reader, index, buf, out.part, submitted, retry))
+    out.fill_from(stripe)
+
+
+def _read(reader: Reader, index: int, stripe: np.ndarray, part: PartSpec | None,
+          submitted: float | None, retry: RetryPolicy | None) -> None:
+    """One stripe into ``stripe``: once, or with ``retry``'s tries and notes."""
     if retry is None:
         reader.read_local(index, stripe, submitted, part=part)
     else:
         reader.read_local_retrying([index], [stripe], retry, submitted, part=part)
-    if isinstance(out, Scatter):
-        out.fill_from(stripe)
-
-
-def read_kept(reader: Reader, index: int, out: Scatter, kept: KeptStripe,
-              submitted: float | None, retry: RetryPolicy | None) -> None:
-    """``read_item`` of a stripe kept across epochs: decoded into its kept buffer by the
-    first task to reach it (a failure leaves it to the next), copied from there."""
-    out.decoded = bool(kept.claim())
-    if out.decoded:
-        ok = False
-        try:
-            if retry is None:
-                reader.read_local(index, kept.array, submitted, part=out.part)
-            else:
-                reader.read_local_retrying([index], [kept.array], retry, submitted,
-                                           part=out.part)
-            ok = True
-        finally:
-            kept.done(ok)
-    out.fill_from(kept.array)
 
 
 def read_local_items(items: list[tuple[Reader, int, np.ndarray | Scatter]],

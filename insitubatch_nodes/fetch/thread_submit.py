@@ -51,19 +51,14 @@ class ThreadSubmit(SubmitPath):
         """``read_local_group`` where stripes are kept across epochs: a kept one decoded
         once (by the first task to reach it), later only handed on (counted here)."""
         ctx, reader, hits = self.ctx, self.ctx.readers[v], 0
+        assert ctx.kept is not None
         for i, out in zip(idxs, outs, strict=True):
-            kept = ctx.kept_stripe(v, i)
-            claim = True if kept is None or kept.array is not out else kept.claim()
-            if not claim:
-                hits += 1
-                continue
-            ok = False
-            try:
+            kept = ctx.kept.find((v, i))
+            if kept is None or kept.array is not out:  # not kept: a pool buffer
                 reader.read_local_retrying([i], [out], ctx.retry, submitted)
-                ok = True
-            finally:
-                if kept is not None and kept.array is out:
-                    kept.done(ok)
+            elif not kept.decode_once(  # runs now, on this thread: i is this stripe's
+                    lambda buf: reader.read_local_retrying([i], [buf], ctx.retry, submitted)):  # noqa: B023
+                hits += 1
             submitted = time.perf_counter()  # only the first stripe waited in the queue
         if hits:
             ctx.stats.stripes_from_kept(hits)

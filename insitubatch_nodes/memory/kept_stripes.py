@@ -15,7 +15,7 @@ A decode that fails leaves the stripe to the next task that claims it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -47,6 +47,19 @@ class KeptStripe:
                 return False
             self._state = _DECODING
             return True
+
+    def decode_once(self, decode: Callable[[np.ndarray], object]) -> bool:
+        """``decode(array)`` if no task has decoded this stripe yet (waiting for one that
+        is decoding it); whether it ran. A failure leaves the stripe to the next claim."""
+        if not self.claim():
+            return False
+        ok = False
+        try:
+            decode(self.array)
+            ok = True
+        finally:
+            self.done(ok)
+        return True
 
     def done(self, ok: bool) -> None:
         """The claimed decode ended: the stripe is kept (``ok``), or left to be claimed
@@ -85,6 +98,11 @@ class KeptStripes:
         if self.ledger is not None:
             self.ledger.add(nbytes)
         return got
+
+    def find(self, key: Hashable) -> KeptStripe | None:
+        """The kept stripe of ``key`` if it is kept (none is made: pool threads look up
+        what the consumer thread admitted when it submitted the window)."""
+        return self._stripes.get(key)
 
     def __len__(self) -> int:
         return len(self._stripes)

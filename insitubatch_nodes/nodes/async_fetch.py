@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from ..defaults import PREFETCH_WINDOWS, default_decode_threads
+from ..defaults import PREFETCH_WINDOWS, default_decode_threads, why_not_kept
 from ..errors import ConfigError, StateError, UsageTypeError
 from ..fetch.batches import BatchCut
 from ..fetch.device_submit import DeviceSubmit, window_decoder_for
@@ -147,7 +147,7 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
             if arena is not None else (),
             slot_parts(arena, [r.geom.sample_shape for r in self.readers])
             if arena is not None else (),
-            self._kept(keep_decoded, sample_chunks, device_decode is not None))
+            self._kept(keep_decoded, device_decode is not None))
         self._loop = FetchLoop(self.decode_threads, self.window_decoder is not None)
         self._hold = FirstBatchHold(arena is not None)
         path = submit_path(self._ctx, self._hold, self._loop, self.window_decoder)
@@ -164,20 +164,12 @@ class AsyncFetchNode(BaseNode[DecodedWindow | DecodedBatch]):
         # position after the last batch yielded.
         self._cut = BatchCut()
 
-    def _kept(self, keep_decoded: int, sample_chunks: tuple[int, ...], device: bool,
-              ) -> KeptStripes | None:
-        """Stripes kept decoded across epochs (``keep_decoded`` bytes of them): only where
-        this node's decode threads decode stripes a window or a batch copies from (windows
-        of local stores, or in place with several samples a chunk), refused elsewhere."""
+    def _kept(self, keep_decoded: int, device: bool) -> KeptStripes | None:
+        """Stripes kept decoded across epochs (``keep_decoded`` bytes of them), refused
+        where this node's decode threads do not decode them (``defaults.why_not_kept``)."""
         if keep_decoded <= 0:
             return None
-        local = all(r.groups_reads for r in self.readers)
-        why = ("decode workers decode into batches themselves" if self.workers else
-               "the device decodes" if device else
-               "one sample per chunk is decoded straight into its batch row"
-               if self.arena is not None and set(sample_chunks) == {1} else
-               "windows of object stores are read on the event loop"
-               if self.arena is None and not local else None)
+        why = why_not_kept(self.dataset, self.arena is not None, self.workers, device)
         if why is not None:
             raise ConfigError(f"keep_decoded={keep_decoded}: stripes are kept decoded only "
                               f"where the decode threads decode them for a window or for "
