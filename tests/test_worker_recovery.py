@@ -144,7 +144,9 @@ def test_a_break_and_a_new_iter_with_a_job_in_flight_serve_a_fresh_epoch(store, 
 def test_load_state_dict_on_a_live_loader_with_a_job_in_flight(store, monkeypatch):
     _, src, m = store
     full, _ = reference(src, m)
-    hold = Hold(monkeypatch)
+    # sends paced at 2 a second until the hold: under a loaded machine's slow start, jobs of
+    # the windows ahead are still queued when the hold is armed after four batches
+    hold = Hold(monkeypatch, pause=0.5)
     with ib.build_loader(src, m, "train", workers=2, **KW) as ld:
         it = iter(ld)
         for _ in range(3):
