@@ -8,9 +8,11 @@ an NGFF 0.5 image on Zarr v3 written by ngff-zarr (its default zstd), smooth blo
 
 insitubatch 0.2.0 needs Python >= 3.12, so it runs in its own virtual environment
 (``--peer-python``; ``--make-peer-venv`` makes bench-out/venv-insitubatch-0.2.0 with the
-``--python312`` interpreter and pip). Each round runs one process per loader (the order
-alternating between rounds), each timing ``--epochs`` epochs, same batch size, shuffle block
-and seed, the files in the page cache. Two ratios of ours / the peer's samples per second,
+``--python312`` interpreter and pip). Each round runs one process per loader and one for the
+floor (``FLOOR``: the same work in plain numpy, no loader; the order rotating between rounds),
+each timing ``--epochs`` epochs, same batch size, shuffle block and seed, the files in the page
+cache. Each loader's first epoch is also given against the floor's of the same round (1: at
+the floor). Three ratios of ours / the peer's samples per second,
 per round and their medians: the first epoch of a process (every chunk read and decoded),
 the later ones, where insitubatch 0.2.0 serves chunks its pool kept decoded from the
 epoch before (its pool holds two shuffle blocks; at 16 chunks a block, this 8-chunk volume
@@ -54,6 +56,55 @@ with loader:
             shape = tuple(b["image"].shape)
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
+print(json.dumps({"samples": n, "seconds": times, "cpu": cpu, "shape": shape}))
+"""
+
+# The floor: what any loader must do in a fresh process, in plain numpy on as many threads as
+# cores, no loader around it: each chunk file read and zstd-decoded (numcodecs, as both
+# loaders) into a buffer of its thread, its planes copied into memory kept for later epochs
+# (z first: (z, c, y, x) per z-chunk), then batches of shuffled planes copied out of it;
+# later epochs only the batch copies. Its first epoch bounds what a decode-bound first
+# epoch can reach on this machine.
+FLOOR = r"""
+import json, os, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+import numcodecs, numpy as np, zarr
+path, batch, block, epochs, level = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                     int(sys.argv[4]), sys.argv[5])
+arr = zarr.open_array(f"{path}/{level}", mode="r")
+(c, z, y, x), (cc, cz, cy, cx) = arr.shape, arr.chunks
+assert cc == 1 and [type(k).__name__ for k in arr.compressors] == ["ZstdCodec"], arr.metadata
+zstd, local = numcodecs.Zstd(), threading.local()
+root = f"{path}/{level}"
+grid = [(i, k, j, m) for k in range(z // cz) for i in range(c) for j in range(y // cy)
+        for m in range(x // cx)]
+times, cpu, kept = [], [], []
+
+def chunk(coords):
+    i, k, j, m = coords
+    buf = getattr(local, "buf", None)
+    if buf is None:
+        buf = local.buf = np.empty((cz, cy, cx), arr.dtype)
+    with open(f"{root}/{arr.metadata.encode_chunk_key(coords)}", "rb") as f:
+        zstd.decode(f.read(), out=buf)
+    kept[k][:, i, j * cy:(j + 1) * cy, m * cx:(m + 1) * cx] = buf
+
+with ThreadPoolExecutor(os.cpu_count()) as pool:
+    for e in range(epochs + 1):
+        t, cpu0, n = time.perf_counter(), time.process_time(), 0
+        if e == 0:
+            kept = [np.empty((cz, c, y, x), arr.dtype) for _ in range(z // cz)]
+            list(pool.map(chunk, grid))
+        order = np.random.default_rng(e).permutation(z)
+        for b in range(0, z, batch):
+            rows = order[b:b + batch]
+            out = np.empty((len(rows), c, y, x), arr.dtype)
+            for r, s in enumerate(rows):
+                out[r] = kept[s // cz][s % cz]
+            n += len(rows)
+            shape = out.shape
+        times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - cpu0)
 print(json.dumps({"samples": n, "seconds": times, "cpu": cpu, "shape": shape}))
 """
 
@@ -151,20 +202,27 @@ def main(argv: list[str] | None = None) -> None:
     common = [str(store), str(args.batch_size), str(args.block_chunks), str(args.epochs)]
     rounds = []
     for r in range(args.rounds):
-        order = ["ours", "peer"] if r % 2 == 0 else ["peer", "ours"]
+        order = ["ours", "peer", "floor"][r % 3:] + ["ours", "peer", "floor"][:r % 3]
         got = {who: (run_one(sys.executable, OURS, common) if who == "ours" else
+                     run_one(sys.executable, FLOOR, [*common, LEVEL]) if who == "floor" else
                      run_one(args.peer_python, PEER_SCRIPT, [*common, LEVEL]))
                for who in order}
-        ours, peer = got["ours"], got["peer"]
-        row = {"ours": ours, "peer": peer, "first": ours["first"] / peer["first"],
+        ours, peer, floor = got["ours"], got["peer"], got["floor"]
+        row = {"ours": ours, "peer": peer, "floor": floor,
+               "first": ours["first"] / peer["first"],
                "warm": ours["warm"] / peer["warm"],
                "overall": ours["overall"] / peer["overall"],
                # the peer's CPU seconds / ours: work done, whatever the machine's load
                "first_cpu": peer["cpu"][0] / ours["cpu"][0],
-               "warm_cpu": median(peer["cpu"][1:]) / median(ours["cpu"][1:])}
+               "warm_cpu": median(peer["cpu"][1:]) / median(ours["cpu"][1:]),
+               # each loader's first epoch against the floor's in the same round (1: at it)
+               "first_ours_to_floor": ours["first"] / floor["first"],
+               "first_peer_to_floor": peer["first"] / floor["first"]}
         rounds.append(row)
         print(f"round {r}: first epoch ours {ours['first']:.0f}, insitubatch 0.2.0 "
-              f"{peer['first']:.0f} samples/s: {row['first']:.2f}x; warm epochs ours "
+              f"{peer['first']:.0f}, floor {floor['first']:.0f} samples/s: {row['first']:.2f}x "
+              f"(ours / floor {row['first_ours_to_floor']:.2f}, the peer's "
+              f"{row['first_peer_to_floor']:.2f}); warm epochs ours "
               f"{ours['warm']:.0f}, insitubatch 0.2.0 {peer['warm']:.0f} samples/s "
               f"({peer['warm_hits']} of {peer['warm_hits'] + peer['warm_misses']} z-chunks "
               f"from its pool): {row['warm']:.2f}x (batches {ours['shape']} / "
@@ -178,10 +236,13 @@ def main(argv: list[str] | None = None) -> None:
                       ("warm", "later epochs (both keep the decoded volume)"),
                       ("overall", f"all {args.epochs + 1} epochs of a process"),
                       ("first_cpu", "the peer's CPU seconds / ours, first epoch"),
-                      ("warm_cpu", "the peer's CPU seconds / ours, later epochs")]:
+                      ("warm_cpu", "the peer's CPU seconds / ours, later epochs"),
+                      ("first_ours_to_floor", "ours / the floor, first epoch"),
+                      ("first_peer_to_floor", "insitubatch 0.2.0 / the floor, first epoch")]:
         ratios = sorted(x[key] for x in rounds)
         summary[key] = {"median": median(ratios), "min": ratios[0], "max": ratios[-1]}
-        print(f"ours / insitubatch 0.2.0, z-planes of {shape} chunked {chunks}, "
+        who = "" if "floor" in key else "ours / insitubatch 0.2.0, "
+        print(f"{who}z-planes of {shape} chunked {chunks}, "
               f"{os.cpu_count()} CPUs, {what}: median {median(ratios):.2f}x (rounds "
               f"{ratios[0]:.2f}-{ratios[-1]:.2f}x)")
     (out / "bench_ome.json").write_text(json.dumps(summary, indent=1))
