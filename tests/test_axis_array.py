@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xarray as xr
 import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -198,3 +199,105 @@ def test_any_axis_serves_the_stored_array_with_that_axis_first(tmp_path_factory,
     for b in batches:
         np.testing.assert_array_equal(b["v"], moved[b["sample_index"]])
     assert sorted(_indices(batches)) == sorted(want)
+
+
+# -- composed with other stores (join at other dates, concat, period) ----------------------
+def _write(path, name: str, dims: tuple[str, ...], start: str, n: int, chunk: int, seed: int):
+    """``name`` stored with ``dims`` (time among them, ``chunk`` steps a chunk) by xarray,
+    hourly from ``start``; returns the dataset written."""
+    shape = {"band": 2, "y": 4, "x": 5, "time": n}
+    data = np.random.default_rng(seed).normal(0, 1, [shape[d] for d in dims]).astype("float32")
+    times = np.datetime64(start, "ns") + np.arange(n) * np.timedelta64(1, "h")
+    ds = xr.Dataset({name: (dims, data)}, coords={"time": times})
+    ds.to_zarr(path, encoding={name: {"chunks": [chunk if d == "time" else shape[d]
+                                                 for d in dims]}}, mode="w")
+    return ds
+
+
+def _rows_equal(batches, want: xr.Dataset, names: list[str]) -> list[int]:
+    """Every row is the dataset's values at its sample (time first); the samples served."""
+    for b in batches:
+        idx = b["sample_index"]
+        for name in names:
+            values = want[name].transpose("time", ...).values
+            np.testing.assert_array_equal(b[name], values[idx], err_msg=name)
+    return sorted(_indices(batches))
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("composed")
+    era = _write(root / "era.zarr", "t2m", ("time", "y", "x"), "2020-01-01", 24, 4, 1)
+    sat = _write(root / "sat.zarr", "refl", ("band", "y", "x", "time"), "2020-01-01T06", 30,
+                 4, 2)
+    late = _write(root / "late.zarr", "refl", ("band", "time", "y", "x"), "2020-01-02T12",
+                  10, 3, 3)
+    other = _write(root / "other.zarr", "refl", ("y", "time", "band", "x"), "2020-01-02T12",
+                   10, 3, 3)
+    return root, {"era": era, "sat": sat, "late": late, "other": other}
+
+
+def test_an_inner_join_with_a_time_first_store_at_other_dates(composed):
+    """ERA5-like fields stored time first joined with a satellite stack stored time last
+    that starts 6 steps later (off its 4-step chunk edge): the common times, each member at
+    its own indices, as xarray's inner merge."""
+    root, ds = composed
+    src = ib.join([ib.open_source(root / "era.zarr", sample_dim="time"),
+                   ib.open_source(root / "sat.zarr", sample_dim="time")], align="inner")
+    want = xr.merge([ds["era"], ds["sat"]], join="inner")
+    assert src.n_samples == want.sizes["time"] == 18
+    np.testing.assert_array_equal(src.sample_coord, want["time"].values)
+    m = ib.split_by_chunk(src, (1.0,), names=["train"])
+    kw = dict(batch_size=4, block_chunks=2, seed=3)
+    with ib.build_loader(src, m, "train", workers=0, **kw) as ld:
+        threads = _epoch(ld)
+    assert _rows_equal(threads, want, ["t2m", "refl"]) == list(range(18))
+    with ib.build_loader(src, m, "train", workers=2, **kw) as ld:
+        _same_batches(threads, _epoch(ld))
+    with ib.build_loader(src, m, "train", **kw) as ld:
+        it = iter(ld)
+        head = [{k: v.numpy() for k, v in next(it).items()} for _ in range(2)]
+        state = ld.state_dict()
+    with ib.build_loader(src, m, "train", **kw) as ld:
+        ld.load_state_dict(state)
+        _same_batches(head + _epoch(ld), threads)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_concat_of_periods_stored_with_time_at_different_axes(composed, in_place):
+    """One variable whose first period is stored (band, y, x, time) 4 steps a chunk and the
+    next (band, time, y, x) 3 a chunk: served as xarray's concat along time. A period whose
+    other axes are stored in another order serves other samples: refused, naming them."""
+    root, ds = composed
+    src = ib.concat([ib.open_source(root / "sat.zarr", sample_dim="time"),
+                     ib.open_source(root / "late.zarr", sample_dim="time")])
+    with pytest.raises(ib.StoreError, match=r"'refl' of member 1 .*other.zarr\) is float32 "
+                       r"samples of \(4, 2, 5\) \(y, band, x\), of member 0 .* \(2, 4, 5\) "
+                       r"\(band, y, x\)"):
+        ib.concat([ib.open_source(root / "sat.zarr", sample_dim="time"),
+                   ib.open_source(root / "other.zarr", sample_dim="time")])
+    want = xr.concat([ds["sat"], ds["late"].transpose("band", "y", "x", "time")], "time")
+    assert src.n_samples == want.sizes["time"] == 40
+    m = ib.split_by_chunk(src, (1.0,), names=["train"])
+    with ib.build_loader(src, m, "train", batch_size=5, block_chunks=3, seed=4,
+                         in_place=in_place, steps=ib.SampleWindow(2, (1,))) as ld:
+        batches = _epoch(ld)
+    values = want["refl"].transpose("time", ...).values
+    for b in batches:
+        idx = b["sample_index"]
+        np.testing.assert_array_equal(b["refl"][:, 0], values[idx - 1])
+        np.testing.assert_array_equal(b["refl"][:, 1], values[idx])
+        np.testing.assert_array_equal(b["target/refl"][:, 0], values[idx + 1])
+    assert sorted(_indices(batches)) == list(range(1, 39))
+
+
+def test_a_period_and_a_frequency_of_a_moved_axis(composed):
+    root, ds = composed
+    src = ib.open_source(root / "sat.zarr", sample_dim="time")
+    part = src.period(start="2020-01-01T09", end="2020-01-02T08", frequency="2h")
+    want = ds["sat"].sel(time=slice("2020-01-01T09", "2020-01-02T08")).isel(
+        time=slice(None, None, 2))
+    np.testing.assert_array_equal(part.sample_coord, want["time"].values)
+    m = ib.split_by_chunk(part, (1.0,), names=["train"])
+    with ib.build_loader(part, m, "train", batch_size=4, block_chunks=2, seed=5) as ld:
+        assert _rows_equal(_epoch(ld), want, ["refl"]) == list(range(want.sizes["time"]))

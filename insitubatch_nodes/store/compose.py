@@ -246,5 +246,12 @@ def _check_alike(sources: list[Source]) -> None:
         for a, b in zip(first.variables, s.variables, strict=True):
             if a.sample_shape != b.sample_shape or a.dtype != b.dtype:
                 raise StoreError(f"concat: variable {a.name!r} of member {k} ({s.url}) is "
-                                 f"{b.dtype} samples of {b.sample_shape}, of member 0 "
-                                 f"({first.url}) {a.dtype} of {a.sample_shape}")
+                                 f"{b.dtype} samples of {b.sample_shape}{_dims(b)}, of member "
+                                 f"0 ({first.url}) {a.dtype} of {a.sample_shape}{_dims(a)}")
+
+
+def _dims(v: VariableGeometry) -> str:
+    """`` (y, x)``: a sample's dimensions, where the store names them (a sample keeps the
+    stored order of the axes other than the sample axis, which members may not share)."""
+    names = v.dimension_names
+    return f" ({', '.join(str(d) for d in names[1:])})" if names else ""

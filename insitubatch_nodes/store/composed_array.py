@@ -19,16 +19,18 @@ import zarr
 from ..errors import UsageTypeError
 from ..sampling.geometry import VariableGeometry
 from ..sampling.rowmap import RowMap
+from .axis_array import AxisArray
 
 
 @dataclass(frozen=True, eq=False)
 class ComposedArray:
-    """Samples of ``rows`` read from ``arrays[m]`` (stored as ``geoms[m]``, in the store
-    ``urls[m]``, icechunk snapshot ``snapshots[m]``), in composed stripes of ``chunk``
-    samples. Samples in no run (gaps) read as NaN (or the fill value): the source lists
-    them as missing, so the loader never serves them."""
+    """Samples of ``rows`` read from ``arrays[m]`` (served as ``geoms[m]``: a stored array,
+    or one sampled along another of its axes; in the store ``urls[m]``, icechunk snapshot
+    ``snapshots[m]``), in composed stripes of ``chunk`` samples. Samples in no run (gaps)
+    read as NaN (or the fill value): the source lists them as missing, so the loader never
+    serves them."""
 
-    arrays: tuple[zarr.Array, ...]
+    arrays: tuple[zarr.Array | AxisArray, ...]
     geoms: tuple[VariableGeometry, ...]
     urls: tuple[str, ...]
     snapshots: tuple[str | None, ...]

@@ -152,4 +152,6 @@ def stored_arrays(arr: zarr.Array | ComposedArray | CutArray | AxisArray,
         return stored_arrays(arr.base)
     if isinstance(arr, AxisArray):
         return (arr.base,)
-    return arr.arrays if isinstance(arr, ComposedArray) else (arr,)
+    if isinstance(arr, ComposedArray):
+        return tuple(a.base if isinstance(a, AxisArray) else a for a in arr.arrays)
+    return (arr,)

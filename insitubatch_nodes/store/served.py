@@ -331,10 +331,6 @@ def as_composed(arr: Stored, geom: VariableGeometry, url: str,
     """Any served array as a composition (a stored one: of itself, as stored)."""
     if isinstance(arr, ComposedArray):
         return arr
-    if isinstance(arr, AxisArray):
-        raise ConfigError(f"variable {geom.name!r} of {url} is sampled along its stored "
-                          f"axis {arr.order[0]}: joins at other dates, concats and periods "
-                          "of such variables are not supported yet (an exact join is)")
     if isinstance(arr, CutArray):
         raise ConfigError(f"variable {geom.name!r} of {url} is cut to a part of its grid "
                           "(grid_part, region): compose sources first (join, concat, "

@@ -17,11 +17,13 @@ import numpy as np
 
 from ...sampling.geometry import VariableGeometry
 from ...sampling.rowmap import StripePiece
+from ...store.axis_array import AxisArray
 from ...store.composed_array import ComposedArray
 from ..chunk_cache import ChunkCache
 from ..partial.ranges import PartSpec
 from ..reader import StripeReader
 from ..retry import NO_RETRY, RetryPolicy
+from .axis import AxisStripeReader
 from .wrapped import WrappedReader
 
 
@@ -33,8 +35,10 @@ class ComposedReader(WrappedReader):
 
     def __init__(self, arr: ComposedArray, geom: VariableGeometry, source_url: str) -> None:
         self.arr = arr
-        self.members = [StripeReader(a, g, u) for a, g, u in
-                        zip(arr.arrays, arr.geoms, arr.urls, strict=True)]
+        # each member as it is stored: sampled along its first axis or another one
+        self.members = [AxisStripeReader(a, g, u) if isinstance(a, AxisArray)
+                        else StripeReader(a, g, u)
+                        for a, g, u in zip(arr.arrays, arr.geoms, arr.urls, strict=True)]
         super().__init__(list(self.members), geom, source_url)
         self.fill_value = np.asarray(arr.fill).astype(geom.dtype)
         self._chunks = arr.member_chunks()
