@@ -26,7 +26,7 @@ from .nodes.patches import PatchNode, patch_origins
 from .nodes.static import StaticFieldsNode, check_static
 from .nodes.views import ChannelsLastNode
 from .store.source import Source
-from .store.statistics import Stats
+from .store.statistics import Stats, cut_stats
 
 
 class Resolved(Protocol):
@@ -72,7 +72,8 @@ def transform_plan(source: Source, resolved: Resolved,
     plan: list[Stage] = []
     if (sm.stats is not None or sm.dtype is not None or sm.fill_nan is not None
             or sm.mask):
-        stats = sm.stats if sm.stats is not None else Stats("", ())
+        # per grid point statistics of the whole store, cut as a region or read group is
+        stats = cut_stats(sm.stats, source) if sm.stats is not None else Stats("", ())
         plan.append(Stage(lambda n: NormalizeNode(
             n, stats, source.variables, dtype=sm.dtype, layout=layout, schemes=sm.normalize,
             selection=source.selection, fill_nan=sm.fill_nan, mask=sm.mask),

@@ -89,6 +89,44 @@ def test_a_region_naming_no_dimension_or_no_value_is_refused(wb2):
         src.region(latitude=(91, 95))
 
 
+def test_statistics_of_the_whole_grid_normalize_each_part_with_its_own_points(wb2):
+    """Statistics kept per grid point and level, computed over the whole store, normalize a
+    region (across the antimeridian), a cut of the levels and a read-group rank's rows with
+    the statistics of the points and levels each serves (numpy's, over the whole split)."""
+    path, ds = wb2
+    whole = ib.open_source(path)
+    manifest = ib.split_by_chunk(whole, (1.0,), names=["train"])
+    stats = ib.compute_stats(whole, manifest, keep_dims=["level", "latitude", "longitude"],
+                             progress=False)
+
+    def normalized(box: xr.Dataset, name: str, idx) -> np.ndarray:
+        x = ds[name].astype("float64")
+        mean = x.mean("time").sel({d: box[d] for d in box[name].dims if d != "time"})
+        std = x.std("time").sel({d: box[d] for d in box[name].dims if d != "time"})
+        return ((box[name].values[idx] - mean.values) / std.values).astype("float32")
+
+    east = ds.sel(latitude=slice(72, 35))
+    parts = {
+        "region": (whole.region(latitude=(35, 72), longitude=(-25, 45)),
+                   xr.concat([east.sel(longitude=slice(335, 360)),
+                              east.sel(longitude=slice(0, 45))], "longitude")),
+        "levels": (whole.region(level=(500, 850)), ds.sel(level=[500, 850]))}
+    for what, (part, box) in parts.items():
+        for b in epoch(part, stats=stats):
+            for name in part.names:
+                np.testing.assert_allclose(b[name], normalized(box, name, b["sample_index"]),
+                                           rtol=1e-5, atol=1e-5, err_msg=f"{what}: {name}")
+    with ib.build_loader(whole, manifest, "train", batch_size=4, stats=stats, rank=1,
+                         world_size=2, read_group=2) as ld:
+        box = ds.isel(latitude=ld.grid_part)
+        assert box.sizes["latitude"] == 9
+        for b in ld:
+            for name in whole.names:
+                np.testing.assert_allclose(b[name].numpy(),
+                                           normalized(box, name, b["sample_index"]),
+                                           rtol=1e-5, atol=1e-5, err_msg=f"rank 1: {name}")
+
+
 def _balanced(n, k, i):
     """anemoi's balanced partition, written out: sizes differ by at most one, the first
     n % k parts one larger."""

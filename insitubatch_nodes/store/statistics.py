@@ -16,7 +16,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,6 +28,7 @@ from ..sampling.windows import chunks_touching
 from .anemoi import DATA, stored_statistics
 from .arrays import array_in
 from .channel_names import level_index, split_channel
+from .cut_array import CutArray
 from .served import Stored
 from .source import Source
 from .splits import SplitManifest
@@ -185,6 +186,39 @@ def default_kept_dims(dims: Sequence[str | None]) -> tuple[str, ...]:
         grid = [i >= len(sample) - 2 for i in range(len(sample))]
     return tuple(d for d, g in zip(sample, grid, strict=True)
                  if d is not None and not g and d not in ENSEMBLE_DIMS)
+
+
+def cut_stats(stats: Stats, source: Source) -> Stats:
+    """``stats`` as ``source`` serves its variables: statistics kept along dims that a region
+    or a read group cut (a ``CutArray``: grid rows, cells, levels) are cut alike where they
+    have the whole variable's shape (statistics of the whole store, normalizing a part of
+    it: each grid point keeps its own). Statistics of any other shape are left as they are,
+    for ``NormalizeNode`` to check against the part served."""
+    out = list(stats.variables)
+    for arr, geom in zip(source.arrays, source.variables, strict=True):
+        if not isinstance(arr, CutArray):
+            continue
+        at = next((k for k, v in enumerate(out) if v.name == geom.name), None)
+        if at is None:
+            continue
+        st, dims = out[at], arr.base_geom.dimension_names or ()
+        if not st.kept_dims or any(d not in dims[1:] for d in st.kept_dims):
+            continue
+        axes = [dims.index(d) for d in st.kept_dims]
+        if np.shape(st.mean) != tuple(arr.base_geom.shape[a] for a in axes):
+            continue
+        picks = [arr.index(a) for a in axes]
+
+        def take(x: np.ndarray, picks: list[np.ndarray] = picks) -> np.ndarray:
+            for k, index in enumerate(picks):
+                x = np.take(np.asarray(x), index, axis=k)
+            return x
+
+        coords = (tuple(np.asarray(st.coords, dtype=object)[picks[0]].tolist())
+                  if st.coords and len(picks) == 1 else st.coords)
+        out[at] = replace(st, mean=take(st.mean), std=take(st.std), min=take(st.min),
+                          max=take(st.max), coords=coords)
+    return Stats(stats.split, tuple(out))
 
 
 def compute_stats(source: Source, manifest: SplitManifest, split: str = "train", *,
