@@ -54,6 +54,7 @@ from .nodes import (
 from .nodes.channels import resolve_channels, served_by
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .nodes.read_groups import cut_grid, grid_part_of, static_part
+from .nodes.static import cut_static
 from .sampling.deal_checks import check_batches, check_world_size, schedule_quality
 from .sampling.geometry import SampleGrid
 from .sampling.grid_parts import Deal, deal_of
@@ -216,6 +217,9 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     if served is not source:
         config = _names_served(config, source, served)
         source = served
+    if config.sample.static:  # fields of the whole grid, cut as a region is
+        config = dataclasses.replace(config, sample=dataclasses.replace(
+            config.sample, static=cut_static(config.sample.static, source)))
     rank, world_size = resolve_rank(s.rank, s.world_size)
     deal = deal_of(rank, world_size, s.read_group)
     part, axes = grid_part_of(source, deal)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import xarray as xr
 import zarr
 from anemoi_stores import read_anemoi, write_anemoi
@@ -125,6 +126,37 @@ def test_statistics_of_the_whole_grid_normalize_each_part_with_its_own_points(wb
                 np.testing.assert_allclose(b[name].numpy(),
                                            normalized(box, name, b["sample_index"]),
                                            rtol=1e-5, atol=1e-5, err_msg=f"rank 1: {name}")
+
+
+def test_static_fields_of_the_whole_grid_are_cut_as_the_region(tmp_path):
+    """A land-sea mask of the whole grid (as open_static reads it, numpy or torch) beside a
+    region across the antimeridian is served cut to the region's points in the region's
+    order, in each rank's rows of a read group too; open_static of the region says the
+    same; a mask of the region itself is taken as it is."""
+    lat, lon = np.linspace(90, -90, 19), np.arange(0, 360, 10.0)
+    rng = np.random.default_rng(3)
+    ds = xr.Dataset({"t": (("time", "latitude", "longitude"),
+                           rng.normal(0, 1, (8, 19, 36)).astype("float32")),
+                     "lsm": (("latitude", "longitude"), rng.random((19, 36)).astype("float32"))},
+                    coords={"time": TIMES[:8], "latitude": lat, "longitude": lon})
+    ds.to_zarr(tmp_path / "s.zarr", zarr_format=2)
+    whole = ib.open_source(tmp_path / "s.zarr")
+    region = whole.region(latitude=(35, 72), longitude=(-25, 45))
+    east = ds.sel(latitude=slice(72, 35))
+    box = xr.concat([east.sel(longitude=slice(335, 360)), east.sel(longitude=slice(0, 45))],
+                    "longitude")
+    np.testing.assert_array_equal(ib.open_static(region)["lsm"], box["lsm"].values)
+    lsm = ib.open_static(whole)["lsm"]
+    for given in (lsm, torch.from_numpy(lsm), box["lsm"].values):
+        for b in epoch(region, static={"lsm": given}):
+            assert b["static/lsm"].shape == b["t"].shape
+            np.testing.assert_array_equal(b["static/lsm"][0], box["lsm"].values)
+    manifest = ib.split_by_chunk(region, (1.0,), names=["train"])
+    with ib.build_loader(region, manifest, "train", batch_size=4, static={"lsm": lsm},
+                         rank=1, world_size=2, read_group=2) as ld:
+        b = next(iter(ld))
+    np.testing.assert_array_equal(b["static/lsm"][0].numpy(),
+                                  box["lsm"].values[ld.grid_part])
 
 
 def _balanced(n, k, i):

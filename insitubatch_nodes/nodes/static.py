@@ -12,6 +12,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, UnknownNameError
 from ..store.arrays import array_in
+from ..store.cut_array import CutArray
 from ..store.discovery import discover, static_only
 from ..store.source import Source
 from ..store.storage import explain, open_url
@@ -65,7 +66,33 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
     if missing:
         raise UnknownNameError(f"unknown static variable(s) {missing} in {display}; "
                                f"arrays there: {have}")
-    return {v: np.asarray(array_in(group, v, display)[:]) for v in variables}
+    fields = {v: np.asarray(array_in(group, v, display)[:]) for v in variables}
+    return cut_static(fields, url) if isinstance(url, Source) else fields
+
+
+def cut_static(fields: Mapping[str, Any], source: Source) -> dict[str, Any]:
+    """Static fields of the whole grid cut as ``source``'s variables are (a region, a part
+    of the grid): a field whose shape is the last dims of a cut variable's whole sample takes
+    the same indices along them, as the statistics do (``store.statistics.cut_stats``). A
+    field of the part's shape, or beside no cut variable, is left for ``check_static``."""
+    cuts = [(arr, geom) for arr, geom in zip(source.arrays, source.variables, strict=True)
+            if isinstance(arr, CutArray)]
+    out = dict(fields)
+    for name, value in fields.items():
+        shape = tuple(np.shape(value))
+        lead = 0
+        while len(shape) - lead > 1 and shape[lead] == 1:  # a (1, y, x) field is a (y, x) one
+            lead += 1
+        core = shape[lead:]
+        for arr, geom in cuts:
+            whole, k = arr.base_geom.shape, len(core)
+            if k < len(whole) and whole[-k:] == core and geom.shape[-k:] != core:
+                index = np.ix_(*(arr.index(a) for a in range(len(whole) - k, len(whole))))
+                at = (slice(None),) * lead + tuple(
+                    torch.as_tensor(i) if isinstance(value, torch.Tensor) else i for i in index)
+                out[name] = value[at]
+                break
+    return out
 
 
 def check_static(fields: Mapping[str, Any], samples: Mapping[str, tuple[int, ...]],
