@@ -82,6 +82,34 @@ def test_a_region_by_index_with_levels_picked(wb2):
         np.testing.assert_array_equal(b["channels"][:, 1], box["2m_temperature"].values[idx])
 
 
+def test_a_region_of_a_region_takes_its_bounds_among_the_values_kept(wb2):
+    """The second region's values are looked up among the first's points, in its order
+    (across the antimeridian too), not among the whole grid's indices."""
+    path, ds = wb2
+    src = ib.open_source(path).region(latitude=(0, 60), longitude=(-90, 90))
+    inner = src.region(latitude=(30, 50), longitude=(-20, 30))
+    box = ds.sel(latitude=slice(50, 30))
+    box = xr.concat([box.sel(longitude=slice(340, 360)), box.sel(longitude=slice(0, 30))],
+                    "longitude")
+    assert [v.shape for v in inner.variables] == [box[n].shape for n in inner.names]
+    check(epoch(inner), box, inner.names)
+    first = ds.sel(latitude=slice(60, 0))
+    first = xr.concat([first.sel(longitude=slice(270, 360)), first.sel(longitude=slice(0, 90))],
+                      "longitude")
+    by_index = src.region(latitude=slice(1, 3))  # slices count the first region's rows
+    check(epoch(by_index), first.isel(latitude=slice(1, 3)), by_index.names)
+
+
+def test_a_coordinate_of_another_length_is_refused(tmp_path):
+    g = zarr.open_group(tmp_path / "s.zarr", mode="w", zarr_format=3)
+    g.create_array("t", shape=(4, 6, 8), chunks=(1, 6, 8), dtype="float32",
+                   dimension_names=("time", "lat", "lon"))
+    g.create_array("lat", shape=(5,), dtype="float64", dimension_names=("lat",))[:] = np.arange(5)
+    with pytest.raises(ib.StoreError, match=r"coordinate 'lat' .* has shape \(5,\), but "
+                                            r"variable 't' has 6 values along 'lat'.*slice"):
+        ib.open_source(tmp_path / "s.zarr").region(lat=(1, 3))
+
+
 def test_a_region_naming_no_dimension_or_no_value_is_refused(wb2):
     src = ib.open_source(wb2[0])
     with pytest.raises(ib.UnknownNameError, match="'lat'.*latitude"):

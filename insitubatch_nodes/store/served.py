@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from ..errors import ConfigError, UnknownNameError
+from ..errors import ConfigError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from ..sampling.grid_parts import grid_axis
 from ..sampling.rowmap import RowMap
@@ -285,17 +285,17 @@ class Source:
         with that dimension; one that no variable has is refused."""
         cuts: dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
         for dim, bound in bounds.items():
-            index = coordinate_index(self.coordinate(dim), bound, dim) if not isinstance(
-                bound, slice) else None
+            whole = None if isinstance(bound, slice) else self.coordinate(dim)
             hit = False
             for i, v in enumerate(self.variables):
                 dims = list(v.dimension_names or ())
                 if dim not in dims[1:]:
                     continue
                 axis = dims.index(dim)
-                pick = index if index is not None else coordinate_index(
-                    np.arange(v.shape[axis]), bound, dim)
-                cuts.setdefault(i, []).append((axis, runs(pick)))
+                values = (np.arange(v.shape[axis]) if whole is None
+                          else self._served_values(whole, i, axis, dim))
+                cuts.setdefault(i, []).append(
+                    (axis, runs(coordinate_index(values, bound, dim))))
                 hit = True
             if not hit:
                 have = sorted({str(d) for v in self.variables
@@ -303,6 +303,17 @@ class Source:
                 raise UnknownNameError(f"region {dim}=...: no variable of {self.url} has a "
                                        f"dimension {dim!r}; dimensions: {have}")
         return self._cut(cuts)
+
+    def _served_values(self, whole: np.ndarray, i: int, axis: int, dim: str) -> np.ndarray:
+        """Coordinate ``dim`` along ``axis`` of variable ``i`` as served: a region's (a region
+        of a region takes its bounds among the values the first one kept, in its order)."""
+        arr, v = self.arrays[i], self.variables[i]
+        n = arr.base_geom.shape[axis] if isinstance(arr, CutArray) else v.shape[axis]
+        if whole.shape != (n,):
+            raise StoreError(f"region {dim}=...: the coordinate {dim!r} of {self.url} has "
+                             f"shape {whole.shape}, but variable {v.name!r} has {n} values "
+                             f"along {dim!r}; give index slices ({dim}=slice(a, b)) instead")
+        return whole[arr.index(axis)] if isinstance(arr, CutArray) else whole
 
     def _cut(self, cuts: Mapping[int, Sequence[tuple[int, tuple[tuple[int, int], ...]]]],
              ) -> Source:
