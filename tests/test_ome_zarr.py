@@ -173,6 +173,33 @@ def test_a_coarser_level_and_labels_picked(images, version):
     assert [v.name for v in open_ome_zarr(path, labels=[]).variables] == ["image"]
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_region_in_physical_units_of_the_level(images, level):
+    """``region(y=(1.0, 2.0), x=...)`` takes the axes' physical positions at the level served
+    (translation + scale * index, from its coordinateTransformations), both ends included;
+    the image and the labels are cut alike."""
+    path = images["0.5"]
+    ms = zarr.open_group(path, mode="r").attrs.asdict()["ome"]["multiscales"][0]
+    tf = {t["type"]: t[t["type"]] for t in ms["datasets"][level]["coordinateTransformations"]}
+    src = open_ome_zarr(path, level=level, sample_dim="z").region(y=(1.0, 2.0), x=(0.5, 1.25))
+    pos = {d: tf.get("translation", [0.0] * 5)[AXES.index(d)] + tf["scale"][AXES.index(d)]
+           * np.arange(SHAPE[AXES.index(d)] >> level) for d in "yx"}
+    ys = np.flatnonzero((pos["y"] >= 1.0) & (pos["y"] <= 2.0))
+    xs = np.flatnonzero((pos["x"] >= 0.5) & (pos["x"] <= 1.25))
+    assert ys.size and xs.size
+    names = ["image", "cells", "nuclei"]
+    want = {n: stored(path, n, level, "z")[..., ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1]
+            for n in names}
+    seen = []
+    for b in epoch(loader(src, batch_size=2)):
+        seen += b["sample_index"].tolist()
+        for n in names:
+            np.testing.assert_array_equal(b[n], want[n][b["sample_index"]], err_msg=n)
+    assert sorted(seen) == list(range(SHAPE[2] >> level))
+    with pytest.raises(ib.UnknownNameError, match="no coordinate array 'c'"):
+        open_ome_zarr(path).region(c=(0, 1))
+
+
 def test_worker_processes_serve_what_threads_serve(images):
     path = images["0.5"]
     src = open_ome_zarr(path, sample_dim="z")

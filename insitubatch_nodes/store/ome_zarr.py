@@ -232,6 +232,17 @@ def _sample_coord(image: Multiscale, level: int, sample_dim: str, n: int) -> np.
     return lv.translation[k] + lv.scale[k] * np.arange(n, dtype=np.float64)
 
 
+def _physical(image: Multiscale, level: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Each axis' physical positions at ``level`` (``translation + scale * i``) but a
+    channel axis': what ``Source.region`` takes values of (``y=(10.0, 60.0)`` in the axis'
+    unit)."""
+    lv = image.levels[level]
+    if lv.scale is None or lv.translation is None:
+        return {}
+    return {a.name: lv.translation[k] + lv.scale[k] * np.arange(shape[k], dtype=np.float64)
+            for k, a in enumerate(image.axes) if a.type != "channel"}
+
+
 def _open_image(url: str | os.PathLike[str] | zarr.Group,
                 storage_options: Mapping[str, Any] | None) -> Multiscale:
     if isinstance(url, zarr.Group):
@@ -264,7 +275,8 @@ def open_ome_zarr(url: str | os.PathLike[str] | zarr.Group, level: int = 0,
         arrays[name], dims[name] = _label_array(image, arr, name, level, sample_dim)
     n = int(arr.shape[image.axis_names.index(sample_dim)])
     return source_of_arrays(arrays, dims, image.display, sample_dim, group=image.group,
-                            sample_coord=_sample_coord(image, level, sample_dim, n))
+                            sample_coord=_sample_coord(image, level, sample_dim, n),
+                            coords=_physical(image, level, arr.shape))
 
 
 def describe_ome_zarr(url: str | os.PathLike[str] | zarr.Group,

@@ -64,6 +64,9 @@ class Source:
     # Values of the sample dimension's coordinate (datetime64[ns] or numbers), if it has one.
     sample_coord: np.ndarray | None = field(default=None, repr=False)
     group: zarr.Group | None = field(default=None, repr=False)
+    # Coordinates that no stored array holds, from the format's metadata (an OME-Zarr image's
+    # axes: translation + scale * index at the level served), for ``region`` by value.
+    coords: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
     # Numeric arrays beside the variables without the sample dimension (a land-sea mask,
     # orography): served whole by ``open_static``, never planned like data chunks.
     static: tuple[str, ...] = ()
@@ -85,7 +88,10 @@ class Source:
 
     def coordinate(self, dim: str) -> np.ndarray:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables
-        (in a composed source, in the first member storing it)."""
+        (in a composed source, in the first member storing it), or given by the format's
+        metadata (``coords``)."""
+        if dim in self.coords:
+            return np.asarray(self.coords[dim])
         groups = [(self.group, self.url)] + [(m.group, m.url) for m in self.members]
         have: set[str] = set()
         for group, url in groups:

@@ -291,7 +291,8 @@ def source_of_arrays(arrays: Mapping[str, zarr.Array],
                      dims: Mapping[str, tuple[str | None, ...]], display: str,
                      sample_dim: str, *, group: zarr.Group | None = None,
                      sample_coord: np.ndarray | None = None,
-                     snapshot_id: str | None = None, fmt: str = "zarr") -> Source:
+                     snapshot_id: str | None = None, fmt: str = "zarr",
+                     coords: Mapping[str, np.ndarray] | None = None) -> Source:
     """A source serving ``arrays`` (by name) whose dimension names are ``dims`` (given:
     formats such as OME-Zarr 0.4 keep them in their own metadata), sampled along
     ``sample_dim`` wherever it stands in each."""
@@ -301,7 +302,7 @@ def source_of_arrays(arrays: Mapping[str, zarr.Array],
     return Source(url=display, variables=geoms, grid=_common_grid(geoms),
                   arrays=tuple(a for _, a in served), sample_dim=sample_dim,
                   snapshot_id=snapshot_id, sample_coord=sample_coord, group=group,
-                  format=fmt, variables_given=True)
+                  format=fmt, variables_given=True, coords=dict(coords or {}))
 
 
 def _geometry(name: str, arr: zarr.Array, dims: tuple[str | None, ...] | None,
