@@ -5,6 +5,7 @@ on S3 (moto)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,42 @@ def test_statistics_of_the_whole_grid_normalize_each_part_with_its_own_points(wb
                 np.testing.assert_allclose(b[name].numpy(),
                                            normalized(box, name, b["sample_index"]),
                                            rtol=1e-5, atol=1e-5, err_msg=f"rank 1: {name}")
+
+
+def test_statistics_say_which_part_they_cover(wb2, tmp_path):
+    """Statistics computed over a region record its points: a loader serving that region
+    takes them as they are (a full circle of longitudes re-ordered from 180: the same as the
+    whole store's, cut), through JSON too; over another region, or the whole grid, they
+    are refused naming both parts. A region's levels are its statistics' coordinates."""
+    path, ds = wb2
+    whole = ib.open_source(path)
+    keep = ["level", "latitude", "longitude"]
+
+    def stats_of(src, keep_dims=keep):
+        m = ib.split_by_chunk(src, (1.0,), names=["train"])
+        return ib.compute_stats(src, m, keep_dims=keep_dims, progress=False)
+
+    turned = whole.region(longitude=(180, 170))  # every longitude, from 180 east
+    assert turned.variables[0].shape == whole.variables[0].shape
+    own = stats_of(turned)
+    (tmp_path / "s.json").write_text(json.dumps(own.to_dict()))
+    own = ib.Stats.from_dict(json.loads((tmp_path / "s.json").read_text()))
+    a = [b["2m_temperature"] for b in epoch(turned, stats=own, seed=1)]
+    b = [b["2m_temperature"] for b in epoch(turned, stats=stats_of(whole), seed=1)]
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    north = stats_of(whole.region(latitude=(30, 90)))
+    with pytest.raises(ib.ConfigError, match=r"statistics of '2m_temperature' were computed "
+                       r"over a part of its grid \(latitude: 7 points from index 0\), and "
+                       r"this loader serves latitude: 7 points from index 6"):
+        epoch(whole.region(latitude=(-30, 30)), stats=north)
+    with pytest.raises(ib.ConfigError, match=r"\(latitude: 7 points from index 0\), and "
+                                             r"this loader serves the whole grid"):
+        epoch(whole, stats=north)
+    levels = stats_of(whole.region(level=(850, 1000)), None)["temperature"]
+    assert levels.coords == (850, 1000)
+    np.testing.assert_allclose(levels.at(1000)[0],
+                               ds["temperature"].sel(level=1000).values.mean(), rtol=1e-6)
 
 
 def test_static_fields_of_the_whole_grid_are_cut_as_the_region(tmp_path):

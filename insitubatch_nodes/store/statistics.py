@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import zarr
 
-from ..errors import StoreError, UnknownNameError
+from ..errors import ConfigError, StoreError, UnknownNameError
 from ..sampling.windows import chunks_touching
 from .anemoi import DATA, stored_statistics
 from .arrays import array_in
@@ -58,10 +58,15 @@ class VariableStats:
     # The coordinate values along the (single) kept dim, e.g. the levels, when the store
     # has them: what turns a channel name such as "z@500" into a row of mean/std.
     coords: tuple[Any, ...] = ()
+    # Over a part of the grid (a region, a read group's rows): per kept dim it cut, the whole
+    # grid's indices these rows are, in order (empty: the whole grid). What ``cut_stats``
+    # matches against the part a loader serves.
+    part: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def to_dict(self) -> dict:
         return {"kept_dims": list(self.kept_dims), "count": self.count,
                 "nan_fraction": self.nan_fraction, "coords": list(self.coords),
+                **({"part": [[d, list(ix)] for d, ix in self.part]} if self.part else {}),
                 **{k: np.asarray(getattr(self, k)).tolist() for k in ("mean", "std", "min", "max")}}
 
     @classmethod
@@ -70,7 +75,8 @@ class VariableStats:
                              for k in ("mean", "std", "min", "max"))
         return cls(name, tuple(d["kept_dims"]), mean, std, lo, hi,
                    count=int(d["count"]), nan_fraction=float(d.get("nan_fraction", 0.0)),
-                   coords=tuple(d.get("coords", ())))
+                   coords=tuple(d.get("coords", ())),
+                   part=tuple((str(k), tuple(int(i) for i in ix)) for k, ix in d.get("part", ())))
 
     def at(self, coord: Any) -> tuple[float, float]:
         """(mean, std) at the kept coordinate ``coord`` (``"500"`` of ``"z@500"``, or 500),
@@ -189,24 +195,33 @@ def default_kept_dims(dims: Sequence[str | None]) -> tuple[str, ...]:
 
 
 def cut_stats(stats: Stats, source: Source) -> Stats:
-    """``stats`` as ``source`` serves its variables: statistics kept along dims that a region
-    or a read group cut (a ``CutArray``: grid rows, cells, levels) are cut alike where they
-    have the whole variable's shape (statistics of the whole store, normalizing a part of
-    it: each grid point keeps its own). Statistics of any other shape are left as they are,
-    for ``NormalizeNode`` to check against the part served."""
+    """``stats`` as ``source`` serves its variables: statistics kept along dims a region or a
+    read group cuts (a ``CutArray``: grid rows, cells, levels) and computed over the whole
+    grid are cut alike (each point keeps its own); statistics computed over the same part
+    are taken as they are; over another part, or a part where the loader serves the whole,
+    they are refused naming both (``VariableStats.part`` says which part they cover)."""
     out = list(stats.variables)
     for arr, geom in zip(source.arrays, source.variables, strict=True):
-        if not isinstance(arr, CutArray):
-            continue
         at = next((k for k, v in enumerate(out) if v.name == geom.name), None)
         if at is None:
             continue
-        st, dims = out[at], arr.base_geom.dimension_names or ()
+        st = out[at]
+        base = arr.base_geom if isinstance(arr, CutArray) else geom
+        dims = base.dimension_names or ()
         if not st.kept_dims or any(d not in dims[1:] for d in st.kept_dims):
             continue
-        axes = [dims.index(d) for d in st.kept_dims]
-        if np.shape(st.mean) != tuple(arr.base_geom.shape[a] for a in axes):
+        served = served_part(arr, st.kept_dims)
+        if st.part == served:
             continue
+        if st.part:
+            raise ConfigError(f"statistics of {geom.name!r} were computed over a part of its "
+                              f"grid ({_part_text(st.part)}), and this loader serves "
+                              f"{_part_text(served) or 'the whole grid'}: compute them over the "
+                              "whole store (each point keeps its own) or over this part")
+        axes = [dims.index(d) for d in st.kept_dims]
+        if not isinstance(arr, CutArray) or np.shape(st.mean) != tuple(
+                base.shape[a] for a in axes):
+            continue  # another shape: NormalizeNode refuses it, naming both
         picks = [arr.index(a) for a in axes]
 
         def take(x: np.ndarray, picks: list[np.ndarray] = picks) -> np.ndarray:
@@ -217,8 +232,29 @@ def cut_stats(stats: Stats, source: Source) -> Stats:
         coords = (tuple(np.asarray(st.coords, dtype=object)[picks[0]].tolist())
                   if st.coords and len(picks) == 1 else st.coords)
         out[at] = replace(st, mean=take(st.mean), std=take(st.std), min=take(st.min),
-                          max=take(st.max), coords=coords)
+                          max=take(st.max), coords=coords, part=served)
     return Stats(stats.split, tuple(out))
+
+
+def served_part(arr: Stored, kept: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Per dim of ``kept`` that ``arr`` is cut along, the whole grid's indices it serves, in
+    order; empty where it serves the whole grid."""
+    if not isinstance(arr, CutArray):
+        return ()
+    dims = arr.base_geom.dimension_names or ()
+    out = []
+    for d in kept:
+        if d in dims[1:]:
+            axis = dims.index(d)
+            index = arr.index(axis)
+            if not np.array_equal(index, np.arange(arr.base_geom.shape[axis])):
+                out.append((d, tuple(int(i) for i in index)))
+    return tuple(out)
+
+
+def _part_text(part: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
+    """``latitude: 7 of its points from index 3`` per dim, for errors."""
+    return "; ".join(f"{d}: {len(ix)} points from index {ix[0]}" for d, ix in part)
 
 
 def compute_stats(source: Source, manifest: SplitManifest, split: str = "train", *,
@@ -263,6 +299,10 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
                     except (KeyError, ValueError):
                         by_dim[dim] = ()
                 coords[name] = by_dim[dim]
+                arr = source.arrays[source.names.index(name)]
+                if coords[name] and isinstance(arr, CutArray):  # the levels a region kept
+                    coords[name] = tuple(np.asarray(coords[name], dtype=object)[
+                        arr.index(list(dims).index(dim))].tolist())
     acc: dict[str, Moments] = {}
     it: Iterable[int] = ids.tolist()
     if progress:
@@ -275,7 +315,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
             part = _moments(np.asarray(arr[a:b], dtype=np.float64), axes)
             acc[name] = _combine(acc[name], part) if name in acc else part
     out = []
-    for name, _, _, kept_names in plans:
+    for name, arr, _, kept_names in plans:
         n, m, m2, lo, hi, total = acc[name]
         empty = np.asarray(n) == 0
         if empty.any():
@@ -289,7 +329,7 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
                                  np.sqrt(np.asarray(m2) / np.asarray(n)), np.asarray(lo),
                                  np.asarray(hi), count,
                                  nan_fraction=float(1.0 - count / max(1, total)),
-                                 coords=coords.get(name, ())))
+                                 coords=coords.get(name, ()), part=served_part(arr, kept_names)))
     return Stats(split, tuple(out))
 
 
