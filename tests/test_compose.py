@@ -16,6 +16,7 @@ import zarr
 from composed_stores import (
     LATITUDE,
     LEVELS,
+    PERIOD_LEVELS,
     on_moto,
     six_hourly,
     write_invariants,
@@ -206,6 +207,59 @@ def test_inner_serves_the_common_times_each_member_at_its_own_indices(stores):
     np.testing.assert_array_equal(src.sample_coord, merged["time"].values)
     batches = epoch(loader_of(src, batch_size=5, seed=1))
     check_rows(batches, merged, (*PL, *SL), n=42)
+
+
+def test_a_join_keeps_each_members_levels(stores):
+    """A 13-level store joined with one of 3 levels: a level picked by value, a variable's
+    levels stacked and its statistics' rows are that variable's own store's (its level 850
+    is the 2nd of 3, the other's the 11th of 13), as xarray selects them."""
+    three = open_(stores, "early").rename({"temperature": "t3", "2m_temperature": "t2"})
+    src = ib.join([open_(stores, "levels"), three], align="inner")
+    merged = xr.merge([stores["levels"][1],
+                       stores["early"][1].rename({"temperature": "t3", "2m_temperature": "t2"})
+                       .drop_vars("level").rename({"level": "level3"})], join="inner")
+    merged = merged.assign_coords(level3=PERIOD_LEVELS)
+    with loader_of(src, channels=[("t3", 850), ("temperature", 850)]) as ld:
+        assert ld.channel_names == ("t3@850", "temperature@850")
+        seen = []
+        for b in epoch(ld):
+            idx = b["sample_index"]
+            seen += idx.tolist()
+            np.testing.assert_array_equal(b["channels"][:, 0],
+                                          merged["t3"].sel(level3=850).values[idx])
+            np.testing.assert_array_equal(b["channels"][:, 1],
+                                          merged["temperature"].sel(level=850).values[idx])
+    assert sorted(seen) == list(range(merged.sizes["time"]))
+    with loader_of(src, channels=["t3"]) as ld:
+        assert ld.channel_names == ("t3@500", "t3@850", "t3@1000")
+        for b in epoch(ld):
+            np.testing.assert_array_equal(b["channels"], merged["t3"].values[b["sample_index"]])
+    stats = ib.compute_stats(src, ib.split_by_chunk(src, (1.0,)), variables=["t3"],
+                             progress=False)
+    assert stats["t3"].coords == tuple(PERIOD_LEVELS.tolist())
+    np.testing.assert_allclose(stats["t3"].at(850)[0],
+                               stores["early"][1]["temperature"].sel(level=850).mean(), rtol=1e-6)
+
+
+def test_a_join_of_grids_that_differ_is_refused_naming_the_dimension(stores, tmp_path):
+    """Latitudes stored south to north beside a store north to south: one shape, other
+    points. Served side by side they would be misaligned; refused."""
+    flipped = stores["single"][1].isel(latitude=slice(None, None, -1)).rename(
+        {"2m_temperature": "t2", "total_precipitation": "tp"})
+    flipped.to_zarr(tmp_path / "flipped.zarr")
+    with pytest.raises(ib.StoreError, match=r"join: the 'latitude' of member 1 .*flipped.zarr"
+                       r"\) differs from member 0's .* at index 0: -90.0 against 90.0: a join "
+                       r"serves its variables on one grid"):
+        ib.join([open_(stores, "levels"), ib.open_source(tmp_path / "flipped.zarr")])
+
+
+def test_a_concat_of_periods_on_other_levels_is_refused_naming_them(stores, tmp_path):
+    other = stores["late"][1].assign_coords(level=[300, 500, 700])
+    other.to_zarr(tmp_path / "other-levels.zarr")
+    with pytest.raises(ib.StoreError, match=r"concat: the 'level' of variable 'temperature' "
+                       r"in member 1 .*other-levels.zarr\) differs from member 0's .* at index "
+                       r"0: 300 against 500"):
+        ib.concat([open_(stores, "early"), ib.open_source(tmp_path / "other-levels.zarr")])
 
 
 def test_a_name_two_members_serve_is_refused_unless_renamed(stores):

@@ -21,7 +21,7 @@ def plot_axes(source: Any, key: str) -> list[tuple[str, Any]]:
     out = []
     for d in list(dims)[-2:]:
         try:
-            values = source.coordinate(d) if d else None
+            values = source.coordinate(d, name) if d else None
         except (KeyError, ValueError):
             values = None
         out.append((str(d), values))

@@ -121,7 +121,7 @@ def _whole(source: Source, var: VariableGeometry) -> list[Channel]:
         labels: list[Any] = list(range(var.sample_shape[0]))  # no coordinate: indices
         if dim is not None:
             with contextlib.suppress(KeyError, ValueError):
-                labels = source.coordinate(dim).tolist()
+                labels = source.coordinate(dim, name).tolist()
         return [Channel(name, k, level_label(name, v)) for k, v in enumerate(labels)]
     if len(var.sample_shape) != 2:  # channels stack on the axis before (y, x)
         raise ConfigError(f"stacking {name!r} into channels needs samples shaped "
@@ -148,7 +148,7 @@ def _level(source: Source, var: VariableGeometry, item: Any, level: Any) -> Chan
         raise UnknownNameError(f"the level dimension of {name!r} has no name (dims "
                                f"{var.dimension_names}), so no coordinate to pick "
                                f"{level!r} from")
-    values = source.coordinate(dim)
+    values = source.coordinate(dim, name)  # this variable's levels: its store's, a region's
     k = level_index(values, level)
     if k is None:
         # "t@501" (a command line's form) shows its level as written, not as the string

@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ConfigTypeError, StoreError
+from ..errors import ConfigError, ConfigTypeError, StoreError, UnknownNameError
 from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from ..sampling.rowmap import RowMap, RowRun
 from .anemoi import DATA
 from .composed_array import ComposedArray
 from .periods import regular_step
 from .served import Member, Source, Stored, as_composed, compose, own_member
+from .statistics import GRID_DIMS
 
 ALIGNS = ("exact", "inner")
 
@@ -80,6 +81,7 @@ def join(sources: Sequence[Source], align: str = "exact") -> Source:
         sources = _on_common(sources)
     else:
         _check_equal(sources)
+    _check_grids(sources)
     anemoi = sources[0].format == "anemoi"
     variables: list[VariableGeometry] = []
     arrays: list[Stored] = []
@@ -131,6 +133,47 @@ def _check_equal(sources: list[Source]) -> None:
             raise StoreError(f"join(align='exact'): member {k} ({s.url}) differs from member 0 "
                              f"({first.url}) at sample {i}: {coord[i]} vs {ref[i]}; use "
                              "align='inner' to serve the values both have")
+
+
+def _check_grids(sources: list[Source]) -> None:
+    """A join serves its variables on one grid: where two members store a coordinate of a
+    grid dimension (latitude, longitude, y, x, cells...), their values must be equal. Members
+    on grids of one shape but other values (latitudes north to south and south to north)
+    would otherwise be served side by side as if aligned. Levels may differ: each variable
+    keeps its own (``Source.coordinate(dim, variable)``)."""
+    seen: dict[str, tuple[int, np.ndarray]] = {}
+    for k, s in enumerate(sources):
+        for v in s.variables:
+            for dim in (v.dimension_names or ())[1:]:
+                if dim is None or dim not in GRID_DIMS:
+                    continue
+                try:
+                    values = s.coordinate(dim, v.name)
+                except (UnknownNameError, StoreError):
+                    continue  # not stored: nothing to compare
+                if dim not in seen:
+                    seen[dim] = (k, values)
+                    continue
+                j, ref = seen[dim]
+                if j != k and _differ(values, ref) is not None:
+                    at = _differ(values, ref)
+                    raise StoreError(
+                        f"join: the {dim!r} of member {k} ({s.url}) differs from member {j}'s "
+                        f"({sources[j].url}){at}: a join serves its variables on one grid; "
+                        "join stores of the same grid")
+
+
+def _differ(values: np.ndarray, ref: np.ndarray) -> str | None:
+    """Where two coordinates differ, in words (``None``: equal, floats to 1e-9)."""
+    if values.shape != ref.shape:
+        return f": {values.size} values against {ref.size}"
+    same = (np.isclose(values, ref, rtol=0, atol=1e-9) if values.dtype.kind in "fiu"
+            and ref.dtype.kind in "fiu" else values == ref)
+    bad = np.flatnonzero(~np.asarray(same))
+    if bad.size == 0:
+        return None
+    i = int(bad[0])
+    return f" at index {i}: {values[i]} against {ref[i]}"
 
 
 def _on_common(sources: list[Source]) -> list[Source]:
@@ -248,6 +291,24 @@ def _check_alike(sources: list[Source]) -> None:
                 raise StoreError(f"concat: variable {a.name!r} of member {k} ({s.url}) is "
                                  f"{b.dtype} samples of {b.sample_shape}{_dims(b)}, of member "
                                  f"0 ({first.url}) {a.dtype} of {a.sample_shape}{_dims(a)}")
+            for dim in (b.dimension_names or ())[1:]:
+                at = _coordinates_differ(first, s, a.name, dim)
+                if at is not None:
+                    raise StoreError(f"concat: the {dim!r} of variable {a.name!r} in member {k} "
+                                     f"({s.url}) differs from member 0's ({first.url}){at}: "
+                                     "its samples would mean other things in each period")
+
+
+def _coordinates_differ(first: Source, other: Source, name: str, dim: str | None,
+                        ) -> str | None:
+    """Where ``other``'s coordinate ``dim`` of variable ``name`` differs from ``first``'s,
+    in words; ``None`` where they are equal or either store has none."""
+    if dim is None:
+        return None
+    try:
+        return _differ(other.coordinate(dim, name), first.coordinate(dim, name))
+    except (UnknownNameError, StoreError):
+        return None
 
 
 def _dims(v: VariableGeometry) -> str:

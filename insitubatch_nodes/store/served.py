@@ -86,19 +86,44 @@ class Source:
     members: tuple[Member, ...] = ()
     origins: tuple[tuple[str, str | None], ...] = ()
 
-    def coordinate(self, dim: str) -> np.ndarray:
+    def coordinate(self, dim: str, variable: str | None = None) -> np.ndarray:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables
         (in a composed source, in the first member storing it), or given by the format's
-        metadata (``coords``)."""
-        if dim in self.coords:
+        metadata (``coords``). With ``variable``: as that variable serves them, from the
+        store it is read from (a join's members may store other levels) and cut as a region
+        or a part of the grid cut it; a coordinate of another length is refused."""
+        if variable is None:
+            return self._coordinate_in(dim, None)
+        self.variable(variable)  # an unknown name: refused, naming those served
+        i = self.names.index(variable)
+        url = self.origin(i)[0]
+        values = self._coordinate_in(dim, url)
+        arr, geom = self.arrays[i], self.variables[i]
+        base = arr.base_geom if isinstance(arr, CutArray) else geom
+        dims = list(base.dimension_names or ())
+        if dim not in dims[1:]:
+            return values
+        axis = dims.index(dim)
+        if values.shape != (base.shape[axis],):
+            raise StoreError(f"the coordinate {dim!r} of {url} has shape {values.shape}, but "
+                             f"variable {variable!r} has {base.shape[axis]} values along "
+                             f"{dim!r}; give index slices ({dim}=slice(a, b)) instead")
+        return values[arr.index(axis)] if isinstance(arr, CutArray) else values
+
+    def _coordinate_in(self, dim: str, url: str | None) -> np.ndarray:
+        """Coordinate ``dim`` from the format's metadata (an uncomposed source), or the
+        first group storing it: of store ``url`` alone where given."""
+        if dim in self.coords and not self.members:
             return np.asarray(self.coords[dim])
         groups = [(self.group, self.url)] + [(m.group, m.url) for m in self.members]
+        if url is not None:
+            groups = [g for g in groups if g[1] == url] or groups[:1]
         have: set[str] = set()
-        for group, url in groups:
+        for group, where in groups:
             if group is not None and dim in group.array_keys():
-                return np.asarray(array_in(group, dim, url)[:])
+                return np.asarray(array_in(group, dim, where)[:])
             have |= set(group.array_keys()) if group is not None else set()
-        raise UnknownNameError(f"no coordinate array {dim!r} in {self.url}; arrays: "
+        raise UnknownNameError(f"no coordinate array {dim!r} in {url or self.url}; arrays: "
                                f"{sorted(have)}")
 
     def origin(self, i: int) -> tuple[str, str | None]:
@@ -291,15 +316,14 @@ class Source:
         with that dimension; one that no variable has is refused."""
         cuts: dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
         for dim, bound in bounds.items():
-            whole = None if isinstance(bound, slice) else self.coordinate(dim)
             hit = False
             for i, v in enumerate(self.variables):
                 dims = list(v.dimension_names or ())
                 if dim not in dims[1:]:
                     continue
                 axis = dims.index(dim)
-                values = (np.arange(v.shape[axis]) if whole is None
-                          else self._served_values(whole, i, axis, dim))
+                values = (np.arange(v.shape[axis]) if isinstance(bound, slice)
+                          else self.coordinate(dim, v.name))
                 cuts.setdefault(i, []).append(
                     (axis, runs(coordinate_index(values, bound, dim))))
                 hit = True
@@ -309,17 +333,6 @@ class Source:
                 raise UnknownNameError(f"region {dim}=...: no variable of {self.url} has a "
                                        f"dimension {dim!r}; dimensions: {have}")
         return self._cut(cuts)
-
-    def _served_values(self, whole: np.ndarray, i: int, axis: int, dim: str) -> np.ndarray:
-        """Coordinate ``dim`` along ``axis`` of variable ``i`` as served: a region's (a region
-        of a region takes its bounds among the values the first one kept, in its order)."""
-        arr, v = self.arrays[i], self.variables[i]
-        n = arr.base_geom.shape[axis] if isinstance(arr, CutArray) else v.shape[axis]
-        if whole.shape != (n,):
-            raise StoreError(f"region {dim}=...: the coordinate {dim!r} of {self.url} has "
-                             f"shape {whole.shape}, but variable {v.name!r} has {n} values "
-                             f"along {dim!r}; give index slices ({dim}=slice(a, b)) instead")
-        return whole[arr.index(axis)] if isinstance(arr, CutArray) else whole
 
     def _cut(self, cuts: Mapping[int, Sequence[tuple[int, tuple[tuple[int, int], ...]]]],
              ) -> Source:

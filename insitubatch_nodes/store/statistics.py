@@ -278,7 +278,6 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
     # (name, array, axes reduced over, names of the dims kept)
     plans: list[tuple[str, Stored, tuple[int, ...], tuple[str, ...]]] = []
     coords: dict[str, tuple[Any, ...]] = {}
-    by_dim: dict[str, tuple[Any, ...]] = {}  # a coordinate read once, whoever keeps it
     for name in names:
         g = source.variable(name)  # an unknown name: refused here, before the long pass
         dims = g.dimension_names or tuple(f"dim_{i}" for i in range(len(g.shape)))
@@ -293,16 +292,10 @@ def compute_stats(source: Source, manifest: SplitManifest, split: str = "train",
             if g.labels is not None and list(dims).index(dim) == 1:
                 coords[name] = tuple(g.labels)  # anemoi: the variable axis's names
             else:
-                if dim not in by_dim:
-                    try:
-                        by_dim[dim] = tuple(source.coordinate(dim).tolist())
-                    except (KeyError, ValueError):
-                        by_dim[dim] = ()
-                coords[name] = by_dim[dim]
-                arr = source.arrays[source.names.index(name)]
-                if coords[name] and isinstance(arr, CutArray):  # the levels a region kept
-                    coords[name] = tuple(np.asarray(coords[name], dtype=object)[
-                        arr.index(list(dims).index(dim))].tolist())
+                try:  # this variable's: its store's levels, those a region kept
+                    coords[name] = tuple(source.coordinate(dim, name).tolist())
+                except (KeyError, ValueError):
+                    coords[name] = ()
     acc: dict[str, Moments] = {}
     it: Iterable[int] = ids.tolist()
     if progress:
