@@ -111,6 +111,22 @@ def test_a_coordinate_of_another_length_is_refused(tmp_path):
         ib.open_source(tmp_path / "s.zarr").region(lat=(1, 3))
 
 
+def test_channels_of_a_region_of_levels_are_the_levels_it_kept(wb2):
+    """A level picked by value among a region's levels is that level (it was picked by its
+    index among the store's: 850 served the 1000 hPa values)."""
+    path, ds = wb2
+    src = ib.open_source(path).region(level=(850, 1000))
+    for channels, levels in (([("temperature", 850)], [850]), ([("temperature", 1000)], [1000]),
+                             (["temperature"], [850, 1000])):
+        manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
+        with ib.build_loader(src, manifest, "train", batch_size=4, channels=channels) as ld:
+            assert ld.channel_names == tuple(f"temperature@{lv}" for lv in levels)
+            for b in ld:
+                np.testing.assert_array_equal(
+                    b["channels"].numpy(),
+                    ds["temperature"].sel(level=levels).values[b["sample_index"]])
+
+
 def test_a_region_naming_no_dimension_or_no_value_is_refused(wb2):
     src = ib.open_source(wb2[0])
     with pytest.raises(ib.UnknownNameError, match="'lat'.*latitude"):
