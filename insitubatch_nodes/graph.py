@@ -60,7 +60,12 @@ from .sampling.geometry import SampleGrid
 from .sampling.grid_parts import Deal, deal_of
 from .sampling.permute import resolve_rank
 from .sampling.schedule import ScheduleContext
-from .sampling.windows import SampleWindow, chunks_reaching, chunks_touching
+from .sampling.windows import (
+    SampleWindow,
+    chunks_across_gaps,
+    chunks_reaching,
+    chunks_touching,
+)
 from .store.anemoi import DATA
 from .store.source import Source
 from .store.splits import SplitManifest
@@ -160,6 +165,12 @@ def _left_out(source: Source, manifest: SplitManifest, split: str, chunk_ids: np
         anchorless = ids[grid.n_samples_each(ids) == 0]
         excluded = np.union1d(excluded, anchorless)
     if steps is not None:
+        gaps = chunks_across_gaps(source.sample_coord, source.grid, steps)
+        if gaps.size:
+            log.info("split %r: chunks %s left out: their samples' time steps cross a gap in "
+                     "the %r coordinate (a step missing from the store or from a member of "
+                     "an inner join)", split, gaps[:8].tolist(), source.sample_dim)
+            excluded = np.union1d(excluded, gaps)
         others = [manifest.chunk_ids(n) for n in manifest.names if n != split]
         others_ids = np.concatenate(others) if others else np.empty(0, dtype=np.int64)
         across = chunks_reaching(chunk_ids, others_ids, grid, steps)
@@ -194,7 +205,8 @@ def _served_chunks(source: Source, manifest: SplitManifest, split: str, grid: Sa
             raise ConfigError(
                 f"every chunk of split {split!r} ({had}) is left out: its samples touch the "
                 f"store's missing steps {list(source.missing)[:8]} or, with time steps "
-                f"{steps}, reach another split's chunks (split_by_chunk(mode='random') "
+                f"{steps}, cross a gap in the sample coordinate or reach another split's "
+                "chunks (split_by_chunk(mode='random') "
                 "interleaves the splits; use contiguous splits or split_by_coordinate(gap=))")
     if len(chunk_ids) == 0:
         raise ConfigError(

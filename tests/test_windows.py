@@ -4,7 +4,9 @@ exact resume, reads; window= as the deprecated old name of steps=."""
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
+import xarray as xr
 import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -676,3 +678,74 @@ def test_steps_raise_no_deprecation_warning(weather, recwarn):
                                steps=win)
     ib.build_loader(src, m, "train", batch_size=4, steps=win).shutdown()
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+# -- gaps in the sample coordinate ------------------------------------------------------
+SIX_HOURS = np.timedelta64(6, "h")
+
+
+def _six_hourly(path, n: int, chunk: int, missing=()) -> xr.Dataset:
+    """``t2m`` every 6 hours from 2020-01-01, ``missing`` steps never written (a date an
+    archive lacks), ``chunk`` steps a chunk; values that say their step."""
+    times = np.delete(np.datetime64("2020-01-01", "ns") + np.arange(n) * SIX_HOURS, missing)
+    values = np.broadcast_to(np.arange(times.size, dtype="f4")[:, None, None],
+                             (times.size, 3, 4)).copy()
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), values)},
+                    coords={"time": times, "lat": [10.0, 0.0, -10.0], "lon": np.arange(4.0)})
+    ds.to_zarr(path, encoding={"t2m": {"chunks": (chunk, 3, 4)}})
+    return ds
+
+
+def _evenly_spaced(times, chunk, win) -> list[int]:
+    """The anchors a loader may serve: its read steps ``o * 6h`` from it, in chunks where
+    every anchor's are (whole chunks go, as for missing steps)."""
+    anchors = range(win.before, times.size - win.after)
+    ok = {a: all(times[a + o] - times[a] == o * SIX_HOURS for o in win.offsets.tolist())
+          for a in anchors}
+    bad = {a // chunk for a, good in ok.items() if not good}
+    return [a for a, good in ok.items() if good and a // chunk not in bad]
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_windows_never_cross_a_step_the_store_lacks(tmp_path, chunk):
+    """A 6-hourly store missing two dates: each window served reads its steps at their
+    offsets in hours (never a 12-hour gap read as 6), each such anchor once."""
+    ds = _six_hourly(tmp_path / "s.zarr", 40, chunk, missing=[17, 30])
+    src = ib.open_source(tmp_path / "s.zarr")
+    win = SampleWindow(2, (1, 2))
+    batches = epoch(ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train",
+                                    batch_size=5, steps=win))
+    anchors = np.concatenate([b["sample_index"] for b in batches])
+    assert sorted(anchors.tolist()) == _evenly_spaced(ds["time"].values, chunk, win)
+    for b in batches:
+        a = b["sample_index"]
+        np.testing.assert_array_equal(b["t2m"], ds["t2m"].values[a[:, None] + win.input_offsets])
+
+
+def test_windows_of_an_inner_join_never_cross_a_date_a_member_lacks(tmp_path):
+    full = _six_hourly(tmp_path / "full.zarr", 40, 1)
+    _six_hourly(tmp_path / "holed.zarr", 40, 1, missing=[17])
+    src = ib.join([ib.open_source(tmp_path / "full.zarr"),
+                   ib.open_source(tmp_path / "holed.zarr").rename({"t2m": "other"})],
+                  align="inner")
+    times = np.delete(full["time"].values, [17])
+    np.testing.assert_array_equal(src.sample_coord, times)
+    win = SampleWindow(1, (1,))
+    batches = epoch(ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train",
+                                    batch_size=4, steps=win))
+    anchors = sorted(np.concatenate([b["sample_index"] for b in batches]).tolist())
+    assert anchors == _evenly_spaced(times, 1, win) and 16 not in anchors
+
+
+def test_calendar_months_are_steps_not_gaps(tmp_path):
+    """Monthly means (28 to 31 days apart) are regular in their calendar: every anchor."""
+    months = pd.date_range("2000-01-01", periods=30, freq="MS").values
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), np.zeros((30, 3, 4), "f4"))},
+                    coords={"time": months, "lat": [1.0, 0.0, -1.0], "lon": np.arange(4.0)})
+    ds.to_zarr(tmp_path / "m.zarr", encoding={"t2m": {"chunks": (1, 3, 4)}})
+    src = ib.open_source(tmp_path / "m.zarr")
+    win = SampleWindow(3, (1,))
+    batches = epoch(ib.build_loader(src, ib.split_by_chunk(src, (1.0,)), "train",
+                                    batch_size=4, steps=win))
+    assert sorted(np.concatenate([b["sample_index"] for b in batches]).tolist()) == list(
+        range(2, 29))

@@ -99,6 +99,34 @@ def chunks_touching(missing: Sequence[int], grid: SampleGrid,
     return np.unique(anchors // grid.chunk_size)
 
 
+def chunks_across_gaps(coord: np.ndarray | None, grid: SampleGrid,
+                       steps: SampleWindow) -> np.ndarray:
+    """The chunk ids holding an anchor whose time steps are not evenly spaced in the sample
+    coordinate ``coord``, ascending: a step a store never wrote, or one an inner join left
+    out because a member lacks it, would put other times into a window (a 12-hour gap read
+    as 6 hours). The step is the smallest difference; a coordinate whose differences are
+    not all whole multiples of it (calendar months) has no gaps to find. Whole chunks go,
+    as for missing steps."""
+    none = np.empty(0, dtype=np.int64)
+    if coord is None or coord.size < 2 or steps.span == 1 or coord.dtype.kind not in "Mmfiu":
+        return none
+    diffs = np.diff(coord)
+    positive = diffs[diffs > diffs.dtype.type(0)]
+    if positive.size < diffs.size or positive.size == 0:
+        return none  # not increasing: no step to measure gaps in
+    ratio = (diffs / positive.min()).astype(np.float64)
+    k = np.round(ratio)
+    if not np.allclose(ratio, k, rtol=0, atol=1e-6) or (k == 1).all():
+        return none  # irregular by nature, or regular
+    at = np.concatenate([[0], np.cumsum(k.astype(np.int64))])  # each sample, in steps
+    valid = steps.grid(grid)
+    anchors = np.arange(valid.first, valid.end, dtype=np.int64)
+    bad = np.zeros(anchors.size, dtype=bool)
+    for o in steps.offsets.tolist():
+        bad |= at[anchors + o] - at[anchors] != o
+    return np.unique(anchors[bad] // grid.chunk_size)
+
+
 def chunks_reaching(chunk_ids: np.ndarray, others: np.ndarray, grid: SampleGrid,
                     steps: SampleWindow) -> np.ndarray:
     """Those of ``chunk_ids`` (one split's) holding an anchor whose time steps (those it
