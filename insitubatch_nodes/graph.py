@@ -54,7 +54,7 @@ from .nodes import (
 from .nodes.channels import resolve_channels, served_by
 from .nodes.pin_or_cuda import CudaOps, PinnedArrays, resolve_device
 from .nodes.read_groups import cut_grid, grid_part_of, static_part
-from .nodes.static import cut_static
+from .nodes.static import align_static, cut_static
 from .sampling.deal_checks import check_batches, check_world_size, schedule_quality
 from .sampling.geometry import SampleGrid
 from .sampling.grid_parts import Deal, deal_of
@@ -229,9 +229,10 @@ def resolve(source: Source, manifest: SplitManifest, split: str,
     if served is not source:
         config = _names_served(config, source, served)
         source = served
-    if config.sample.static:  # fields of the whole grid, cut as a region is
+    if config.sample.static:  # DataArrays on the data's points; whole-grid fields cut
         config = dataclasses.replace(config, sample=dataclasses.replace(
-            config.sample, static=cut_static(config.sample.static, source)))
+            config.sample, static=cut_static(align_static(config.sample.static, source),
+                                             source)))
     rank, world_size = resolve_rank(s.rank, s.world_size)
     deal = deal_of(rank, world_size, s.read_group)
     part, axes = grid_part_of(source, deal)

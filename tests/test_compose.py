@@ -262,6 +262,33 @@ def test_a_concat_of_periods_on_other_levels_is_refused_naming_them(stores, tmp_
         ib.concat([open_(stores, "early"), ib.open_source(tmp_path / "other-levels.zarr")])
 
 
+def test_invariants_as_dataarrays_land_on_the_points_they_describe(stores, tmp_path):
+    """An invariants store written south to north on longitudes -180..180 (the data: north
+    to south on 0..360), opened by xarray, its DataArrays given as static fields (one
+    transposed): each value is served at its own point, over a region too; a field
+    lacking a point of the data's grid is refused naming it."""
+    inv = stores["invariants"][1]
+    turned = inv.isel(latitude=slice(None, None, -1)).assign_coords(
+        longitude=(((inv["longitude"] + 180) % 360) - 180)).sortby("longitude")
+    turned.to_zarr(tmp_path / "turned.zarr")
+    opened = xr.open_zarr(tmp_path / "turned.zarr")
+    static = {"lsm": opened["land_sea_mask"],
+              "orography": opened["geopotential_at_surface"].transpose("longitude", "latitude")}
+    src = open_(stores, "single")
+    for part in (src, src.region(latitude=(-20, 70), longitude=(-100, 60))):
+        want = inv.sel(latitude=part.coordinate("latitude", "2m_temperature"),
+                       longitude=part.coordinate("longitude", "2m_temperature"))
+        with loader_of(part, static=static) as ld:
+            b = next(iter(ld))
+        np.testing.assert_array_equal(b["static/lsm"][0].numpy(), want["land_sea_mask"].values)
+        np.testing.assert_array_equal(b["static/orography"][0].numpy(),
+                                      want["geopotential_at_surface"].values)
+    north = opened["land_sea_mask"].sel(latitude=slice(0, 90))
+    with pytest.raises(ib.ConfigError, match=r"static field 'lsm' has no latitude -.* a point "
+                                             r"of the data's grid"):
+        loader_of(src, static={"lsm": north})
+
+
 def test_a_name_two_members_serve_is_refused_unless_renamed(stores):
     # the levels' first 24 steps and the early period (its own temperature on 3 levels)
     levels = open_(stores, "levels").period(end="2020-01-06T18")

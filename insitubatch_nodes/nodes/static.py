@@ -12,7 +12,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, UnknownNameError
 from ..store.arrays import array_in
-from ..store.cut_array import CutArray
+from ..store.cut_array import LONGITUDES, CutArray
 from ..store.discovery import discover, static_only
 from ..store.source import Source
 from ..store.storage import explain, open_url
@@ -68,6 +68,70 @@ def open_static(url: str | os.PathLike[str] | Source, variables: Sequence[str] |
                                f"arrays there: {have}")
     fields = {v: np.asarray(array_in(group, v, display)[:]) for v in variables}
     return cut_static(fields, url) if isinstance(url, Source) else fields
+
+
+def align_static(fields: Mapping[str, Any], source: Source) -> dict[str, Any]:
+    """Static fields given as ``xarray.DataArray`` (``xr.open_zarr(invariants)["lsm"]``),
+    aligned by coordinate value to the grid the source serves: transposed to the order of
+    a variable's last dims and taken at that variable's coordinate values (an invariants
+    store written south to north beside data north to south, longitudes -180..180 beside
+    0..360, a region), so each value lands on the point it describes; a point the field
+    lacks is refused, naming it. Plain arrays are taken as they are (``check_static``
+    checks their shape against the samples')."""
+    import xarray as xr
+
+    out = dict(fields)
+    for name, value in fields.items():
+        if not isinstance(value, xr.DataArray):
+            continue
+        dims = [str(d) for d in value.dims]
+        var = next((v for v in source.variables if v.dimension_names
+                    and len(v.dimension_names) > len(dims)
+                    and sorted(map(str, v.dimension_names[-len(dims):])) == sorted(dims)), None)
+        if var is None:
+            have = {v.name: v.dimension_names[1:] for v in source.variables
+                    if v.dimension_names}
+            raise ConfigError(f"static field {name!r} has dims {tuple(dims)}, and no variable "
+                              f"served by {source.url} has samples ending in those dims: "
+                              f"{have}; rename its dims (DataArray.rename) to the data's")
+        order = [str(d) for d in (var.dimension_names or ())[-len(dims):]]
+        value = value.transpose(*order)
+        picks: dict[str, np.ndarray] = {}
+        for dim in order:
+            if dim not in value.coords:
+                continue
+            try:
+                want = source.coordinate(dim, var.name)
+            except (UnknownNameError, ValueError):
+                continue  # the data has no coordinate here: its shape decides
+            picks[dim] = _positions(np.asarray(value[dim].values), want, name, dim)
+        out[name] = np.ascontiguousarray(value.isel(picks).values)
+    return out
+
+
+def _positions(have: np.ndarray, want: np.ndarray, name: str, dim: str) -> np.ndarray:
+    """Where each of ``want`` is in ``have`` (floats to 0.1 % of the spacing, so float32 and
+    float64 grids match; longitudes modulo 360), refused naming the first missing."""
+    if dim.lower() in LONGITUDES and have.dtype.kind in "fiu" and want.dtype.kind in "fiu":
+        have, want = np.mod(have, 360.0), np.mod(want, 360.0)
+    order = np.argsort(have, kind="stable")
+    ranked = have[order]
+    at = np.clip(np.searchsorted(ranked, want), 1, max(1, ranked.size - 1))
+    lo = np.clip(at - 1, 0, ranked.size - 1)
+    hi = np.clip(at, 0, ranked.size - 1)
+    if ranked.dtype.kind in "fiu" and want.dtype.kind in "fiu":
+        near = np.where(np.abs(ranked[hi] - want) < np.abs(ranked[lo] - want), hi, lo)
+        step = np.min(np.diff(ranked)) if ranked.size > 1 else 1.0
+        ok = np.abs(ranked[near] - want) <= 1e-3 * max(float(abs(step)), 1e-12)
+    else:
+        near = np.where(ranked[hi] == want, hi, lo)
+        ok = ranked[near] == want
+    if not ok.all():
+        miss = want[int(np.flatnonzero(~ok)[0])].tolist()
+        raise ConfigError(f"static field {name!r} has no {dim} {miss!r}, a point of the data's "
+                          f"grid; its {dim} spans {have.min().tolist()!r} .. "
+                          f"{have.max().tolist()!r}: give a field of this grid")
+    return order[near]
 
 
 def cut_static(fields: Mapping[str, Any], source: Source) -> dict[str, Any]:
