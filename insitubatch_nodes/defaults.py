@@ -67,8 +67,9 @@ def every_steps(source: Source, every: int | str) -> tuple[int, int]:
     t = np.asarray(times).astype("datetime64[ns]")
     steps = np.unique(np.diff(t))
     if t.size < 2 or steps.size != 1:
+        said = ", ".join(str(pd.Timedelta(x)) for x in steps[:4])
         raise ConfigError(f"sampling.every={every!r} needs a regular time axis; {source.url}'s "
-                         f"steps are {steps[:4]} (give a number of steps instead)")
+                         f"steps are {said} (give a number of steps instead)")
     k, rest = divmod(int(period.astype(np.int64)), int(steps[0].astype(np.int64)))
     if k < 1 or rest:
         raise ConfigError(f"sampling.every={every!r} is not a whole number of the time axis' "

@@ -629,6 +629,11 @@ def test_every_is_checked(hourly, tmp_path):
     ds = ib.SampleDataset(plain, m, "train", every=7)  # random access keeps the same ones
     assert ds.sample_indices.tolist() == [0, 7, 14, 21, 28]
     np.testing.assert_array_equal(ds[1]["x"], data["x"][7])
+    _six_hourly(tmp_path / "holed.zarr", 12, 1, missing=[5])
+    holed = ib.open_source(tmp_path / "holed.zarr")
+    with pytest.raises(ValueError, match=r"every='12h' needs a regular time axis; .* steps are "
+                                         r"0 days 06:00:00, 0 days 12:00:00"):
+        ib.build_loader(holed, ib.split_by_chunk(holed, (1.0,)), "train", every="12h")
 
 
 # -- steps= is the name; window= its deprecated alias ------------------------------------
