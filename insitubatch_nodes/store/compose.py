@@ -155,8 +155,8 @@ def _check_grids(sources: list[Source]) -> None:
                     seen[dim] = (k, values)
                     continue
                 j, ref = seen[dim]
-                if j != k and _differ(values, ref) is not None:
-                    at = _differ(values, ref)
+                at = _differ(values, ref) if j != k else None
+                if at is not None:
                     raise StoreError(
                         f"join: the {dim!r} of member {k} ({s.url}) differs from member {j}'s "
                         f"({sources[j].url}){at}: a join serves its variables on one grid; "
@@ -164,11 +164,16 @@ def _check_grids(sources: list[Source]) -> None:
 
 
 def _differ(values: np.ndarray, ref: np.ndarray) -> str | None:
-    """Where two coordinates differ, in words (``None``: equal, floats to 1e-9)."""
+    """Where two coordinates differ, in words (``None``: equal; numbers to 0.1 % of their
+    spacing, so a grid stored in float32 matches its float64 twin)."""
     if values.shape != ref.shape:
         return f": {values.size} values against {ref.size}"
-    same = (np.isclose(values, ref, rtol=0, atol=1e-9) if values.dtype.kind in "fiu"
-            and ref.dtype.kind in "fiu" else values == ref)
+    if values.dtype.kind in "fiu" and ref.dtype.kind in "fiu":
+        spacing = np.abs(np.diff(ref.astype(np.float64)))
+        tol = 1e-3 * float(spacing[spacing > 0].min()) if (spacing > 0).any() else 1e-9
+        same = np.isclose(values.astype(np.float64), ref.astype(np.float64), rtol=0, atol=tol)
+    else:
+        same = values == ref
     bad = np.flatnonzero(~np.asarray(same))
     if bad.size == 0:
         return None
