@@ -122,20 +122,25 @@ def test_decode_workers_serve_what_the_threads_serve(stack):
     _same_batches(threads, workers)
 
 
+def _stopped_and_resumed(src, m, kw, stop: int) -> list[dict[str, np.ndarray]]:
+    """An epoch stopped after ``stop`` batches, its state loaded into a new loader that
+    serves the rest: the batches of both."""
+    with ib.build_loader(src, m, "train", **kw) as ld:
+        it = iter(ld)
+        head = [{k: v.numpy() for k, v in next(it).items()} for _ in range(stop)]
+        state = ld.state_dict()
+    with ib.build_loader(src, m, "train", **kw) as ld:
+        ld.load_state_dict(state)
+        return head + _epoch(ld)
+
+
 def test_an_exact_resume_mid_epoch_along_a_moved_axis(stack):
     src, _ = stack
     m = ib.split_by_chunk(src, (1.0,), names=["train"])
     kw = dict(batch_size=3, block_chunks=2, seed=6, steps=ib.SampleWindow(2, (1,)))
     with ib.build_loader(src, m, "train", **kw) as ld:
         whole = _epoch(ld)
-    with ib.build_loader(src, m, "train", **kw) as ld:
-        it = iter(ld)
-        head = [{k: v.numpy() for k, v in next(it).items()} for _ in range(5)]
-        state = ld.state_dict()
-    with ib.build_loader(src, m, "train", **kw) as ld:
-        ld.load_state_dict(state)
-        rest = _epoch(ld)
-    _same_batches(head + rest, whole)
+    _same_batches(_stopped_and_resumed(src, m, kw, 5), whole)
 
 
 def test_an_elastic_resume_from_two_ranks_to_three_along_a_moved_axis(stack):
@@ -254,13 +259,7 @@ def test_an_inner_join_with_a_time_first_store_at_other_dates(composed):
     assert _rows_equal(threads, want, ["t2m", "refl"]) == list(range(18))
     with ib.build_loader(src, m, "train", workers=2, **kw) as ld:
         _same_batches(threads, _epoch(ld))
-    with ib.build_loader(src, m, "train", **kw) as ld:
-        it = iter(ld)
-        head = [{k: v.numpy() for k, v in next(it).items()} for _ in range(2)]
-        state = ld.state_dict()
-    with ib.build_loader(src, m, "train", **kw) as ld:
-        ld.load_state_dict(state)
-        _same_batches(head + _epoch(ld), threads)
+    _same_batches(_stopped_and_resumed(src, m, kw, 2), threads)
 
 
 @pytest.mark.parametrize("in_place", [True, False])
