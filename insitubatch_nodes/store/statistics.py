@@ -253,7 +253,7 @@ def served_part(arr: Stored, kept: Sequence[str]) -> tuple[tuple[str, tuple[int,
 
 
 def _part_text(part: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
-    """``latitude: 7 of its points from index 3`` per dim, for errors."""
+    """``latitude: 7 points from index 3`` per dim, for errors."""
     return "; ".join(f"{d}: {len(ix)} points from index {ix[0]}" for d, ix in part)
 
 
