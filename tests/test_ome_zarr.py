@@ -200,6 +200,18 @@ def test_a_region_in_physical_units_of_the_level(images, level):
         open_ome_zarr(path).region(c=(0, 1))
 
 
+def test_a_join_of_images_takes_a_region_in_each_ones_units(images):
+    """Two images joined (one per NGFF version) keep their own physical positions: a region
+    by value cuts each as it would alone."""
+    a = open_ome_zarr(images["0.4"], labels=[])
+    b = open_ome_zarr(images["0.5"], labels=[]).rename({"image": "other"})
+    box = {"y": (1.0, 2.0), "x": (0.5, 1.25)}
+    joined = ib.join([a, b]).region(**box)
+    for name, alone in (("image", a.region(**box)), ("other", b.region(**box))):
+        assert joined.variable(name).shape == alone.variables[0].shape
+        np.testing.assert_array_equal(joined.coordinate("y", name), alone.coordinate("y", name))
+
+
 def test_worker_processes_serve_what_threads_serve(images):
     path = images["0.5"]
     src = open_ome_zarr(path, sample_dim="z")

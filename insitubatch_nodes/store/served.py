@@ -40,6 +40,8 @@ class Member:
     first: str = ""  # first and last sample coordinate values, as text
     last: str = ""
     group: zarr.Group | None = field(default=None, repr=False)
+    # its coordinates from the format's metadata (``Source.coords``: an OME-Zarr image's)
+    coords: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> str:
         snap = f" snapshot {self.snapshot_id}" if self.snapshot_id else ""
@@ -113,8 +115,11 @@ class Source:
     def _coordinate_in(self, dim: str, url: str | None) -> np.ndarray:
         """Coordinate ``dim`` from the format's metadata (an uncomposed source), or the
         first group storing it: of store ``url`` alone where given."""
-        if dim in self.coords and not self.members:
+        if not self.members and dim in self.coords:
             return np.asarray(self.coords[dim])
+        for m in self.members:  # a composed source: the member's own, where it has them
+            if (url is None or m.url == url) and dim in m.coords:
+                return np.asarray(m.coords[dim])
         groups = [(self.group, self.url)] + [(m.group, m.url) for m in self.members]
         if url is not None:
             groups = [g for g in groups if g[1] == url] or groups[:1]
@@ -353,7 +358,7 @@ def own_member(source: Source) -> Member:
     first = str(coord[0]) if coord is not None and coord.size else ""
     last = str(coord[-1]) if coord is not None and coord.size else ""
     return Member(source.url, source.snapshot_id, source.n_samples, source.variables,
-                  first, last, source.group)
+                  first, last, source.group, source.coords)
 
 
 def as_composed(arr: Stored, geom: VariableGeometry, url: str,
