@@ -542,10 +542,12 @@ def test_grouped_local_reads_fall_back_to_single_reads_on_error(tmp_path):
 
 def test_dtype_alone_casts_every_variable(tmp_path):
     """build_loader(dtype=...) without stats must still cast (it adds NormalizeNode for it),
-    and a variable the stats do not cover is cast too."""
+    and a variable the stats do not cover is cast too; an integer variable served raw whose
+    stored range the float type cannot hold whole (label ids) is refused, naming it."""
     path = tmp_path / "s.zarr"
-    write_store(path, [Var("x", (40, 3), (8, 3)), Var("y", (40, 2), (8, 2), dtype="int16")])
-    src = ib.open_source(path)
+    write_store(path, [Var("x", (40, 3), (8, 3)), Var("y", (40, 2), (8, 2), dtype="int8"),
+                       Var("ids", (40, 2), (8, 2), dtype="uint16")])
+    src = ib.open_source(path, variables=["x", "y"])
     m = ib.split_by_chunk(src, (1.0,))
     b = next(iter(ib.build_loader(src, m, "train", batch_size=4, dtype=torch.bfloat16)))
     assert b["x"].dtype == b["y"].dtype == torch.bfloat16
@@ -557,6 +559,17 @@ def test_dtype_alone_casts_every_variable(tmp_path):
     b = next(iter(ib.build_loader(src, m, "train", batch_size=4, stats=stats,
                                   dtype=torch.float16, normalize={"y": "none"})))
     assert b["x"].dtype == b["y"].dtype == torch.float16
+    labelled = ib.open_source(path, variables=["x", "ids"])
+    for kw in ({}, {"stats": stats, "normalize": {"ids": "none"}}):
+        with pytest.raises(ib.ConfigError, match=r"dtype=torch.bfloat16 would cast 'ids' "
+                           r"\(uint16, served raw.*only up to 256, and a uint16 reaches 65535"):
+            ib.build_loader(labelled, m, "train", batch_size=4, dtype=torch.bfloat16, **kw)
+    full = ib.compute_stats(labelled, m, "train")  # measurements: normalized, then cast
+    b = next(iter(ib.build_loader(labelled, m, "train", batch_size=4, stats=full,
+                                  dtype=torch.bfloat16)))
+    assert b["ids"].dtype == torch.bfloat16
+    b = next(iter(ib.build_loader(labelled, m, "train", batch_size=4, dtype=torch.float32)))
+    assert b["ids"].dtype == torch.float32  # float32 holds every uint16 whole
 
 
 def test_copy_state_is_deep_and_keeps_foreign_values():

@@ -102,7 +102,10 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         self._exact: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._params: dict[tuple[str, torch.device, torch.dtype],
                            tuple[torch.Tensor, torch.Tensor]] = {}
+        stat_names = {v.name for v in stats.variables}
         for var in variables:
+            if dtype is not None and (self._raw(var) or var.name not in stat_names):
+                _check_whole_numbers(var, dtype)
             try:
                 st = stats[var.name]
             except KeyError:
@@ -261,6 +264,30 @@ def _of_placement(params: tuple[torch.Tensor, torch.Tensor], pl: Placement,
     if pl.levels is not None and offset.dim() == 3 and offset.shape[0] > 1:
         return offset[pl.levels], scale[pl.levels]
     return offset, scale
+
+
+# The largest whole number each float type holds exactly, with every one below it.
+_EXACT = {torch.bfloat16: 2 ** 8, torch.float16: 2 ** 11, torch.float32: 2 ** 24,
+          torch.float64: 2 ** 53}
+
+
+def _check_whole_numbers(var: VariableGeometry, dtype: torch.dtype) -> None:
+    """An integer variable served raw (no statistics, or the scheme ``none``: a label
+    image's ids, a class map) cast to a float type too narrow for its stored range would
+    change its values (cell 300 becomes 300 or 302 in bfloat16): refused at build time."""
+    stored = np.dtype(var.dtype)
+    limit = _EXACT.get(dtype)
+    if stored.kind not in "iu" or limit is None:
+        return
+    info = np.iinfo(stored)
+    reach = max(abs(int(info.min)), int(info.max))
+    if reach > limit:
+        raise ConfigError(
+            f"dtype={dtype} would cast {var.name!r} ({stored}, served raw: no statistics) to "
+            f"{str(dtype).removeprefix('torch.')}, which holds whole numbers exactly only up "
+            f"to {limit}, and a {stored} reaches {reach}: ids such as label values would "
+            f"change. Leave dtype unset (the batch keeps {stored}; cast the other tensors in "
+            f"the training step), or give {var.name!r} statistics if it holds measurements")
 
 
 def _working_dtype(stored: torch.dtype) -> torch.dtype:
