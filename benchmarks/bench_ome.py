@@ -22,6 +22,7 @@ test::
 
     .venv/bin/python -m benchmarks.bench_ome --make-peer-venv --out bench-out/ome   # ~4 min
     .venv/bin/python -m benchmarks.bench_ome --small --out /tmp/ome-bench            # seconds
+    .venv/bin/python -m benchmarks.bench_ome --ours '{"in_place": true}' --rounds 3  # in place
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ OURS = r"""
 import json, sys, time
 import insitubatch_nodes as ib
 path, batch, block, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+options = json.loads(sys.argv[5])  # --ours: other build_loader keywords
 src = ib.open_ome_zarr(path, sample_dim="z", labels=[])
 manifest = ib.split_by_chunk(src, (1.0,), names=["train"])
-loader = ib.build_loader(src, manifest, "train", batch_size=batch, block_chunks=block, seed=0)
+loader = ib.build_loader(src, manifest, "train", batch_size=batch, block_chunks=block, seed=0,
+                         **options)
 times, cpu, shape = [], [], None
 with loader:
     for e in range(epochs + 1):
@@ -181,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per process")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block-chunks", type=int, default=16)
+    p.add_argument("--ours", default="{}", metavar="JSON",
+                   help='other build_loader keywords for ours, e.g. \'{"in_place": true}\' '
+                        'or \'{"keep_decoded": 0}\'')
     p.add_argument("--peer-python", default=str(PEER_VENV / "bin" / "python"))
     p.add_argument("--make-peer-venv", action="store_true")
     p.add_argument("--python312", default="python3.12")
@@ -188,6 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.make_peer_venv:
         args.peer_python = str(make_peer_venv(Path(args.peer_python).parents[1],
                                               args.python312))
+    try:
+        if not isinstance(json.loads(args.ours), dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        p.error(f"--ours {args.ours!r} is not a JSON object of build_loader keywords ({e})")
     if not Path(args.peer_python).exists():
         p.error(f"--peer-python {args.peer_python!r} does not exist: give a Python >= 3.12 "
                 f"with {PEER} installed, or pass --make-peer-venv")
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds = []
     for r in range(args.rounds):
         order = ["ours", "peer", "floor"][r % 3:] + ["ours", "peer", "floor"][:r % 3]
-        got = {who: (run_one(sys.executable, OURS, common) if who == "ours" else
+        got = {who: (run_one(sys.executable, OURS, [*common, args.ours]) if who == "ours" else
                      run_one(sys.executable, FLOOR, [*common, LEVEL]) if who == "floor" else
                      run_one(args.peer_python, PEER_SCRIPT, [*common, LEVEL]))
                for who in order}
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{peer['shape']}); all {args.epochs + 1} epochs: {row['overall']:.2f}x; "
               f"the peer's CPU time / ours: first epoch {row['first_cpu']:.2f}x, later "
               f"{row['warm_cpu']:.2f}x", flush=True)
-    summary: dict = {"store": str(store), "shape": shape, "chunks": chunks,
+    summary: dict = {"store": str(store), "shape": shape, "chunks": chunks, "ours": args.ours,
                      "batch_size": args.batch_size, "block_chunks": args.block_chunks,
                      "cpus": os.cpu_count(), "machine": platform.platform(), "rounds": rounds}
     for key, what in [("first", "first epoch (every chunk decoded)"),
