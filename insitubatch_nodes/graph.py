@@ -65,6 +65,7 @@ from .sampling.windows import (
     chunks_across_gaps,
     chunks_reaching,
     chunks_touching,
+    unordered_at,
 )
 from .store.anemoi import DATA
 from .store.source import Source
@@ -165,6 +166,14 @@ def _left_out(source: Source, manifest: SplitManifest, split: str, chunk_ids: np
         anchorless = ids[grid.n_samples_each(ids) == 0]
         excluded = np.union1d(excluded, anchorless)
     if steps is not None:
+        at = unordered_at(source.sample_coord)
+        if at is not None:
+            c = source.sample_coord
+            assert c is not None
+            raise ConfigError(f"time steps {steps} count steps along {source.url}'s "
+                              f"{source.sample_dim!r}, which does not move one way: "
+                              f"{c[at]} at index {at}, then {c[at + 1]}; a step written twice "
+                              "or out of order would put other times into a window")
         gaps = chunks_across_gaps(source.sample_coord, source.grid, steps)
         if gaps.size:
             log.info("split %r: chunks %s left out: their samples' time steps cross a gap in "

@@ -754,3 +754,30 @@ def test_calendar_months_are_steps_not_gaps(tmp_path):
                                     batch_size=4, steps=win))
     assert sorted(np.concatenate([b["sample_index"] for b in batches]).tolist()) == list(
         range(2, 29))
+
+
+def test_windows_on_a_coordinate_that_turns_back_are_refused_naming_where(tmp_path):
+    """A date written twice (or out of order): windows count steps along the axis, so they
+    would read other times; refused naming the index and both values. One step a sample
+    reads no neighbour: served. A decreasing axis is evenly spaced too: served."""
+    times = np.datetime64("2020-01-01", "ns") + np.arange(12) * SIX_HOURS
+    times[6] = times[5]
+    ds = xr.Dataset({"t2m": (("time", "lat"), np.zeros((12, 3), "f4"))},
+                    coords={"time": times, "lat": [1.0, 0.0, -1.0]})
+    ds.to_zarr(tmp_path / "twice.zarr", encoding={"t2m": {"chunks": (1, 3)}})
+    src = ib.open_source(tmp_path / "twice.zarr")
+    m = ib.split_by_chunk(src, (1.0,))
+    with pytest.raises(ib.ConfigError, match=r"'time', which does not move one way: "
+                                             r"2020-01-02T06:00:00.* at index 5, then "
+                                             r"2020-01-02T06:00:00"):
+        ib.build_loader(src, m, "train", steps=SampleWindow(2, (1,)))
+    with ib.build_loader(src, m, "train", batch_size=4) as ld:
+        assert sorted(i for b in ld for i in b["sample_index"].tolist()) == list(range(12))
+    depth = xr.Dataset({"v": (("z", "x"), np.arange(24, dtype="f4").reshape(8, 3))},
+                       coords={"z": np.arange(8.0)[::-1] * 2.5, "x": [0.0, 1.0, 2.0]})
+    depth.to_zarr(tmp_path / "depth.zarr", encoding={"v": {"chunks": (2, 3)}})
+    down = ib.open_source(tmp_path / "depth.zarr", sample_dim="z")
+    batches = epoch(ib.build_loader(down, ib.split_by_chunk(down, (1.0,)), "train",
+                                    batch_size=3, steps=SampleWindow(2, (1,))))
+    assert sorted(np.concatenate([b["sample_index"] for b in batches]).tolist()) == list(
+        range(1, 7))

@@ -111,10 +111,12 @@ def chunks_across_gaps(coord: np.ndarray | None, grid: SampleGrid,
     if coord is None or coord.size < 2 or steps.span == 1 or coord.dtype.kind not in "Mmfiu":
         return none
     diffs = np.diff(coord)
-    positive = diffs[diffs > diffs.dtype.type(0)]
-    if positive.size < diffs.size or positive.size == 0:
-        return none  # not increasing: no step to measure gaps in
-    ratio = (diffs / positive.min()).astype(np.float64)
+    zero = diffs.dtype.type(0)
+    if (diffs < zero).all():  # a decreasing axis: its steps as well
+        diffs = -diffs
+    if unordered_at(coord) is not None:
+        return none  # refused by the caller, naming where (``unordered_at``)
+    ratio = (diffs / diffs.min()).astype(np.float64)
     k = np.round(ratio)
     if not np.allclose(ratio, k, rtol=0, atol=1e-6) or (k == 1).all():
         return none  # irregular by nature, or regular
@@ -125,6 +127,20 @@ def chunks_across_gaps(coord: np.ndarray | None, grid: SampleGrid,
     for o in steps.offsets.tolist():
         bad |= at[anchors + o] - at[anchors] != o
     return np.unique(anchors[bad] // grid.chunk_size)
+
+
+def unordered_at(coord: np.ndarray | None) -> int | None:
+    """The first index ``i`` where a numeric or datetime sample coordinate stops moving one
+    way (``coord[i + 1]`` equal to ``coord[i]``, or turning back), or ``None``: a time window
+    counts steps along the axis, so a date written twice or out of order puts other times
+    into it."""
+    if coord is None or coord.size < 2 or coord.dtype.kind not in "Mmfiu":
+        return None
+    diffs = np.diff(coord)
+    zero = diffs.dtype.type(0)
+    way = diffs > zero if diffs[0] > zero else diffs < zero
+    bad = np.flatnonzero(~way)
+    return int(bad[0]) if bad.size else None
 
 
 def chunks_reaching(chunk_ids: np.ndarray, others: np.ndarray, grid: SampleGrid,
