@@ -173,6 +173,27 @@ def test_statistics_of_the_whole_grid_normalize_each_part_with_its_own_points(wb
                                            rtol=1e-5, atol=1e-5, err_msg=f"rank 1: {name}")
 
 
+def test_channels_normalized_per_point_denormalize_to_the_stored_values(wb2):
+    """Levels and a single-level field stacked into channels, normalized with statistics
+    per level and grid point (cut to a region): ``denormalize`` gives back the stored values
+    (its parameters were (channels, 1, 1) only, which per-point statistics do not fit)."""
+    path, ds = wb2
+    whole = ib.open_source(path)
+    stats = ib.compute_stats(whole, ib.split_by_chunk(whole, (1.0,), names=["train"]),
+                             keep_dims=["level", "latitude", "longitude"], progress=False)
+    part = whole.region(latitude=(0, 60), longitude=(-40, 40))
+    box = ds.sel(latitude=slice(60, 0))
+    box = xr.concat([box.sel(longitude=slice(320, 360)), box.sel(longitude=slice(0, 40))],
+                    "longitude")
+    want = np.concatenate([box["temperature"].values, box["2m_temperature"].values[:, None]], 1)
+    manifest = ib.split_by_chunk(part, (1.0,), names=["train"])
+    with ib.build_loader(part, manifest, "train", batch_size=4, stats=stats,
+                         channels=["temperature", "2m_temperature"]) as ld:
+        for b in ld:
+            np.testing.assert_allclose(ld.denormalize(b["channels"]).numpy(),
+                                       want[b["sample_index"].numpy()], rtol=1e-5)
+
+
 def test_statistics_say_which_part_they_cover(wb2, tmp_path):
     """Statistics computed over a region record its points: a loader serving that region
     takes them as they are (a full circle of longitudes re-ordered from 180: the same as the

@@ -193,17 +193,20 @@ class NormalizeNode(TransformNode[dict[str, torch.Tensor]]):
         """(offset, scale), float64, that batch key ``key`` (a variable, a stacked key such
         as ``"channels"``, or their ``target/``) was normalized with: ``x * scale + offset``
         undoes it. Shaped to broadcast over the key's trailing axes (a stacked key's:
-        ``(channels, 1, 1)``); a variable served raw has 0 and 1."""
+        ``(channels, 1, 1)``, or ``(channels, y, x)`` with statistics per grid point); a
+        variable served raw has 0 and 1."""
         name = key.removeprefix("target/")
         if name in self._stacked:
             assert self._layout is not None
-            channels = self._layout.key(name).row_shape[0]
-            offset = torch.zeros(channels, 1, 1, dtype=torch.float64)
-            scale = torch.ones(channels, 1, 1, dtype=torch.float64)
-            for var, pl in self._stacked[name]:
-                if var not in self._exact:
-                    continue
-                o, sc = _of_placement(self._exact[var], pl)
+            row = self._layout.key(name).row_shape
+            parts = [(pl, _of_placement(self._exact[var], pl))
+                     for var, pl in self._stacked[name] if var in self._exact]
+            per_point = any(o.dim() >= 2 and tuple(o.shape[-2:]) != (1, 1)
+                            for _, (o, _) in parts)
+            shape = tuple(row) if per_point else (row[0], 1, 1)
+            offset = torch.zeros(shape, dtype=torch.float64)
+            scale = torch.ones(shape, dtype=torch.float64)
+            for pl, (o, sc) in parts:
                 offset[pl.channel] = o  # broadcast: one channel, or the variable's range
                 scale[pl.channel] = sc
             return offset, scale
