@@ -127,6 +127,29 @@ def test_channels_of_a_region_of_levels_are_the_levels_it_kept(wb2):
                     ds["temperature"].sel(level=levels).values[b["sample_index"]])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_period_of_a_region_equals_xarrays_selection(wb2, workers):
+    """A region first, then a period every 12 hours (it was refused: "compose sources
+    first"), or the other way round: the same samples, xarray's."""
+    path, ds = wb2
+    box = ds.sel(latitude=slice(72, 35))
+    box = xr.concat([box.sel(longitude=slice(335, 360)), box.sel(longitude=slice(0, 45))],
+                    "longitude").sel(time=slice("2020-01-01T06", "2020-01-03T06"))
+    box = box.isel(time=slice(None, None, 2))
+    whole = ib.open_source(path)
+    for src in (whole.region(latitude=(35, 72), longitude=(-25, 45)).period(
+                    start="2020-01-01T06", end="2020-01-03T06", frequency="12h"),
+                whole.period(start="2020-01-01T06", end="2020-01-03T06", frequency="12h")
+                .region(latitude=(35, 72), longitude=(-25, 45))):
+        np.testing.assert_array_equal(src.sample_coord, box["time"].values)
+        seen = []
+        for b in epoch(src, workers=workers, batch_size=2):
+            seen += b["sample_index"].tolist()
+            for name in src.names:
+                np.testing.assert_array_equal(b[name], box[name].values[b["sample_index"]])
+        assert sorted(seen) == list(range(box.sizes["time"]))
+
+
 def test_a_region_naming_no_dimension_or_no_value_is_refused(wb2):
     src = ib.open_source(wb2[0])
     with pytest.raises(ib.UnknownNameError, match="'lat'.*latitude"):

@@ -274,12 +274,19 @@ class Source:
     def remapped(self, how: Any, n: int, coord: np.ndarray | None) -> Source:
         """Every variable read through ``how(its RowMap)`` (``n`` samples, coordinate
         ``coord``): the one way periods and joins on other dates are made."""
-        arrays, variables, origins = [], [], []
+        arrays: list[Stored] = []
+        variables, origins = [], []
         for i, (arr, geom) in enumerate(zip(self.arrays, self.variables, strict=True)):
             url, snap = self.origin(i)
-            composed = as_composed(arr, geom, url, snap)
-            rows = how(composed.rows)
-            made, made_geom = compose(geom, composed, rows)
+            base, base_geom = arr, geom
+            if isinstance(arr, CutArray):  # a part of the grid: remap what it cuts, cut again
+                base = arr.base
+                base_geom = replace(arr.base_geom, name=geom.name, labels=geom.labels)
+            composed = as_composed(base, base_geom, url, snap)
+            made, made_geom = compose(base_geom, composed, how(composed.rows))
+            if isinstance(arr, CutArray):
+                made = cut(made, made_geom, arr.cuts)
+                made_geom = replace(geom, shape=made.shape, chunks=made.chunks, shards=None)
             arrays.append(made)
             variables.append(made_geom)
             origins.append((url, snap))
@@ -368,8 +375,8 @@ def as_composed(arr: Stored, geom: VariableGeometry, url: str,
         return arr
     if isinstance(arr, CutArray):
         raise ConfigError(f"variable {geom.name!r} of {url} is cut to a part of its grid "
-                          "(grid_part, region): compose sources first (join, concat, "
-                          "period), then cut the composition")
+                          "(grid_part, region): concat the sources first, then cut the "
+                          "composition")
     return ComposedArray((arr,), (geom,), (url,), (snapshot,), RowMap.identity(geom.shape[0]),
                          geom.sample_chunk)
 
