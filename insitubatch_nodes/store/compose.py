@@ -143,12 +143,10 @@ def _check_grids(sources: list[Source]) -> None:
     keeps its own (``Source.coordinate(dim, variable)``)."""
     seen: dict[str, tuple[int, np.ndarray]] = {}
     for k, s in enumerate(sources):
-        done: set[str] = set()  # a store holds one array per coordinate: read it once
         for v in s.variables:
             for dim in (v.dimension_names or ())[1:]:
-                if dim is None or dim not in GRID_DIMS or dim in done:
+                if dim is None or dim not in GRID_DIMS:
                     continue
-                done.add(dim)
                 try:
                     values = s.coordinate(dim, v.name)
                 except (UnknownNameError, StoreError):
@@ -293,17 +291,12 @@ def _check_alike(sources: list[Source]) -> None:
             raise StoreError(f"concat: member {k} ({s.url}) serves {list(s.served_names())}, "
                              f"member 0 ({first.url}) {list(first.served_names())}: select "
                              "the same variables in the same order in each")
-        compared: set[tuple[str, str, str | None]] = set()  # stores hold one per dim
-        for i, (a, b) in enumerate(zip(first.variables, s.variables, strict=True)):
+        for a, b in zip(first.variables, s.variables, strict=True):
             if a.sample_shape != b.sample_shape or a.dtype != b.dtype:
                 raise StoreError(f"concat: variable {a.name!r} of member {k} ({s.url}) is "
                                  f"{b.dtype} samples of {b.sample_shape}{_dims(b)}, of member "
                                  f"0 ({first.url}) {a.dtype} of {a.sample_shape}{_dims(a)}")
             for dim in (b.dimension_names or ())[1:]:
-                key = (first.origin(i)[0], s.origin(i)[0], dim)
-                if key in compared:
-                    continue
-                compared.add(key)
                 at = _coordinates_differ(first, s, a.name, dim)
                 if at is not None:
                     raise StoreError(f"concat: the {dim!r} of variable {a.name!r} in member {k} "

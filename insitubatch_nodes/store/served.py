@@ -87,6 +87,11 @@ class Source:
     # store and snapshot its chunks come from (empty: all from ``url``/``snapshot_id``).
     members: tuple[Member, ...] = ()
     origins: tuple[tuple[str, str | None], ...] = ()
+    # Coordinate arrays read from the stores, by (store, dim): read once however many
+    # variables, channels or checks ask (a GET each on an object store). Shared by the
+    # sources derived from this one (``replace``): the stored arrays are the same.
+    coordinates_read: dict[tuple[str, str], np.ndarray] = field(default_factory=dict,
+                                                                repr=False)
 
     def coordinate(self, dim: str, variable: str | None = None) -> np.ndarray:
         """Values of a 1-D coordinate array (e.g. ``level``) stored beside the variables
@@ -125,8 +130,14 @@ class Source:
             groups = [g for g in groups if g[1] == url] or groups[:1]
         have: set[str] = set()
         for group, where in groups:
+            got = self.coordinates_read.get((where, dim))
+            if got is not None:
+                return got
             if group is not None and dim in group.array_keys():
-                return np.asarray(array_in(group, dim, where)[:])
+                got = np.asarray(array_in(group, dim, where)[:])
+                got.setflags(write=False)  # shared: read, never written
+                self.coordinates_read[(where, dim)] = got
+                return got
             have |= set(group.array_keys()) if group is not None else set()
         raise UnknownNameError(f"no coordinate array {dim!r} in {url or self.url}; arrays: "
                                f"{sorted(have)}")
