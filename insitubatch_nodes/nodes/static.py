@@ -12,7 +12,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError, UnknownNameError
 from ..store.arrays import array_in
-from ..store.cut_array import LONGITUDES, CutArray
+from ..store.cut_array import LONGITUDES, CutArray, same_point
 from ..store.discovery import discover, static_only
 from ..store.source import Source
 from ..store.storage import explain, open_url
@@ -121,8 +121,7 @@ def _positions(have: np.ndarray, want: np.ndarray, name: str, dim: str) -> np.nd
     hi = np.clip(at, 0, ranked.size - 1)
     if ranked.dtype.kind in "fiu" and want.dtype.kind in "fiu":
         near = np.where(np.abs(ranked[hi] - want) < np.abs(ranked[lo] - want), hi, lo)
-        step = np.min(np.diff(ranked)) if ranked.size > 1 else 1.0
-        ok = np.abs(ranked[near] - want) <= 1e-3 * max(float(abs(step)), 1e-12)
+        ok = np.abs(ranked[near] - want) <= same_point(ranked, alone=1e-3)
     else:
         near = np.where(ranked[hi] == want, hi, lo)
         ok = ranked[near] == want

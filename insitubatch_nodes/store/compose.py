@@ -19,6 +19,7 @@ from ..sampling.geometry import SampleGrid, VariableGeometry, common_chunk_size
 from ..sampling.rowmap import RowMap, RowRun
 from .anemoi import DATA
 from .composed_array import ComposedArray
+from .cut_array import same_point
 from .periods import regular_step
 from .served import Member, Source, Stored, as_composed, compose, own_member
 from .statistics import GRID_DIMS
@@ -169,9 +170,8 @@ def _differ(values: np.ndarray, ref: np.ndarray) -> str | None:
     if values.shape != ref.shape:
         return f": {values.size} values against {ref.size}"
     if values.dtype.kind in "fiu" and ref.dtype.kind in "fiu":
-        spacing = np.abs(np.diff(ref.astype(np.float64)))
-        tol = 1e-3 * float(spacing[spacing > 0].min()) if (spacing > 0).any() else 1e-9
-        same = np.isclose(values.astype(np.float64), ref.astype(np.float64), rtol=0, atol=tol)
+        same = np.isclose(values.astype(np.float64), ref.astype(np.float64), rtol=0,
+                          atol=same_point(ref))
     else:
         same = values == ref
     bad = np.flatnonzero(~np.asarray(same))

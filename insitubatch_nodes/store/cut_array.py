@@ -119,6 +119,15 @@ def cut(arr: zarr.Array | ComposedArray | CutArray | AxisArray, geom: VariableGe
 LONGITUDES = ("longitude", "lon")  # cyclic: a region may cross the antimeridian
 
 
+def same_point(values: np.ndarray, alone: float = 1e-9) -> float:
+    """How close two coordinate values must be to name one point: 0.1 % of the smallest
+    spacing of ``values``, so a grid stored in float32 matches its float64 twin, and no
+    two points of the grid are taken for one (``alone`` where there is no spacing)."""
+    spacing = np.abs(np.diff(np.asarray(values, dtype=np.float64)))
+    spacing = spacing[spacing > 0]
+    return 1e-3 * float(spacing.min()) if spacing.size else alone
+
+
 def coordinate_index(values: np.ndarray, bound: Any, dim: str) -> np.ndarray:
     """The indices of a 1-D coordinate within ``bound``: a ``(low, high)`` pair of values
     (both included, in either order; longitudes west to east across the antimeridian, in
